@@ -1,0 +1,19 @@
+"""Typed configuration: dataclasses (schema.py) and YAML/override loading (loader.py)."""
+
+from moe_train.config.loader import config_from_dict, load_config, parse_overrides
+from moe_train.config.schema import (
+    CheckpointConfig,
+    DataConfig,
+    EvalConfig,
+    ExperimentConfig,
+    LoggingConfig,
+    ModelConfig,
+    OptimConfig,
+    TrainConfig,
+)
+
+__all__ = [
+    "CheckpointConfig", "DataConfig", "EvalConfig", "ExperimentConfig", "LoggingConfig",
+    "ModelConfig", "OptimConfig", "TrainConfig", "config_from_dict", "load_config",
+    "parse_overrides",
+]

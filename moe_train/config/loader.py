@@ -1,0 +1,151 @@
+"""Load YAML (or dicts) into the typed config, with ``a.b=value`` overrides.
+
+Unknown keys and wrongly typed values fail with the dotted field path and what was expected.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import typing
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from moe_train.config.schema import ExperimentConfig
+from moe_train.errors import ConfigError
+
+
+def _coerce(value: Any, tp: Any, path: str) -> Any:
+    """Check `value` against annotation `tp` (int/float/bool/str/tuple/dict/dataclass)."""
+    origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{path}: expected a mapping of {tp.__name__} fields, got {value!r}")
+        return _build(tp, value, path)
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{path}: expected true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{path}: expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, str):  # YAML 1.1 reads "1e-3" as a string
+            try:
+                value = float(value)
+            except ValueError:
+                pass
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{path}: expected a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{path}: expected a string, got {value!r}")
+        return value
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{path}: expected a list, got {value!r}")
+        args = typing.get_args(tp)
+        if len(args) != len(value):
+            raise ConfigError(f"{path}: expected {len(args)} values, got {value!r}")
+        return tuple(_coerce(v, a, f"{path}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{path}: expected a mapping, got {value!r}")
+        return value
+    return value
+
+
+def _build(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls) if f.init}
+    kwargs = {}
+    for key, value in data.items():
+        path = f"{prefix}.{key}" if prefix else str(key)
+        if key not in names:
+            raise ConfigError(f"{path}: unknown field (allowed: {', '.join(sorted(names))})")
+        kwargs[key] = _coerce(value, hints[key], path)
+    return cls(**kwargs)
+
+
+def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    keys = dotted.split(".")
+    node = tree
+    for key in keys[:-1]:
+        node = node.setdefault(key, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"{dotted}: {key} is not a section")
+    node[keys[-1]] = value
+
+
+def parse_overrides(overrides: list[str]) -> dict[str, Any]:
+    """Turn ``["optim.lr=1e-3", "model.d_model=256"]`` into a nested dict (values parsed as YAML)."""
+    tree: dict[str, Any] = {}
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r}: expected key.sub=value")
+        key, raw = item.split("=", 1)
+        if not key or any(not part for part in key.split(".")):
+            raise ConfigError(f"override {item!r}: expected key.sub=value")
+        try:
+            value = yaml.safe_load(raw) if raw != "" else ""
+        except yaml.YAMLError:
+            value = raw
+        _set_dotted(tree, key, value)
+    return tree
+
+
+def merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
+    """Recursive dict merge; `update` wins."""
+    out = copy.deepcopy(base)
+    for key, value in update.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def config_from_dict(data: dict[str, Any]) -> ExperimentConfig:
+    """Build and validate an ExperimentConfig from a nested dict."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"config: expected a mapping at the top level, got {type(data).__name__}")
+    return _build(ExperimentConfig, data)
+
+
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    """Read a YAML mapping; errors name the file (and line for syntax errors)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"{path}: config file not found")
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}" if mark else str(path)
+        problem = getattr(exc, "problem", None) or "invalid YAML"
+        raise ConfigError(f"{where}: {problem}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path}: expected UTF-8 text") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping at the top level")
+    return data
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
+                base: dict[str, Any] | None = None) -> ExperimentConfig:
+    """YAML file (optional) + nested dict `base` + ``a.b=value`` overrides -> validated config."""
+    data: dict[str, Any] = dict(base or {})
+    if path is not None:
+        data = merge(data, read_yaml(path))
+    if overrides:
+        data = merge(data, parse_overrides(overrides))
+    try:
+        return config_from_dict(data)
+    except ConfigError as exc:
+        if path is not None:
+            raise ConfigError(f"{path}: {exc}") from None
+        raise

@@ -1,0 +1,248 @@
+"""Typed experiment configuration.
+
+One small dataclass per component, each validated on construction. Errors name the field by its
+dotted path (``optim.lr``) and say what is allowed. YAML (see `loader.py`) only loads into these.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from moe_train.errors import ConfigError
+
+
+def _check(cond: bool, path: str, expected: str, got: Any) -> None:
+    if not cond:
+        raise ConfigError(f"{path}: expected {expected}, got {got!r}")
+
+
+def _positive(obj: Any, section: str, *names: str) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        _check(value > 0, f"{section}.{name}", "a positive number", value)
+
+
+def _choice(obj: Any, section: str, name: str, allowed: tuple[str, ...]) -> None:
+    value = getattr(obj, name)
+    _check(value in allowed, f"{section}.{name}", f"one of {', '.join(allowed)}", value)
+
+
+@dataclass
+class ModelConfig:
+    """Encoder-decoder Transformer (pre-norm, tied embeddings)."""
+
+    d_model: int = 512
+    """Model (embedding) dimension."""
+    n_heads: int = 8
+    """Attention heads; must divide d_model."""
+    ffn_dim: int = 2048
+    """Inner dimension of each feed-forward block."""
+    encoder_layers: int = 6
+    """Number of encoder layers."""
+    decoder_layers: int = 6
+    """Number of decoder layers."""
+    dropout: float = 0.1
+    """Dropout on embeddings and residual branches."""
+    attention_dropout: float = 0.0
+    """Dropout on attention probabilities."""
+    activation_dropout: float = 0.0
+    """Dropout after the FFN activation."""
+    activation: str = "relu"
+    """FFN activation: relu or gelu."""
+    max_positions: int = 1024
+    """Longest sequence (tokens) the sinusoidal positions cover."""
+    tie_embeddings: bool = True
+    """Share source embedding, target embedding and output projection (joint vocabulary)."""
+
+    def __post_init__(self) -> None:
+        _positive(self, "model", "d_model", "n_heads", "ffn_dim", "encoder_layers",
+                  "decoder_layers", "max_positions")
+        _check(self.d_model % self.n_heads == 0, "model.d_model",
+               f"a multiple of model.n_heads ({self.n_heads})", self.d_model)
+        for name in ("dropout", "attention_dropout", "activation_dropout"):
+            value = getattr(self, name)
+            _check(0.0 <= value < 1.0, f"model.{name}", "a probability in [0, 1)", value)
+        _choice(self, "model", "activation", ("relu", "gelu"))
+
+
+@dataclass
+class DataConfig:
+    """Corpora, sentencepiece and batching."""
+
+    prepared_dir: str = "work/prepared"
+    """Directory written by `moe-train prepare` (manifest.json, spm.model, shards)."""
+    vocab_size: int = 8000
+    """Joint sentencepiece vocabulary size."""
+    spm_model_type: str = "unigram"
+    """sentencepiece model type: unigram or bpe."""
+    spm_max_sentences: int = 2_000_000
+    """At most this many sentences (both sides) are sampled to train sentencepiece."""
+    max_tokens: int = 4096
+    """Token budget of one micro-batch on one rank (source or target, whichever is longer, padded)."""
+    max_len: int = 256
+    """Sentence pairs with a side longer than this many subword tokens are skipped."""
+    max_chars: int = 2048
+    """Lines longer than this many characters are rejected during validation."""
+    temperature: float = 1.0
+    """Sampling temperature over corpora: corpus i is drawn with p_i^(1/T) (1 = proportional)."""
+    lang_tags: bool = False
+    """Prefix every source with a <2xx> target-language tag (multilingual runs)."""
+    dev_per_domain: int = 200
+    """Sentence pairs carved out per corpus for the dev split when the data has no dev files."""
+    test_per_domain: int = 200
+    """Sentence pairs carved out per corpus for the test split when the data has no test files."""
+    num_workers: int = 0
+    """Reserved for background batch prefetching (0: batches are built in the training process)."""
+
+    def __post_init__(self) -> None:
+        _positive(self, "data", "vocab_size", "spm_max_sentences", "max_tokens", "max_len",
+                  "max_chars", "temperature")
+        _choice(self, "data", "spm_model_type", ("unigram", "bpe"))
+        _check(self.max_tokens >= self.max_len, "data.max_tokens",
+               f"at least data.max_len ({self.max_len})", self.max_tokens)
+        for name in ("dev_per_domain", "test_per_domain", "num_workers"):
+            _check(getattr(self, name) >= 0, f"data.{name}", "a non-negative integer",
+                   getattr(self, name))
+
+
+@dataclass
+class OptimConfig:
+    """AdamW with inverse-square-root (Noam) warm-up and label-smoothed cross-entropy."""
+
+    lr: float = 7e-4
+    """Peak learning rate, reached at the end of warm-up."""
+    betas: tuple[float, float] = (0.9, 0.98)
+    """Adam betas."""
+    eps: float = 1e-9
+    """Adam epsilon."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay."""
+    warmup_steps: int = 4000
+    """Linear warm-up steps; afterwards lr decays as lr * sqrt(warmup / step)."""
+    label_smoothing: float = 0.1
+    """Label smoothing of the cross-entropy."""
+    clip_norm: float = 1.0
+    """Gradient-norm clipping (0 disables)."""
+    grad_accum: int = 1
+    """Micro-batches accumulated per optimizer step."""
+    zero_stage: int = 0
+    """DeepSpeed ZeRO stage: 0, 1 or 2."""
+    precision: str = "auto"
+    """fp32, bf16, fp16, or auto (fp32 on CPU, bf16 on GPUs that support it, else fp16)."""
+
+    def __post_init__(self) -> None:
+        self.betas = tuple(self.betas)  # YAML gives a list
+        _positive(self, "optim", "lr", "eps", "grad_accum")
+        _check(len(self.betas) == 2 and all(0.0 <= b < 1.0 for b in self.betas), "optim.betas",
+               "two numbers in [0, 1)", self.betas)
+        _check(self.warmup_steps >= 0, "optim.warmup_steps", "a non-negative integer",
+               self.warmup_steps)
+        _check(0.0 <= self.label_smoothing < 1.0, "optim.label_smoothing",
+               "a probability in [0, 1)", self.label_smoothing)
+        _check(self.clip_norm >= 0, "optim.clip_norm", "a non-negative number", self.clip_norm)
+        _check(self.weight_decay >= 0, "optim.weight_decay", "a non-negative number",
+               self.weight_decay)
+        _check(self.zero_stage in (0, 1, 2), "optim.zero_stage", "one of 0, 1, 2",
+               self.zero_stage)
+        _choice(self, "optim", "precision", ("auto", "fp32", "bf16", "fp16"))
+
+
+@dataclass
+class TrainConfig:
+    """The training loop."""
+
+    max_steps: int = 100_000
+    """Optimizer steps to train for."""
+    max_minutes: float = 0.0
+    """Stop (with a checkpoint) after this much wall-clock time; 0 means no limit."""
+    seed: int = 1
+    """Seed for parameters, dropout and data order."""
+    log_every: int = 50
+    """Steps between TensorBoard / console scalars."""
+    validate_every: int = 1000
+    """Steps between dev-set loss evaluations (0: only at the end)."""
+    bleu_every: int = 0
+    """Steps between dev BLEU evaluations with greedy decoding (0: only at the end)."""
+    bleu_sentences: int = 200
+    """Dev sentences decoded for the periodic BLEU."""
+    progress_bar: bool = True
+    """Show a progress bar on rank 0 (off automatically when stderr is not a terminal)."""
+
+    def __post_init__(self) -> None:
+        _positive(self, "train", "max_steps", "log_every")
+        for name in ("validate_every", "bleu_every", "bleu_sentences", "max_minutes"):
+            _check(getattr(self, name) >= 0, f"train.{name}", "a non-negative number",
+                   getattr(self, name))
+
+
+@dataclass
+class CheckpointConfig:
+    """Checkpointing."""
+
+    dir: str = "work/checkpoints"
+    """Directory holding step checkpoints and the 'latest' pointer."""
+    save_every: int = 1000
+    """Steps between checkpoints (a final one is always written)."""
+    keep_last: int = 3
+    """How many step checkpoints to keep (0 keeps all)."""
+
+    def __post_init__(self) -> None:
+        _positive(self, "checkpoint", "save_every")
+        _check(self.keep_last >= 0, "checkpoint.keep_last", "a non-negative integer",
+               self.keep_last)
+
+
+@dataclass
+class LoggingConfig:
+    """Monitoring."""
+
+    tensorboard_dir: str = "work/tensorboard"
+    """Directory for TensorBoard event files ('' disables TensorBoard)."""
+
+
+@dataclass
+class EvalConfig:
+    """Decoding."""
+
+    beam: int = 5
+    """Beam size (1 means greedy)."""
+    lenpen: float = 1.0
+    """Length penalty alpha: hypotheses are ranked by score / length**alpha."""
+    max_len_a: float = 1.2
+    """Maximum output length is max_len_a * source_length + max_len_b."""
+    max_len_b: int = 10
+    """See max_len_a."""
+    max_sentences: int = 64
+    """Sentences decoded per batch."""
+
+    def __post_init__(self) -> None:
+        _positive(self, "eval", "beam", "max_sentences")
+        _check(self.lenpen >= 0, "eval.lenpen", "a non-negative number", self.lenpen)
+        _check(self.max_len_a >= 0 and self.max_len_b >= 0, "eval.max_len_a",
+               "non-negative max_len_a and max_len_b", (self.max_len_a, self.max_len_b))
+
+
+@dataclass
+class ExperimentConfig:
+    """A whole training run."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    deepspeed: dict[str, Any] = field(default_factory=dict)
+    """Raw DeepSpeed config entries merged over the generated DeepSpeed config."""
+
+    def __post_init__(self) -> None:
+        _check(isinstance(self.deepspeed, dict), "deepspeed", "a mapping", self.deepspeed)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain nested dict (JSON/YAML serialisable)."""
+        out = dataclasses.asdict(self)
+        out["optim"]["betas"] = list(self.optim.betas)
+        return out
