@@ -52,6 +52,11 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
         if len(args) != len(value):
             raise ConfigError(f"{path}: expected {len(args)} values, got {value!r}")
         return tuple(_coerce(v, a, f"{path}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
+    if origin is list:
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{path}: expected a list, got {value!r}")
+        (arg,) = typing.get_args(tp)
+        return [_coerce(v, arg, f"{path}[{i}]") for i, v in enumerate(value)]
     if origin is dict:
         if not isinstance(value, dict):
             raise ConfigError(f"{path}: expected a mapping, got {value!r}")

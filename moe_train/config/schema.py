@@ -73,6 +73,11 @@ class DataConfig:
 
     prepared_dir: str = "work/prepared"
     """Directory written by `moe-train prepare` (manifest.json, spm.model, shards)."""
+    pairs: list[str] = field(default_factory=list)
+    """Directed language pairs to use, as src-tgt (e.g. de-en); empty: every pair found, in the
+    direction its file name gives."""
+    domains: list[str] = field(default_factory=list)
+    """Domains (corpus folders) to use; empty: all."""
     vocab_size: int = 8000
     """Joint sentencepiece vocabulary size."""
     spm_model_type: str = "unigram"
@@ -97,6 +102,10 @@ class DataConfig:
     """Reserved for background batch prefetching (0: batches are built in the training process)."""
 
     def __post_init__(self) -> None:
+        for i, pair in enumerate(self.pairs):
+            parts = pair.split("-")
+            _check(len(parts) == 2 and all(parts), f"data.pairs[{i}]", "src-tgt such as de-en",
+                   pair)
         _positive(self, "data", "vocab_size", "spm_max_sentences", "max_tokens", "max_len",
                   "max_chars", "temperature")
         _choice(self, "data", "spm_model_type", ("unigram", "bpe"))
