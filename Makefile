@@ -1,0 +1,26 @@
+# Two commands do everything on a fresh machine: `make demo` and `make test`.
+# The virtual environment sees system packages, so a machine that already has a (GPU) torch
+# keeps it; torch is installed only where it is missing.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+
+.PHONY: demo test setup clean
+
+$(STAMP): setup.py
+	test -x $(BIN)/python || $(PYTHON) -m venv --system-site-packages $(VENV)
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/moe-train demo --workdir demo-work
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q tests
+
+clean:
+	rm -rf demo-work .pytest_cache

@@ -1,0 +1,186 @@
+"""Implementations of the `moe-train` sub-commands (argument parsing lives in cli.py)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from moe_train.config.loader import load_config
+from moe_train.config.schema import EvalConfig
+from moe_train.errors import CheckpointError, ConfigError, DataError
+
+
+def _json_line(obj: dict[str, Any]) -> None:
+    print(json.dumps(obj, sort_keys=True), flush=True)
+
+
+def _runtime():
+    """A distributed runtime under a launcher, else a plain single-process one (no process group)."""
+    from moe_train.parallel.runtime import ParallelRuntime, init_runtime
+
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 or "OMPI_COMM_WORLD_SIZE" in os.environ:
+        return init_runtime()
+    return ParallelRuntime()
+
+
+def cmd_prepare(args: argparse.Namespace) -> int:
+    from moe_train.data.corpus import discover, plain_corpus
+    from moe_train.data.prepare import prepare
+
+    cfg = load_config(args.config, args.overrides)
+    if bool(args.data) == bool(args.src):
+        raise ConfigError("prepare: give either --data DIR or --src FILE --tgt FILE")
+    if args.src:
+        if not args.tgt:
+            raise ConfigError("prepare: --src needs --tgt")
+        corpora = [plain_corpus(args.src, args.tgt, domain=args.domain, src_lang=args.src_lang,
+                                tgt_lang=args.tgt_lang)]
+    else:
+        corpora = discover(args.data, pairs=cfg.data.pairs, domains=cfg.data.domains)
+    manifest = prepare(corpora, args.out, cfg.data, seed=cfg.train.seed,
+                       overwrite=args.overwrite)
+    for split, info in manifest["splits"].items():
+        print(f"| {split:<5} {info['sentences']:>8} pairs | {info['src_tokens']:>9} src tokens | "
+              f"{info['tgt_tokens']:>9} tgt tokens | skipped {info['skipped_too_long']}")
+    print(f"| vocabulary {manifest['vocab_size']} | domains {', '.join(manifest['domains'])} | "
+          f"wrote {args.out}")
+    return 0
+
+
+def run_training(cfg, resume: bool) -> dict[str, Any]:
+    """Train under whatever launcher started this process; returns the run summary."""
+    from moe_train.parallel.runtime import init_runtime, shutdown
+    from moe_train.train.checkpoint import latest_tag
+    from moe_train.train.trainer import Trainer
+
+    if not resume and latest_tag(cfg.checkpoint.dir) is not None:
+        raise CheckpointError(f"checkpoint.dir {cfg.checkpoint.dir}: already holds a checkpoint; "
+                              "pass --resume to continue it or choose another checkpoint.dir")
+    rt = init_runtime()
+    try:
+        summary = Trainer(cfg, rt, resume=resume).fit()
+    finally:
+        shutdown(rt)
+    summary["rank"] = rt.rank
+    return summary
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    cfg = load_config(args.config, args.overrides)
+    if args.deepspeed_config:
+        path = Path(args.deepspeed_config)
+        try:
+            cfg.deepspeed.update(json.loads(path.read_text(encoding="utf-8")))
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ConfigError(f"{path}: not a readable DeepSpeed JSON config ({exc})") from None
+    summary = run_training(cfg, args.resume)
+    if summary.pop("rank") == 0:
+        _json_line(summary)
+    return 0
+
+
+def _eval_config(args: argparse.Namespace, base: EvalConfig) -> EvalConfig:
+    from dataclasses import replace
+
+    changes = {k: v for k, v in (("beam", args.beam), ("lenpen", args.lenpen),
+                                 ("max_sentences", args.max_sentences)) if v is not None}
+    return replace(base, **changes)
+
+
+def _lang_tag_id(inf, tgt_lang: str | None) -> int | None:
+    if not inf.manifest.get("lang_tags"):
+        return None
+    targets = sorted({c["tgt_lang"] for c in inf.manifest["corpora"]})
+    if tgt_lang is None:
+        if len(targets) != 1:
+            raise ConfigError(f"--tgt-lang: this model translates into {', '.join(targets)}; "
+                              "choose one")
+        tgt_lang = targets[0]
+    return inf.vocab.lang_tag_id(tgt_lang)
+
+
+def _read_lines(path: str) -> list[str]:
+    if path == "-":
+        return [line.rstrip("\n") for line in sys.stdin]
+    p = Path(path)
+    if not p.is_file():
+        raise DataError(f"{p}: file not found")
+    try:
+        return p.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as exc:
+        line = p.read_bytes()[:exc.start].count(b"\n") + 1
+        raise DataError(f"{p}:{line}: not valid UTF-8") from None
+
+
+def cmd_translate(args: argparse.Namespace) -> int:
+    import torch
+
+    from moe_train.eval.decode import translate_lines
+    from moe_train.train.export import load_for_inference
+    from moe_train.utils.atomic import write_text
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    inf = load_for_inference(args.checkpoint, device)
+    lines = _read_lines(args.input)
+    hyps = translate_lines(inf.model, inf.vocab, lines, _eval_config(args, inf.cfg.eval), device,
+                           _lang_tag_id(inf, args.tgt_lang))
+    text = "".join(h + "\n" for h in hyps)
+    if args.output == "-":
+        sys.stdout.write(text)
+    else:
+        write_text(args.output, text)
+    return 0
+
+
+def cmd_evaluate(args: argparse.Namespace) -> int:
+    from moe_train.data.shards import ShardedDataset
+    from moe_train.eval.decode import translate_lines
+    from moe_train.eval.evaluate import evaluate_dataset, format_table
+    from moe_train.eval.metrics import corpus_metrics
+    from moe_train.train.export import load_for_inference
+    from moe_train.utils.atomic import write_json, write_text
+
+    rt = _runtime()
+    inf = load_for_inference(args.checkpoint, rt.device)
+    ecfg = _eval_config(args, inf.cfg.eval)
+    if args.src or args.ref:
+        if not (args.src and args.ref):
+            raise ConfigError("evaluate: --src and --ref go together")
+        src, refs = _read_lines(args.src), _read_lines(args.ref)
+        if len(src) != len(refs):
+            raise DataError(f"{args.src}: {len(src)} lines but {args.ref} has {len(refs)}")
+        hyps = translate_lines(inf.model, inf.vocab, src, ecfg, rt.device,
+                               _lang_tag_id(inf, args.tgt_lang))
+        metrics = {"all": corpus_metrics(hyps, refs), "domains": {}, "pairs": {}}
+        ordered = hyps
+    else:
+        prepared = Path(args.prepared or inf.cfg.data.prepared_dir)
+        if (prepared / "spm.model").is_file() and \
+                (prepared / "spm.model").read_bytes() != (inf.source / "spm.model").read_bytes():
+            raise DataError(f"{prepared}: prepared with another sentencepiece model than "
+                            f"{inf.source}")
+        dataset = ShardedDataset(prepared, args.split)
+        metrics, hyp_map = evaluate_dataset(inf.model, dataset, inf.vocab, inf.manifest, rt,
+                                            ecfg, inf.cfg.data.max_tokens)
+        ordered = [hyp_map[i] for i in sorted(hyp_map)]
+    if rt.is_main:
+        if args.hyps:
+            write_text(args.hyps, "".join(h + "\n" for h in ordered))
+        if metrics["domains"]:
+            print(format_table(metrics))
+        result = {"checkpoint": str(inf.source), "beam": ecfg.beam, **metrics}
+        if args.json:
+            write_json(args.json, result)
+        _json_line(result)
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from moe_train.demo import run_demo
+
+    run_demo(Path(args.workdir), minutes=args.minutes, overrides=args.overrides)
+    return 0

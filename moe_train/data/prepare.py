@@ -1,0 +1,234 @@
+"""The `prepare` step: validated text corpora -> sentencepiece model + binarized shards.
+
+Steps: read and validate every corpus; carve dev/test from train where a corpus has no such
+files; train one joint sentencepiece model on the train text of both sides; encode (optionally
+prefixing each source with its ``<2xx>`` target-language tag); skip pairs with a side longer than
+``data.max_len`` tokens; write one shard per corpus per split and ``manifest.json``. Everything is
+built in a temporary directory renamed onto the output at the end, so a failed run leaves nothing.
+
+Manifest (``manifest.json``)::
+
+    version, spm_model, vocab_size, pad_id, unk_id, bos_id, eos_id, lang_tags,
+    domains (sorted), langs (sorted),
+    corpora: [{name, domain, domain_id, src_lang, tgt_lang, src_lang_id, tgt_lang_id,
+               lang_tag_id, carved: [splits carved from train], train_dropped_overlap,
+               files: {split: {src, tgt}}}],
+    splits: {split: {corpus_sizes: [per corpus], sentences, src_tokens, tgt_tokens,
+                     skipped_too_long: [per corpus], skipped_empty: [per corpus]}},
+    data_config: {the DataConfig fields}
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import zlib
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from moe_train.config.schema import DataConfig
+from moe_train.data.corpus import SPLITS, CorpusFiles, read_pairs
+from moe_train.data.shards import MANIFEST, read_manifest, write_shard
+from moe_train.data.vocab import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Vocab, lang_tag, \
+    train_sentencepiece
+from moe_train.errors import DataError
+from moe_train.utils.atomic import atomic_dir, write_json
+
+MANIFEST_VERSION = 1
+SPM_PREFIX = "spm"
+RAW_TEXT_SPLITS = ("dev", "test")
+"""Splits whose text is kept beside the shards (references for BLEU)."""
+
+Pairs = tuple[list[str], list[str]]
+
+
+def load_manifest(prepared_dir: str | os.PathLike) -> dict[str, Any]:
+    """The manifest of a prepared directory (DataError if missing)."""
+    manifest = read_manifest(prepared_dir)
+    if manifest.get("version") != MANIFEST_VERSION:
+        raise DataError(f"{Path(prepared_dir) / MANIFEST}: manifest version "
+                        f"{manifest.get('version')!r}, expected {MANIFEST_VERSION}; "
+                        "run `moe-train prepare` again")
+    return manifest
+
+
+def load_vocab(prepared_dir: str | os.PathLike) -> Vocab:
+    """The sentencepiece vocabulary of a prepared directory."""
+    return Vocab(Path(prepared_dir) / load_manifest(prepared_dir)["spm_model"])
+
+
+def _check_out_dir(out_dir: Path, overwrite: bool) -> None:
+    """Refuse to clobber prepared data (unless `overwrite`) or anything that is not ours."""
+    if not out_dir.exists():
+        return
+    if not out_dir.is_dir():
+        raise DataError(f"{out_dir}: exists and is not a directory")
+    if (out_dir / MANIFEST).is_file():
+        if not overwrite:
+            raise DataError(f"{out_dir}: already holds prepared data; prepare with overwrite "
+                            "to replace it")
+    elif any(out_dir.iterdir()):
+        raise DataError(f"{out_dir}: exists, is not empty and holds no {MANIFEST}; refusing to "
+                        "replace it")
+
+
+def _group(corpora: list[CorpusFiles]) -> dict[str, dict[str, CorpusFiles]]:
+    """Corpus name -> split -> files, names sorted by (domain, src_lang, tgt_lang)."""
+    if not corpora:
+        raise DataError("prepare: no corpora given")
+    groups: dict[str, dict[str, CorpusFiles]] = {}
+    for files in sorted(corpora, key=lambda c: (c.domain, c.src_lang, c.tgt_lang)):
+        by_split = groups.setdefault(files.name, {})
+        if files.split in by_split:
+            raise DataError(f"{files.src}: corpus {files.name} given twice for split "
+                            f"{files.split} (also {by_split[files.split].src})")
+        by_split[files.split] = files
+    for name, by_split in groups.items():
+        if "train" not in by_split:
+            some = next(iter(by_split.values()))
+            raise DataError(f"{some.src}: corpus {name} has no train split")
+    return groups
+
+
+def _carve_sizes(n: int, dev: int, test: int) -> tuple[int, int]:
+    """Dev/test sizes to hold out of n pairs: as asked, but at most a third of n in total
+    (shared in proportion to what was asked)."""
+    budget = n // 3
+    if dev + test <= budget:
+        return dev, test
+    dev_n = budget * dev // (dev + test)
+    return dev_n, budget - dev_n
+
+
+def _carve(files: CorpusFiles, pairs: dict[str, Pairs], cfg: DataConfig, seed: int
+           ) -> tuple[list[str], int]:
+    """Hold out dev/test pairs from train for the splits without files (in place).
+
+    The selection is seeded by `seed` and the file pair (not the direction), so ``de-en`` and
+    ``en-de`` built from the same files hold out the same lines. Train pairs whose source equals
+    a held-out source are dropped as well, so held-out sentences are never trained on. Returns
+    (splits carved, train pairs dropped for overlap).
+    """
+    wanted = {s: n for s, n in (("dev", cfg.dev_per_domain), ("test", cfg.test_per_domain))
+              if s not in pairs}
+    src, tgt = pairs["train"]
+    dev_n, test_n = _carve_sizes(len(src), wanted.get("dev", 0), wanted.get("test", 0))
+    key = ".".join([files.domain, *sorted((files.src_lang, files.tgt_lang))])
+    rng = np.random.default_rng([seed, zlib.crc32(key.encode("utf-8"))])
+    order = rng.permutation(len(src))
+    held = {"dev": np.sort(order[:dev_n]), "test": np.sort(order[dev_n:dev_n + test_n])}
+    for split in wanted:
+        pairs[split] = ([src[i] for i in held[split]], [tgt[i] for i in held[split]])
+    held_out = np.zeros(len(src), dtype=bool)
+    held_out[order[:dev_n + test_n]] = True
+    held_sources = {s for split in ("dev", "test") if split in pairs for s in pairs[split][0]}
+    keep = [i for i in range(len(src)) if not held_out[i] and src[i] not in held_sources]
+    dropped = len(src) - int(held_out.sum()) - len(keep)
+    pairs["train"] = ([src[i] for i in keep], [tgt[i] for i in keep])
+    return sorted(wanted, key=SPLITS.index), dropped
+
+
+def _encode_split(vocab: Vocab, src: list[str], tgt: list[str], tag_id: int | None,
+                  max_len: int) -> tuple[list[list[int]], list[list[int]], list[int], int, int]:
+    """Encode a corpus split; keep pairs whose sides are non-empty and at most max_len tokens
+    (the tag included). Returns (src_ids, tgt_ids, kept indices, skipped_too_long,
+    skipped_empty)."""
+    src_all, tgt_all = vocab.encode_batch(src), vocab.encode_batch(tgt)
+    src_ids, tgt_ids, kept = [], [], []
+    too_long = empty = 0
+    for i, (s, t) in enumerate(zip(src_all, tgt_all)):
+        if not s or not t:  # e.g. a line of zero-width characters the normaliser removes
+            empty += 1
+            continue
+        if tag_id is not None:
+            s = [tag_id, *s]
+        if len(s) > max_len or len(t) > max_len:
+            too_long += 1
+            continue
+        src_ids.append(s)
+        tgt_ids.append(t)
+        kept.append(i)
+    return src_ids, tgt_ids, kept, too_long, empty
+
+
+def prepare(corpora: list[CorpusFiles], out_dir: str | os.PathLike, data_cfg: DataConfig,
+            seed: int = 1, overwrite: bool = False) -> dict[str, Any]:
+    """Validate, split, tokenize and binarize `corpora` into `out_dir`; return the manifest.
+
+    An existing prepared `out_dir` is replaced only with `overwrite` (after the new one is
+    complete). Prints nothing.
+    """
+    out_dir = Path(out_dir)
+    _check_out_dir(out_dir, overwrite)
+    groups = _group(corpora)
+    names = list(groups)
+    train_files = {name: by_split["train"] for name, by_split in groups.items()}
+
+    texts: dict[str, dict[str, Pairs]] = {}
+    carved: dict[str, list[str]] = {}
+    dropped: dict[str, int] = {}
+    for name, by_split in groups.items():
+        texts[name] = {split: read_pairs(files, data_cfg.max_chars)
+                       for split, files in by_split.items()}
+        carved[name], dropped[name] = _carve(train_files[name], texts[name], data_cfg, seed)
+
+    domains = sorted({c.domain for c in train_files.values()})
+    langs = sorted({lang for c in train_files.values() for lang in (c.src_lang, c.tgt_lang)})
+    tgt_langs = sorted({c.tgt_lang for c in train_files.values()})
+
+    with atomic_dir(out_dir, overwrite=True) as tmp:
+        train_text = (line for name in names for side in texts[name]["train"] for line in side)
+        model = train_sentencepiece(
+            train_text, tmp / SPM_PREFIX, data_cfg.vocab_size, data_cfg.spm_model_type,
+            [lang_tag(lang) for lang in tgt_langs], seed, data_cfg.spm_max_sentences)
+        vocab = Vocab(model)
+
+        corpus_entries = []
+        for name in names:
+            files = train_files[name]
+            corpus_entries.append({
+                "name": name, "domain": files.domain, "domain_id": domains.index(files.domain),
+                "src_lang": files.src_lang, "tgt_lang": files.tgt_lang,
+                "src_lang_id": langs.index(files.src_lang),
+                "tgt_lang_id": langs.index(files.tgt_lang),
+                "lang_tag_id": vocab.lang_tag_id(files.tgt_lang),
+                "carved": carved[name], "train_dropped_overlap": dropped[name],
+                "files": {split: {"src": str(f.src), "tgt": str(f.tgt)}
+                          for split, f in groups[name].items()},
+            })
+
+        splits: dict[str, dict[str, Any]] = {}
+        for split in SPLITS:
+            split_dir = tmp / split
+            split_dir.mkdir()
+            stats: dict[str, Any] = {"corpus_sizes": [], "sentences": 0, "src_tokens": 0,
+                                     "tgt_tokens": 0, "skipped_too_long": [],
+                                     "skipped_empty": []}
+            for name, entry in zip(names, corpus_entries):
+                src, tgt = texts[name].get(split, ([], []))
+                tag_id = entry["lang_tag_id"] if data_cfg.lang_tags else None
+                src_ids, tgt_ids, kept, too_long, empty = _encode_split(
+                    vocab, src, tgt, tag_id, data_cfg.max_len)
+                raw = split in RAW_TEXT_SPLITS
+                write_shard(split_dir, name, src_ids, tgt_ids,
+                            raw_src=[src[i] for i in kept] if raw else None,
+                            raw_tgt=[tgt[i] for i in kept] if raw else None)
+                stats["corpus_sizes"].append(len(src_ids))
+                stats["sentences"] += len(src_ids)
+                stats["src_tokens"] += sum(map(len, src_ids))
+                stats["tgt_tokens"] += sum(map(len, tgt_ids))
+                stats["skipped_too_long"].append(too_long)
+                stats["skipped_empty"].append(empty)
+            splits[split] = stats
+
+        manifest = {
+            "version": MANIFEST_VERSION, "spm_model": model.name, "vocab_size": vocab.size,
+            "pad_id": PAD_ID, "unk_id": UNK_ID, "bos_id": BOS_ID, "eos_id": EOS_ID,
+            "lang_tags": data_cfg.lang_tags, "domains": domains, "langs": langs,
+            "corpora": corpus_entries, "splits": splits,
+            "data_config": dataclasses.asdict(data_cfg),
+        }
+        write_json(tmp / MANIFEST, manifest)  # last: its presence marks a complete directory
+    return manifest

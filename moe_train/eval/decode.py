@@ -1,0 +1,89 @@
+"""Batched translation of prepared-data sentences or raw text lines, sharded over ranks.
+
+Every rank runs the same number of search calls (filler batches are decoded and discarded), so
+collectives inside the model (expert parallelism) stay in lockstep.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from moe_train.config.schema import EvalConfig
+from moe_train.data.batching import Batch, eval_batches
+from moe_train.data.vocab import Vocab
+from moe_train.eval.search import beam_search, greedy_search
+from moe_train.models.context import ForwardContext
+from moe_train.parallel.collectives import all_gather_object
+from moe_train.parallel.runtime import ParallelRuntime
+
+
+def batch_context(batch: Batch, pad_id: int) -> ForwardContext:
+    """The routing context of a batch (padding mask, domain and language ids)."""
+    return ForwardContext(src_pad_mask_BS=batch.src_tokens_BS.eq(pad_id),
+                          domain_ids_B=batch.domain_ids_B, src_lang_B=batch.src_lang_B,
+                          tgt_lang_B=batch.tgt_lang_B)
+
+
+def search(model: torch.nn.Module, src_BS: torch.Tensor, ctx: ForwardContext, vocab: Vocab,
+           ecfg: EvalConfig, beam: int | None = None) -> list[list[int]]:
+    """Beam search (beam > 1) or greedy search on one batch."""
+    beam = ecfg.beam if beam is None else beam
+    kw = dict(bos_id=vocab.bos_id, eos_id=vocab.eos_id, pad_id=vocab.pad_id,
+              max_len_a=ecfg.max_len_a, max_len_b=ecfg.max_len_b, ctx=ctx)
+    if beam <= 1:
+        return greedy_search(model, src_BS, **kw)
+    return beam_search(model, src_BS, beam=beam, lenpen=ecfg.lenpen, **kw)
+
+
+@torch.no_grad()
+def translate_dataset(model: torch.nn.Module, dataset: Any, vocab: Vocab, rt: ParallelRuntime,
+                      ecfg: EvalConfig, max_tokens: int, indices: Sequence[int] | None = None,
+                      beam: int | None = None) -> dict[int, str]:
+    """Translate dataset sentences (all, or `indices`); every rank returns {index: text}."""
+    was_training = model.training
+    model.eval()
+    batches = eval_batches(dataset, max_tokens, vocab.pad_id, vocab.bos_id, vocab.eos_id,
+                           dp_rank=rt.dp_rank, dp_world=rt.dp_world,
+                           max_sentences=ecfg.max_sentences,
+                           indices=None if indices is None else np.asarray(indices))
+    local: dict[int, str] = {}
+    for batch in batches:
+        batch = batch.to(rt.device)
+        hyps = search(model, batch.src_tokens_BS, batch_context(batch, vocab.pad_id), vocab,
+                      ecfg, beam)
+        if not batch.is_padding:
+            for idx, ids in zip(batch.indices_B.tolist(), hyps):
+                local[idx] = vocab.decode(ids)
+    model.train(was_training)
+    merged: dict[int, str] = {}
+    for part in all_gather_object(rt, local):
+        merged.update(part)
+    return merged
+
+
+@torch.no_grad()
+def translate_lines(model: torch.nn.Module, vocab: Vocab, lines: Sequence[str],
+                    ecfg: EvalConfig, device: torch.device, lang_tag_id: int | None = None,
+                    beam: int | None = None) -> list[str]:
+    """Translate raw text lines (single process), longest first for tight batches."""
+    model.eval()
+    encoded = vocab.encode_batch(list(lines))
+    if lang_tag_id is not None:
+        encoded = [[lang_tag_id] + ids for ids in encoded]
+    order = sorted(range(len(encoded)), key=lambda i: -len(encoded[i]))
+    out: list[str] = [""] * len(encoded)
+    for start in range(0, len(order), ecfg.max_sentences):
+        chunk = order[start:start + ecfg.max_sentences]
+        width = max(1, max(len(encoded[i]) + 1 for i in chunk))
+        src_BS = torch.full((len(chunk), width), vocab.pad_id, dtype=torch.long)
+        for row, i in enumerate(chunk):
+            ids = encoded[i] + [vocab.eos_id]
+            src_BS[row, :len(ids)] = torch.tensor(ids)
+        src_BS = src_BS.to(device)
+        ctx = ForwardContext(src_pad_mask_BS=src_BS.eq(vocab.pad_id))
+        for i, ids in zip(chunk, search(model, src_BS, ctx, vocab, ecfg, beam)):
+            out[i] = vocab.decode(ids)
+    return out

@@ -1,0 +1,205 @@
+"""Pre-norm encoder-decoder Transformer for NMT, with pluggable FFN and adapter slots.
+
+Each layer's FFN comes from ``ffn_factory(side, layer_idx, cfg)`` (dense `FeedForward` by
+default; an MoE layer later) and its optional adapter from ``adapter_factory``. Whatever aux
+losses those modules return are summed per key into `ModelOutput.aux_losses`. The model knows
+nothing about ranks or distribution.
+
+Shape legend: B batch, S source length, T target length, D model dim, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from moe_train.config.schema import ModelConfig
+from moe_train.models.context import ForwardContext
+from moe_train.models.layers import (
+    AuxLosses,
+    DecoderLayer,
+    DecoderLayerCache,
+    EncoderLayer,
+    FeedForward,
+    SinusoidalPositions,
+    add_aux,
+)
+
+FFNFactory = Callable[[str, int, ModelConfig], nn.Module]
+AdapterFactory = Callable[[str, int, ModelConfig], "nn.Module | None"]
+
+
+def dense_ffn_factory(side: str, layer_idx: int, cfg: ModelConfig) -> nn.Module:
+    """The default FFN slot: a dense `FeedForward` built from the config."""
+    return FeedForward(cfg.d_model, cfg.ffn_dim, cfg.activation, cfg.activation_dropout,
+                       cfg.dropout)
+
+
+def no_adapter_factory(side: str, layer_idx: int, cfg: ModelConfig) -> None:
+    """The default adapter slot: no adapter."""
+    return None
+
+
+@dataclass
+class ModelOutput:
+    """Result of a full forward pass."""
+
+    logits_BTV: Tensor
+    aux_losses: AuxLosses = field(default_factory=dict)
+    """Aux losses of all FFN / adapter slots (both stacks), summed per key."""
+
+
+@dataclass
+class EncoderOut:
+    """Encoder result, consumed by `decode`."""
+
+    states_BSD: Tensor
+    pad_mask_BS: Tensor
+    """True at source padding."""
+    aux_losses: AuxLosses = field(default_factory=dict)
+
+    def index_select(self, index_B: Tensor) -> EncoderOut:
+        """Rows reordered / repeated by `index_B` (beam search); aux losses are kept as is."""
+        return EncoderOut(self.states_BSD.index_select(0, index_B),
+                          self.pad_mask_BS.index_select(0, index_B), self.aux_losses)
+
+
+class DecoderCache:
+    """Incremental-decoding state of the whole decoder (one entry per layer)."""
+
+    def __init__(self, num_layers: int) -> None:
+        self.layers = [DecoderLayerCache() for _ in range(num_layers)]
+
+    @property
+    def length(self) -> int:
+        """Target positions decoded so far."""
+        return self.layers[0].self_attn.length if self.layers else 0
+
+    def reorder(self, index_B: Tensor) -> DecoderCache:
+        """Reorder (or repeat) the batch rows in place (beam search); returns self."""
+        for layer in self.layers:
+            layer.reorder(index_B)
+        return self
+
+
+class Seq2SeqTransformer(nn.Module):
+    """Encoder-decoder Transformer (pre-norm, sinusoidal positions, optionally tied embeddings)."""
+
+    def __init__(self, cfg: ModelConfig, vocab_size: int, pad_id: int,
+                 ffn_factory: FFNFactory | None = None,
+                 adapter_factory: AdapterFactory | None = None) -> None:
+        super().__init__()
+        if not 0 <= pad_id < vocab_size:
+            raise ValueError(f"pad_id {pad_id} outside the vocabulary (size {vocab_size})")
+        ffn_factory = ffn_factory or dense_ffn_factory
+        adapter_factory = adapter_factory or no_adapter_factory
+        self.cfg = cfg
+        self.vocab_size = vocab_size
+        self.pad_id = pad_id
+        self.max_positions = cfg.max_positions
+        self.embed_scale = math.sqrt(cfg.d_model)
+
+        # One table for source, target and output when tied (joint vocabulary).
+        self.embed_tokens = nn.Embedding(vocab_size, cfg.d_model, padding_idx=pad_id)
+        self.tgt_embed_tokens: nn.Embedding | None = None
+        self.output_proj: nn.Linear | None = None
+        if not cfg.tie_embeddings:
+            self.tgt_embed_tokens = nn.Embedding(vocab_size, cfg.d_model, padding_idx=pad_id)
+            self.output_proj = nn.Linear(cfg.d_model, vocab_size, bias=False)
+        self.positions = SinusoidalPositions(cfg.d_model, cfg.max_positions)
+        self.dropout = nn.Dropout(cfg.dropout)
+
+        self.encoder_layers = nn.ModuleList(
+            EncoderLayer(cfg, ffn_factory("encoder", i, cfg), adapter_factory("encoder", i, cfg))
+            for i in range(cfg.encoder_layers))
+        self.decoder_layers = nn.ModuleList(
+            DecoderLayer(cfg, ffn_factory("decoder", i, cfg), adapter_factory("decoder", i, cfg))
+            for i in range(cfg.decoder_layers))
+        self.encoder_norm = nn.LayerNorm(cfg.d_model)
+        self.decoder_norm = nn.LayerNorm(cfg.d_model)
+        self.reset_embeddings()
+
+    def reset_embeddings(self) -> None:
+        """N(0, D^-1/2) embeddings (and untied output projection) with a zero padding row.
+
+        Layers initialise themselves (xavier-uniform linears); factory-built slots own their init.
+        """
+        std = self.cfg.d_model ** -0.5
+        tables = [self.embed_tokens.weight]
+        if self.tgt_embed_tokens is not None:
+            tables.append(self.tgt_embed_tokens.weight)
+        for weight in tables:
+            nn.init.normal_(weight, mean=0.0, std=std)
+            weight.data[self.pad_id].zero_()
+        if self.output_proj is not None:
+            nn.init.normal_(self.output_proj.weight, mean=0.0, std=std)
+
+    @property
+    def decoder_embed(self) -> nn.Embedding:
+        """The target-side embedding (the shared table when tied)."""
+        return self.embed_tokens if self.tgt_embed_tokens is None else self.tgt_embed_tokens
+
+    def output_weight(self) -> Tensor:
+        """(V, D) output projection weight (the shared embedding table when tied)."""
+        return self.embed_tokens.weight if self.output_proj is None else self.output_proj.weight
+
+    def num_parameters(self) -> int:
+        """Number of distinct parameters (shared tensors counted once)."""
+        return sum(p.numel() for p in self.parameters())
+
+    def _embed(self, table: nn.Embedding, tokens_BT: Tensor, offset: int = 0) -> Tensor:
+        x_BTD = table(tokens_BT) * self.embed_scale
+        x_BTD = x_BTD + self.positions(tokens_BT.size(1), offset).to(x_BTD.dtype)
+        return self.dropout(x_BTD)
+
+    def encode(self, src_tokens_BS: Tensor, ctx: ForwardContext | None = None) -> EncoderOut:
+        """Run the encoder on right-padded source tokens."""
+        pad_mask_BS = src_tokens_BS.eq(self.pad_id)
+        ctx = (ctx or ForwardContext()).replace(side="encoder", src_pad_mask_BS=pad_mask_BS)
+        x_BSD = self._embed(self.embed_tokens, src_tokens_BS)
+        aux: AuxLosses = {}
+        for layer in self.encoder_layers:
+            x_BSD, layer_aux = layer(x_BSD, pad_mask_BS, ctx)
+            add_aux(aux, layer_aux)
+        return EncoderOut(self.encoder_norm(x_BSD), pad_mask_BS, aux)
+
+    def new_decoder_cache(self) -> DecoderCache:
+        """An empty cache for incremental decoding with `decode`."""
+        return DecoderCache(len(self.decoder_layers))
+
+    def decode(self, tgt_in_BT: Tensor, enc: EncoderOut, ctx: ForwardContext | None = None,
+               cache: DecoderCache | None = None) -> tuple[Tensor, AuxLosses]:
+        """Logits (B, T, V) for the decoder inputs `tgt_in_BT` (right-padded, starting with bos).
+
+        With `cache`, `tgt_in_BT` holds only the new position(s): positions continue from
+        `cache.length` and the cache is extended.
+        """
+        offset = 0
+        if cache is not None:
+            if len(cache.layers) != len(self.decoder_layers):
+                raise ValueError(f"decoder cache has {len(cache.layers)} layers, "
+                                 f"the model {len(self.decoder_layers)}")
+            offset = cache.length
+        ctx = (ctx or ForwardContext()).replace(
+            side="decoder", src_pad_mask_BS=enc.pad_mask_BS,
+            tgt_pad_mask_BT=tgt_in_BT.eq(self.pad_id))
+        x_BTD = self._embed(self.decoder_embed, tgt_in_BT, offset)
+        aux: AuxLosses = {}
+        for i, layer in enumerate(self.decoder_layers):
+            x_BTD, layer_aux = layer(x_BTD, enc.states_BSD, enc.pad_mask_BS, ctx,
+                                     None if cache is None else cache.layers[i])
+            add_aux(aux, layer_aux)
+        logits_BTV = F.linear(self.decoder_norm(x_BTD), self.output_weight())
+        return logits_BTV, aux
+
+    def forward(self, src_tokens_BS: Tensor, tgt_in_BT: Tensor,
+                ctx: ForwardContext | None = None) -> ModelOutput:
+        """Teacher-forced pass: logits for every target position plus summed aux losses."""
+        enc = self.encode(src_tokens_BS, ctx)
+        logits_BTV, dec_aux = self.decode(tgt_in_BT, enc, ctx)
+        aux = add_aux(dict(enc.aux_losses), dec_aux)
+        return ModelOutput(logits_BTV, aux)

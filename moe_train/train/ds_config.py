@@ -1,0 +1,47 @@
+"""Our typed config -> the DeepSpeed config dict.
+
+Batches are token-budget batches built by our iterator, so DeepSpeed's own batch size is nominal
+(1 sequence-batch per micro step); gradient accumulation, clipping, ZeRO and precision are real.
+`cfg.deepspeed` entries are merged last, so any DeepSpeed option can be passed through.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from moe_train.config.loader import merge
+from moe_train.config.schema import ExperimentConfig
+from moe_train.errors import ConfigError
+
+
+def resolve_precision(precision: str, device: torch.device) -> str:
+    """`auto` -> fp32 on CPU, bf16 on GPUs that support it, fp16 otherwise."""
+    if precision != "auto":
+        if device.type == "cpu" and precision == "fp16":
+            raise ConfigError("optim.precision: fp16 needs a GPU; use fp32 or bf16 on CPU")
+        return precision
+    if device.type != "cuda":
+        return "fp32"
+    return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+
+
+def build_deepspeed_config(cfg: ExperimentConfig, world_size: int, device: torch.device
+                           ) -> dict[str, Any]:
+    """The DeepSpeed JSON config for this run."""
+    precision = resolve_precision(cfg.optim.precision, device)
+    ds: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": cfg.optim.grad_accum,
+        "train_batch_size": cfg.optim.grad_accum * world_size,
+        "gradient_clipping": cfg.optim.clip_norm,
+        "zero_optimization": {"stage": cfg.optim.zero_stage},
+        "zero_allow_untested_optimizer": True,
+        "bf16": {"enabled": precision == "bf16"},
+        "fp16": {"enabled": precision == "fp16", "loss_scale": 0, "initial_scale_power": 16},
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+        "dump_state": False,
+    }
+    return merge(ds, cfg.deepspeed)

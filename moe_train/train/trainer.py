@@ -1,0 +1,249 @@
+"""The training loop on a DeepSpeed engine.
+
+The trainer owns `deepspeed.initialize`. Loss normalisation: every micro-batch's summed loss is
+divided by the target tokens of the whole optimizer step over all ranks (`step_tgt_tokens`) and
+multiplied by world_size * grad_accum, which DeepSpeed's gradient averaging and accumulation
+scaling divide out again; so the update equals one process on the whole global batch.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import deepspeed
+import numpy as np
+import torch
+
+from moe_train.config.schema import ExperimentConfig
+from moe_train.data.batching import Batch, TrainBatchIterator, eval_batches
+from moe_train.data.prepare import load_manifest, load_vocab
+from moe_train.data.shards import ShardedDataset
+from moe_train.eval.decode import batch_context
+from moe_train.eval.evaluate import evaluate_dataset
+from moe_train.models.build import build_model
+from moe_train.parallel.collectives import all_reduce_floats
+from moe_train.parallel.runtime import ParallelRuntime
+from moe_train.train.checkpoint import latest_tag, load_checkpoint, save_checkpoint
+from moe_train.train.ds_config import build_deepspeed_config
+from moe_train.train.export import export_inference
+from moe_train.train.loss import label_smoothed_nll
+from moe_train.train.monitor import Monitor, peak_memory_mb
+from moe_train.train.schedule import inverse_sqrt_scheduler
+
+
+def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """No weight decay on biases, norms and embeddings."""
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        (no_decay if p.ndim < 2 or "embed" in name else decay).append(p)
+    groups = [{"params": decay, "weight_decay": weight_decay}]
+    if no_decay:
+        groups.append({"params": no_decay, "weight_decay": 0.0})
+    return groups
+
+
+class Trainer:
+    """Builds data, model and engine from a config; trains, validates, checkpoints, exports."""
+
+    def __init__(self, cfg: ExperimentConfig, rt: ParallelRuntime, resume: bool = False) -> None:
+        logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+        self.cfg, self.rt = cfg, rt
+        prepared = Path(cfg.data.prepared_dir)
+        self.manifest = load_manifest(prepared)
+        self.vocab = load_vocab(prepared)
+        self.spm_model = prepared / self.manifest["spm_model"]
+        self.train_set = ShardedDataset(prepared, "train")
+        self.dev_set = ShardedDataset(prepared, "dev") if "dev" in self.manifest["splits"] else None
+
+        torch.manual_seed(cfg.train.seed)
+        np.random.seed(cfg.train.seed)
+        model = build_model(cfg, self.manifest)
+        optimizer = torch.optim.AdamW(_param_groups(model, cfg.optim.weight_decay),
+                                      lr=cfg.optim.lr, betas=cfg.optim.betas, eps=cfg.optim.eps)
+        scheduler = inverse_sqrt_scheduler(optimizer, cfg.optim.warmup_steps)
+        self.ds_config = build_deepspeed_config(cfg, rt.world_size, rt.device)
+        self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer,
+                                                    lr_scheduler=scheduler,
+                                                    config=self.ds_config,
+                                                    dist_init_required=False)
+        self.batches = TrainBatchIterator(
+            self.train_set, cfg.data.max_tokens, self.vocab.pad_id, self.vocab.bos_id,
+            self.vocab.eos_id, seed=cfg.train.seed, temperature=cfg.data.temperature,
+            dp_rank=rt.dp_rank, dp_world=rt.dp_world, grad_accum=cfg.optim.grad_accum)
+        self.step = 0
+        self.tokens_seen = 0
+        self.ckpt_dir = Path(cfg.checkpoint.dir)
+        if resume and latest_tag(self.ckpt_dir) is not None:
+            meta = load_checkpoint(self.engine, rt, self.ckpt_dir)
+            self.step = meta["step"]
+            self.tokens_seen = meta.get("tokens_seen", 0)
+            self.batches.load_state_dict(meta["data_state"])
+        self.monitor = Monitor(rt, cfg.logging.tensorboard_dir, cfg.train.max_steps, self.step,
+                               cfg.train.progress_bar)
+        n_params = sum(p.numel() for p in model.parameters())
+        self.monitor.print(
+            f"| model {n_params / 1e6:.2f}M parameters | world {rt.world_size} ({rt.launcher}, "
+            f"{rt.backend}) | device {rt.device} | zero {cfg.optim.zero_stage} | "
+            f"train {len(self.train_set)} pairs | resume from step {self.step}")
+
+    # ------------------------------------------------------------------ one optimizer step
+    def _forward_loss(self, batch: Batch) -> tuple[torch.Tensor, float, float]:
+        out = self.engine(batch.src_tokens_BS, batch.tgt_in_BT,
+                          batch_context(batch, self.vocab.pad_id))
+        loss_sum, nll_sum = label_smoothed_nll(out.logits_BTV, batch.tgt_out_BT,
+                                               self.vocab.pad_id, self.cfg.optim.label_smoothing)
+        scale = self.rt.world_size * self.cfg.optim.grad_accum / batch.step_tgt_tokens
+        scaled = loss_sum * scale
+        for aux in out.aux_losses.values():
+            scaled = scaled + aux
+        return scaled, float(loss_sum), float(nll_sum)
+
+    def train_step(self) -> dict[str, float]:
+        """Consume one optimizer step of micro-batches; returns local sums for logging."""
+        self.engine.train()
+        loss_tot = nll_tot = 0.0
+        ntok = 0
+        for batch in next(self.batches):
+            batch = batch.to(self.rt.device)
+            scaled, loss_sum, nll_sum = self._forward_loss(batch)
+            self.engine.backward(scaled)
+            self.engine.step()
+            loss_tot += loss_sum
+            nll_tot += nll_sum
+            ntok += batch.n_tgt_tokens
+        self.step += 1
+        return {"loss": loss_tot, "nll": nll_tot, "tokens": float(ntok)}
+
+    # ------------------------------------------------------------------ validation
+    @torch.no_grad()
+    def validate_loss(self) -> dict[str, float]:
+        """Dev-set loss and perplexity (token-weighted over all ranks)."""
+        assert self.dev_set is not None
+        self.engine.eval()
+        loss = nll = tokens = 0.0
+        for batch in eval_batches(self.dev_set, self.cfg.data.max_tokens, self.vocab.pad_id,
+                                  self.vocab.bos_id, self.vocab.eos_id, dp_rank=self.rt.dp_rank,
+                                  dp_world=self.rt.dp_world):
+            batch = batch.to(self.rt.device)
+            _, loss_sum, nll_sum = self._forward_loss(batch)
+            if not batch.is_padding:
+                loss, nll, tokens = loss + loss_sum, nll + nll_sum, tokens + batch.n_tgt_tokens
+        loss, nll, tokens = all_reduce_floats(self.rt, loss, nll, tokens)
+        self.engine.train()
+        tokens = max(tokens, 1.0)
+        return {"dev/loss": loss / tokens / math.log(2), "dev/nll": nll / tokens / math.log(2),
+                "dev/ppl": 2 ** (nll / tokens / math.log(2))}
+
+    def validate_bleu(self, sentences: int, beam: int = 1) -> dict[str, Any]:
+        """Dev BLEU/chrF (per domain) on the first `sentences` dev pairs of each corpus."""
+        assert self.dev_set is not None
+        ds = self.dev_set
+        per = max(1, sentences // max(ds.num_corpora, 1))
+        idx = np.concatenate([np.arange(o, o + min(per, n))
+                              for o, n in zip(ds.corpus_offsets, ds.corpus_sizes)])
+        metrics, _ = evaluate_dataset(self.engine.module, ds, self.vocab, self.manifest, self.rt,
+                                      self.cfg.eval, self.cfg.data.max_tokens, indices=idx,
+                                      beam=beam)
+        return metrics
+
+    # ------------------------------------------------------------------ checkpoints
+    def save(self) -> Path:
+        meta = {"step": self.step, "tokens_seen": self.tokens_seen,
+                "data_state": self.batches.state_dict(), "config": self.cfg.to_dict(),
+                "world_size": self.rt.world_size}
+        attachments = {"spm.model": self.spm_model,
+                       "manifest.json": Path(self.cfg.data.prepared_dir) / "manifest.json"}
+        return save_checkpoint(self.engine, self.rt, self.ckpt_dir, self.step, meta, attachments,
+                               self.cfg.checkpoint.keep_last)
+
+    def export(self) -> Path | None:
+        if not self.rt.is_main:
+            return None
+        return export_inference(self.ckpt_dir / "export", self.engine.module.state_dict(),
+                                self.cfg, self.manifest, self.spm_model)
+
+    # ------------------------------------------------------------------ the loop
+    def _log(self, window: dict[str, float], elapsed: float) -> None:
+        loss, nll, tokens = all_reduce_floats(self.rt, window["loss"], window["nll"],
+                                              window["tokens"])
+        tokens = max(tokens, 1.0)
+        grad_norm = self.engine.get_global_grad_norm()
+        values = {"train/loss": loss / tokens / math.log(2),
+                  "train/nll": nll / tokens / math.log(2),
+                  "train/ppl": 2 ** (nll / tokens / math.log(2)),
+                  "train/lr": self.engine.get_lr()[0],
+                  "train/tokens_per_s": tokens / max(elapsed, 1e-9),
+                  "train/memory_mb": peak_memory_mb(self.rt.device),
+                  "train/epoch": float(self.batches.epoch)}
+        if grad_norm is not None:
+            values["train/grad_norm"] = float(grad_norm)
+        self.monitor.scalars(self.step, values)
+        self.monitor.progress(self.step, {"loss": f"{values['train/loss']:.3f}",
+                                          "tok/s": f"{values['train/tokens_per_s']:.0f}"})
+        if self.monitor.bar is None:
+            self.monitor.print(
+                f"| step {self.step:>6} | loss {values['train/loss']:.3f} | nll "
+                f"{values['train/nll']:.3f} | ppl {values['train/ppl']:.2f} | lr "
+                f"{values['train/lr']:.2e} | gnorm {values.get('train/grad_norm', 0.0):.2f} | "
+                f"tok/s {values['train/tokens_per_s']:.0f} | mem {values['train/memory_mb']:.0f}MB")
+
+    def _validate(self, with_bleu: bool) -> dict[str, Any]:
+        if self.dev_set is None:
+            return {}
+        values: dict[str, Any] = self.validate_loss()
+        msg = f"| valid step {self.step} | loss {values['dev/loss']:.3f} | ppl {values['dev/ppl']:.2f}"
+        if with_bleu:
+            metrics = self.validate_bleu(self.cfg.train.bleu_sentences)
+            values["dev/bleu"] = metrics["all"]["bleu"]
+            values["dev/chrf"] = metrics["all"]["chrf"]
+            for dom, m in metrics["domains"].items():
+                values[f"dev_bleu/{dom}"] = m["bleu"]
+            msg += f" | greedy BLEU {values['dev/bleu']:.2f} | chrF {values['dev/chrf']:.2f}"
+        self.monitor.scalars(self.step, {k: float(v) for k, v in values.items()})
+        self.monitor.print(msg)
+        return values
+
+    def fit(self) -> dict[str, Any]:
+        """Train to `train.max_steps` (or `train.max_minutes`); checkpoint, validate, export."""
+        tc = self.cfg.train
+        start = time.time()
+        window = {"loss": 0.0, "nll": 0.0, "tokens": 0.0}
+        window_start = time.time()
+        train_tokens_local = 0.0
+        while self.step < tc.max_steps:
+            sums = self.train_step()
+            for k in window:
+                window[k] += sums[k]
+            train_tokens_local += sums["tokens"]
+            if self.step % tc.log_every == 0:
+                self._log(window, time.time() - window_start)
+                window = {k: 0.0 for k in window}
+                window_start = time.time()
+            if tc.validate_every and self.step % tc.validate_every == 0 and self.step < tc.max_steps:
+                bleu_due = bool(tc.bleu_every) and self.step % tc.bleu_every == 0
+                self._validate(with_bleu=bleu_due)
+            if self.step % self.cfg.checkpoint.save_every == 0:
+                self.save()
+            out_of_time = tc.max_minutes and (time.time() - start) / 60 >= tc.max_minutes
+            if self.rt.world_size > 1:  # all ranks must agree to stop together
+                out_of_time = all_reduce_floats(self.rt, float(bool(out_of_time)))[0] > 0
+            if out_of_time:
+                self.monitor.print(f"| time limit of {tc.max_minutes} min reached at step {self.step}")
+                break
+        elapsed = time.time() - start
+        (tokens,) = all_reduce_floats(self.rt, train_tokens_local)
+        self.tokens_seen += int(tokens)
+        final = self._validate(with_bleu=True)
+        path = self.save()
+        export = self.export()
+        self.monitor.print(f"| saved {path}" + (f" | exported {export}" if export else ""))
+        self.monitor.close()
+        return {"step": self.step, "train_seconds": elapsed,
+                "train_tokens_per_s": tokens / max(elapsed, 1e-9),
+                "checkpoint": str(path), "export": str(self.ckpt_dir / "export"), **final}
