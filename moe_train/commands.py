@@ -45,7 +45,8 @@ def cmd_prepare(args: argparse.Namespace) -> int:
                        overwrite=args.overwrite)
     for split, info in manifest["splits"].items():
         print(f"| {split:<5} {info['sentences']:>8} pairs | {info['src_tokens']:>9} src tokens | "
-              f"{info['tgt_tokens']:>9} tgt tokens | skipped {info['skipped_too_long']}")
+              f"{info['tgt_tokens']:>9} tgt tokens | skipped (too long) "
+              f"{sum(info['skipped_too_long'])}")
     print(f"| vocabulary {manifest['vocab_size']} | domains {', '.join(manifest['domains'])} | "
           f"wrote {args.out}")
     return 0

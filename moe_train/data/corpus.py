@@ -77,7 +77,8 @@ def discover(data_dir: str | os.PathLike, pairs: Iterable[str] = (), domains: It
     pairs, domains, splits = list(pairs), list(domains), list(splits)
     for split in splits:
         if split not in SPLITS:
-            raise DataError(f"splits: unknown split {split!r} (expected one of {', '.join(SPLITS)})")
+            raise DataError(f"splits: unknown split {split!r} "
+                            f"(expected one of {', '.join(SPLITS)})")
 
     # (domain, l1, l2, split) -> {lang: path}
     found: dict[tuple[str, str, str, str], dict[str, Path]] = {}

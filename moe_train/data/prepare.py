@@ -67,7 +67,7 @@ def _check_out_dir(out_dir: Path, overwrite: bool) -> None:
         raise DataError(f"{out_dir}: exists and is not a directory")
     if (out_dir / MANIFEST).is_file():
         if not overwrite:
-            raise DataError(f"{out_dir}: already holds prepared data; prepare with overwrite "
+            raise DataError(f"{out_dir}: already holds prepared data; use --overwrite "
                             "to replace it")
     elif any(out_dir.iterdir()):
         raise DataError(f"{out_dir}: exists, is not empty and holds no {MANIFEST}; refusing to "
@@ -128,6 +128,11 @@ def _carve(files: CorpusFiles, pairs: dict[str, Pairs], cfg: DataConfig, seed: i
     dropped = len(src) - int(held_out.sum()) - len(keep)
     pairs["train"] = ([src[i] for i in keep], [tgt[i] for i in keep])
     return sorted(wanted, key=SPLITS.index), dropped
+
+
+EVAL_MAX_LEN = 1000
+"""Dev/test pairs are kept up to this many tokens (below the default max_positions), so that
+scores cover (nearly) the whole held-out set; data.max_len filters training pairs only."""
 
 
 def _encode_split(vocab: Vocab, src: list[str], tgt: list[str], tag_id: int | None,
@@ -209,8 +214,9 @@ def prepare(corpora: list[CorpusFiles], out_dir: str | os.PathLike, data_cfg: Da
             for name, entry in zip(names, corpus_entries):
                 src, tgt = texts[name].get(split, ([], []))
                 tag_id = entry["lang_tag_id"] if data_cfg.lang_tags else None
+                limit = data_cfg.max_len if split == "train" else EVAL_MAX_LEN
                 src_ids, tgt_ids, kept, too_long, empty = _encode_split(
-                    vocab, src, tgt, tag_id, data_cfg.max_len)
+                    vocab, src, tgt, tag_id, limit)
                 raw = split in RAW_TEXT_SPLITS
                 write_shard(split_dir, name, src_ids, tgt_ids,
                             raw_src=[src[i] for i in kept] if raw else None,

@@ -102,17 +102,31 @@ class Trainer:
         scaled = loss_sum * scale
         for aux in out.aux_losses.values():
             scaled = scaled + aux
-        return scaled, float(loss_sum), float(nll_sum)
+        return scaled, loss_sum.detach().item(), nll_sum.detach().item()
 
-    def train_step(self) -> dict[str, float]:
+    def _grad_norm(self) -> float | None:
+        """Global gradient norm before clipping (DeepSpeed records it only under ZeRO / 16-bit)."""
+        if self.cfg.optim.zero_stage > 0 or self.engine.bfloat16_enabled() \
+                or self.engine.fp16_enabled():
+            return None  # read from the engine after the step
+        grads = [p.grad for p in self.engine.module.parameters() if p.grad is not None]
+        if not grads:
+            return None
+        return torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])).item()
+
+    def train_step(self, measure_norm: bool = False) -> dict[str, float]:
         """Consume one optimizer step of micro-batches; returns local sums for logging."""
         self.engine.train()
         loss_tot = nll_tot = 0.0
         ntok = 0
-        for batch in next(self.batches):
+        micro = next(self.batches)
+        self.last_grad_norm = None
+        for i, batch in enumerate(micro):
             batch = batch.to(self.rt.device)
             scaled, loss_sum, nll_sum = self._forward_loss(batch)
             self.engine.backward(scaled)
+            if measure_norm and i == len(micro) - 1:  # gradients are reduced at the boundary
+                self.last_grad_norm = self._grad_norm()
             self.engine.step()
             loss_tot += loss_sum
             nll_tot += nll_sum
@@ -173,7 +187,9 @@ class Trainer:
         loss, nll, tokens = all_reduce_floats(self.rt, window["loss"], window["nll"],
                                               window["tokens"])
         tokens = max(tokens, 1.0)
-        grad_norm = self.engine.get_global_grad_norm()
+        grad_norm = self.last_grad_norm
+        if grad_norm is None:
+            grad_norm = self.engine.get_global_grad_norm()
         values = {"train/loss": loss / tokens / math.log(2),
                   "train/nll": nll / tokens / math.log(2),
                   "train/ppl": 2 ** (nll / tokens / math.log(2)),
@@ -217,7 +233,7 @@ class Trainer:
         window_start = time.time()
         train_tokens_local = 0.0
         while self.step < tc.max_steps:
-            sums = self.train_step()
+            sums = self.train_step(measure_norm=(self.step + 1) % tc.log_every == 0)
             for k in window:
                 window[k] += sums[k]
             train_tokens_local += sums["tokens"]

@@ -1,4 +1,4 @@
-"""Corpus discovery and validation: every malformed input is a one-line DataError naming file:line."""
+"""Corpus discovery and validation: malformed input is a one-line DataError naming file:line."""
 
 from __future__ import annotations
 

@@ -1,0 +1,63 @@
+"""Shared fixtures: a tiny synthetic corpus prepared once per test session."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED_DATA = ROOT.parent / "shared" / "data" / "opus-multidomain"
+
+
+@pytest.fixture(scope="session")
+def tiny_corpus(tmp_path_factory) -> Path:
+    """A 5-domain synthetic en->de corpus with train/dev/test splits (small)."""
+    from moe_train.data.synthetic import generate_synthetic
+
+    out = tmp_path_factory.mktemp("synthetic")
+    generate_synthetic(out, num_domains=5, train_per_domain=120, dev_per_domain=8,
+                       test_per_domain=8, seed=3)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_prepared(tiny_corpus, tmp_path_factory) -> Path:
+    """`tiny_corpus` prepared with a 300-piece sentencepiece model."""
+    from moe_train.config import load_config
+    from moe_train.data.corpus import discover
+    from moe_train.data.prepare import prepare
+
+    cfg = load_config(ROOT / "configs" / "debug-cpu.yaml", ["data.vocab_size=300"])
+    out = tmp_path_factory.mktemp("prepared") / "prepared"
+    prepare(discover(tiny_corpus), out, cfg.data, seed=1)
+    return out
+
+
+def cli_env() -> dict[str, str]:
+    """Environment for running `python -m moe_train` in a subprocess (single process)."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return env
+
+
+def run_cli(args: list[str], cwd: Path, timeout: float = 300, env: dict | None = None,
+            check: bool = True) -> subprocess.CompletedProcess:
+    """Run `python -m moe_train ARGS`; on failure show its output."""
+    proc = subprocess.run([sys.executable, "-m", "moe_train", *args], cwd=cwd, env=env or cli_env(),
+                          capture_output=True, text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"moe-train {' '.join(args)} exited {proc.returncode}\n"
+                             f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+    return proc
+
+
+def debug_overrides(prepared: Path, work: Path, *extra: str) -> list[str]:
+    """debug-cpu.yaml pointed at `prepared`, writing under `work`."""
+    return [f"data.prepared_dir={prepared}", f"checkpoint.dir={work / 'ckpt'}",
+            f"logging.tensorboard_dir={work / 'tb'}", *extra]

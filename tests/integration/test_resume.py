@@ -1,0 +1,60 @@
+"""A run killed in the middle and resumed ends bitwise equal to an uninterrupted run (CPU)."""
+
+import signal
+import subprocess
+import sys
+import time
+
+import torch
+
+from tests.conftest import ROOT, cli_env, debug_overrides, run_cli
+
+CONFIG = str(ROOT / "configs" / "debug-cpu.yaml")
+STEPS = 40
+
+
+def _overrides(prepared, work):
+    # dropout stays on: resuming must restore the RNG streams too
+    return debug_overrides(prepared, work, f"train.max_steps={STEPS}", "checkpoint.save_every=10",
+                           "checkpoint.keep_last=0", "train.validate_every=0",
+                           "train.bleu_sentences=8", "data.max_tokens=400", "train.log_every=5")
+
+
+def _weights(work):
+    return torch.load(work / "ckpt" / "export" / "model.pt")
+
+
+def test_resume_after_kill_is_bitwise_equal(tiny_prepared, tmp_path):
+    full = tmp_path / "full"
+    run_cli(["train", "--config", CONFIG, *_overrides(tiny_prepared, full)], cwd=ROOT)
+
+    killed = tmp_path / "killed"
+    proc = subprocess.Popen([sys.executable, "-m", "moe_train", "train", "--config", CONFIG,
+                             *_overrides(tiny_prepared, killed)], cwd=ROOT, env=cli_env(),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    latest = killed / "ckpt" / "latest"
+    deadline = time.time() + 240
+    while time.time() < deadline and proc.poll() is None:
+        if latest.is_file() and latest.read_text().strip() == "step_00000010":
+            break
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL, "the run finished before it could be killed"
+    assert not (killed / "ckpt" / "export").exists()
+    assert latest.read_text().strip() in ("step_00000010", "step_00000020")
+
+    # without --resume the existing checkpoint is refused, in one line
+    refused = run_cli(["train", "--config", CONFIG, *_overrides(tiny_prepared, killed)],
+                      cwd=ROOT, check=False)
+    assert refused.returncode == 2
+    assert refused.stderr.strip().count("\n") == 0 and "--resume" in refused.stderr
+
+    run_cli(["train", "--config", CONFIG, "--resume", *_overrides(tiny_prepared, killed)],
+            cwd=ROOT)
+    a, b = _weights(full), _weights(killed)
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+    meta_full = (full / "ckpt" / "latest").read_text()
+    assert meta_full.strip() == f"step_{STEPS:08d}"

@@ -1,0 +1,76 @@
+"""Config loading and validation: errors name the field (and file/line) and what is allowed."""
+
+from pathlib import Path
+
+import pytest
+
+from moe_train.config import load_config, parse_overrides
+from moe_train.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*.yaml")), ids=lambda p: p.name)
+def test_shipped_configs_load(path):
+    cfg = load_config(path)
+    assert cfg.model.d_model % cfg.model.n_heads == 0
+
+
+def test_overrides_are_typed():
+    cfg = load_config(overrides=["optim.lr=1e-3", "model.d_model=256", "data.pairs=[de-en]",
+                                 "train.progress_bar=false", "optim.betas=[0.9, 0.99]"])
+    assert cfg.optim.lr == pytest.approx(1e-3)
+    assert cfg.model.d_model == 256
+    assert cfg.data.pairs == ["de-en"]
+    assert cfg.train.progress_bar is False
+    assert cfg.optim.betas == (0.9, 0.99)
+
+
+def test_parse_overrides_nested():
+    assert parse_overrides(["a.b.c=3", "a.d=x"]) == {"a": {"b": {"c": 3}, "d": "x"}}
+
+
+@pytest.mark.parametrize("override, message", [
+    ("model.n_heads=3", "model.d_model: expected a multiple of model.n_heads (3)"),
+    ("optim.precision=fp8", "optim.precision: expected one of auto, fp32, bf16, fp16"),
+    ("optim.zero_stage=3", "optim.zero_stage: expected one of 0, 1, 2"),
+    ("model.dropout=1.5", "model.dropout: expected a probability in [0, 1)"),
+    ("train.max_steps=abc", "train.max_steps: expected an integer"),
+    ("train.max_steps=0", "train.max_steps: expected a positive number"),
+    ("data.pairs=[deen]", "data.pairs[0]: expected src-tgt"),
+    ("modl.d_model=3", "modl: unknown field (allowed: checkpoint, data, deepspeed"),
+    ("model.dmodel=3", "model.dmodel: unknown field"),
+    ("model.activation=swish", "model.activation: expected one of relu, gelu"),
+    ("optim.betas=[0.9]", "optim.betas: expected 2 values"),
+    ("data.max_tokens=10", "data.max_tokens: expected at least data.max_len"),
+    ("nonsense", "expected key.sub=value"),
+])
+def test_bad_values_name_the_field(override, message):
+    with pytest.raises(ConfigError) as err:
+        load_config(overrides=[override])
+    text = str(err.value)
+    assert message in text
+    assert "\n" not in text
+
+
+def test_yaml_errors_name_file_and_line(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model:\n  d_model: 64\n   n_heads: [\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(bad)
+    assert str(err.value).startswith(f"{bad}:")
+    assert "\n" not in str(err.value)
+    wrong = tmp_path / "wrong.yaml"
+    wrong.write_text("model:\n  d_model: 63\n")
+    with pytest.raises(ConfigError, match=r"wrong.yaml: model.d_model: expected a multiple"):
+        load_config(wrong)
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_config(tmp_path / "missing.yaml")
+
+
+def test_to_dict_round_trips():
+    from moe_train.config import config_from_dict
+
+    cfg = load_config(ROOT / "configs" / "transformer-base.yaml", ["deepspeed.steps_per_print=7"])
+    again = config_from_dict(cfg.to_dict())
+    assert again == cfg

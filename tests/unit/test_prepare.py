@@ -1,0 +1,364 @@
+"""prepare -> ShardedDataset round trips, carving, lang tags, atomicity, determinism, vocab."""
+
+from __future__ import annotations
+
+import pickle
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from moe_train.config.schema import DataConfig
+from moe_train.data.corpus import CorpusFiles, discover, plain_corpus, read_pairs
+from moe_train.data.prepare import _carve_sizes, load_manifest, load_vocab, prepare
+from moe_train.data.shards import ShardedDataset, write_shard
+from moe_train.data.vocab import Vocab, train_sentencepiece
+from moe_train.errors import DataError
+from moe_train.utils.atomic import write_json
+
+OPUS = Path("/work/shared/data/opus-multidomain")
+SRC_WORDS = "der die das haus katze hund baum wasser gruen rot blau klein gross alt neu".split()
+TGT_WORDS = "the the the house cat dog tree water green red blue small big old new".split()
+
+
+def _sentences(n: int, seed: int, lengths: tuple[int, int] = (2, 6)) -> tuple[list[str], list[str]]:
+    """n unique aligned pairs (a running number keeps every source distinct)."""
+    rng = random.Random(seed)
+    src, tgt = [], []
+    for i in range(n):
+        idx = [rng.randrange(len(SRC_WORDS)) for _ in range(rng.randint(*lengths))]
+        src.append(" ".join(SRC_WORDS[j] for j in idx) + f" {i}")
+        tgt.append(" ".join(TGT_WORDS[j] for j in idx) + f" {i}")
+    return src, tgt
+
+
+def _corpus(root: Path, domain: str, n: int, seed: int, split: str = "train",
+            src_lang: str = "de", tgt_lang: str = "en") -> CorpusFiles:
+    src, tgt = _sentences(n, seed)
+    folder = root / domain
+    folder.mkdir(parents=True, exist_ok=True)
+    src_path = folder / f"{domain}.{src_lang}-{tgt_lang}.{split}.{src_lang}"
+    tgt_path = folder / f"{domain}.{src_lang}-{tgt_lang}.{split}.{tgt_lang}"
+    src_path.write_text("\n".join(src) + "\n", encoding="utf-8")
+    tgt_path.write_text("\n".join(tgt) + "\n", encoding="utf-8")
+    return plain_corpus(src_path, tgt_path, domain, src_lang, tgt_lang, split)
+
+
+def _cfg(**kw: object) -> DataConfig:
+    base: dict[str, object] = dict(vocab_size=120, dev_per_domain=5, test_per_domain=4,
+                                   max_len=64, max_tokens=64)
+    base.update(kw)
+    return DataConfig(**base)  # type: ignore[arg-type]
+
+
+@pytest.fixture()
+def two_domains(tmp_path: Path) -> list[CorpusFiles]:
+    return [_corpus(tmp_path / "data", "law", 60, seed=1),
+            _corpus(tmp_path / "data", "med", 45, seed=2)]
+
+
+def _texts(ds: ShardedDataset, vocab: Vocab, side: str) -> list[str]:
+    get = ds.src if side == "src" else ds.tgt
+    return [vocab.decode(get(i)) for i in range(len(ds))]
+
+
+# --- round trip ---------------------------------------------------------------------------------
+
+def test_round_trip_carving_ids_and_lengths(tmp_path: Path,
+                                            two_domains: list[CorpusFiles]) -> None:
+    out = tmp_path / "prepared"
+    manifest = prepare(two_domains, out, _cfg(), seed=3)
+    assert manifest == load_manifest(out)
+    assert manifest["domains"] == ["law", "med"] and manifest["langs"] == ["de", "en"]
+    assert [(c["name"], c["domain_id"], c["src_lang_id"], c["tgt_lang_id"])
+            for c in manifest["corpora"]] == [("law.de-en", 0, 0, 1), ("med.de-en", 1, 0, 1)]
+    assert (manifest["pad_id"], manifest["unk_id"], manifest["bos_id"], manifest["eos_id"]) == (
+        0, 1, 2, 3)
+    vocab = load_vocab(out)
+    assert manifest["vocab_size"] == vocab.size == len(vocab) <= 120
+
+    full = [read_pairs(c, 2048) for c in two_domains]
+    ds = {split: ShardedDataset(out, split) for split in ("train", "dev", "test")}
+    assert [ds["dev"].corpus_sizes, ds["test"].corpus_sizes] == [[5, 5], [4, 4]]
+    assert ds["train"].corpus_sizes == [60 - 9, 45 - 9]
+    assert list(ds["train"].corpus_offsets) == [0, 51]
+    assert ds["train"].corpus_names == ["law.de-en", "med.de-en"] and ds["train"].num_corpora == 2
+
+    for c, (src, tgt) in enumerate(full):
+        held = {split: {ds[split].raw_src(i) for i in range(len(ds[split]))
+                        if ds[split].corpus_ids[i] == c} for split in ("dev", "test")}
+        assert held["dev"].isdisjoint(held["test"])
+        # train keeps every other pair, in file order; dev/test are real pairs of the corpus
+        expected_train = [i for i, s in enumerate(src) if s not in held["dev"] | held["test"]]
+        lo = int(ds["train"].corpus_offsets[c])
+        for k, i in enumerate(expected_train):
+            assert list(ds["train"].src(lo + k)) == vocab.encode(src[i])
+            assert list(ds["train"].tgt(lo + k)) == vocab.encode(tgt[i])
+        for split in ("dev", "test"):
+            d = ds[split]
+            for i in np.flatnonzero(d.corpus_ids == c):
+                j = src.index(d.raw_src(i))
+                assert d.raw_tgt(i) == tgt[j]
+                assert list(d.src(i)) == vocab.encode(src[j])
+                assert list(d.tgt(i)) == vocab.encode(tgt[j])
+
+    train = ds["train"]
+    assert len(train) == 87 and train.src(0).dtype == np.int64
+    assert list(train.corpus_ids) == [0] * 51 + [1] * 36
+    assert list(train.domain_ids) == [0] * 51 + [1] * 36
+    assert set(train.src_lang_ids) == {0} and set(train.tgt_lang_ids) == {1}
+    assert [len(train.src(i)) for i in range(len(train))] == list(train.src_lengths)
+    assert [len(train.tgt(i)) for i in range(len(train))] == list(train.tgt_lengths)
+    assert manifest["splits"]["train"]["src_tokens"] == int(train.src_lengths.sum())
+    assert manifest["splits"]["train"]["sentences"] == 87
+    with pytest.raises(DataError, match="only kept for dev and test"):
+        train.raw_src(0)
+    with pytest.raises(IndexError):
+        train.src(87)
+
+
+def test_round_trip_decodes_to_text(tmp_path: Path, two_domains: list[CorpusFiles]) -> None:
+    out = tmp_path / "prepared"
+    prepare(two_domains, out, _cfg())
+    vocab, dev = load_vocab(out), ShardedDataset(out, "dev")
+    assert _texts(dev, vocab, "src") == [dev.raw_src(i) for i in range(len(dev))]
+    assert _texts(dev, vocab, "tgt") == [dev.raw_tgt(i) for i in range(len(dev))]
+
+
+def test_carve_sizes_capped_at_a_third() -> None:
+    assert _carve_sizes(100, 5, 4) == (5, 4)
+    assert _carve_sizes(12, 10, 10) == (2, 2)  # budget 4 shared in proportion
+    assert _carve_sizes(30, 20, 0) == (10, 0)
+    assert _carve_sizes(2, 5, 5) == (0, 0)
+
+
+def test_small_corpus_holds_out_at_most_a_third(tmp_path: Path) -> None:
+    corpus = _corpus(tmp_path / "data", "tiny", 12, seed=4)
+    manifest = prepare([corpus], tmp_path / "out", _cfg(dev_per_domain=10, test_per_domain=10))
+    sizes = {s: manifest["splits"][s]["corpus_sizes"] for s in ("train", "dev", "test")}
+    assert sizes == {"train": [8], "dev": [2], "test": [2]}
+
+
+def test_existing_dev_files_are_used_not_carved(tmp_path: Path) -> None:
+    root = tmp_path / "data"
+    _corpus(root, "law", 30, seed=5)
+    _corpus(root, "law", 7, seed=5, split="dev")  # same seed: repeats train pairs 0..6
+    corpora = discover(root)
+    manifest = prepare(corpora, tmp_path / "out", _cfg(dev_per_domain=5, test_per_domain=3))
+    assert manifest["corpora"][0]["carved"] == ["test"]
+    dev_src, _ = read_pairs(corpora[1], 2048)
+    dev = ShardedDataset(tmp_path / "out", "dev")
+    assert [dev.raw_src(i) for i in range(len(dev))] == dev_src
+    # train sources equal to a dev source are dropped so that dev is never trained on
+    vocab = load_vocab(tmp_path / "out")
+    train_src = set(_texts(ShardedDataset(tmp_path / "out", "train"), vocab, "src"))
+    assert train_src.isdisjoint(dev_src)
+    overlap = manifest["corpora"][0]["train_dropped_overlap"]
+    assert 4 <= overlap <= 7  # pairs 0..6 minus those carved into test
+    assert manifest["splits"]["train"]["corpus_sizes"] == [30 - 3 - overlap]
+
+
+def test_zero_dev_split_is_empty_but_loadable(tmp_path: Path,
+                                              two_domains: list[CorpusFiles]) -> None:
+    prepare(two_domains, tmp_path / "out", _cfg(dev_per_domain=0))
+    dev = ShardedDataset(tmp_path / "out", "dev")
+    assert len(dev) == 0 and dev.corpus_sizes == [0, 0] and dev.src_lengths.shape == (0,)
+
+
+# --- lang tags, length filter -------------------------------------------------------------------
+
+def test_lang_tags_prefix_source_and_both_directions_hold_out_same_lines(tmp_path: Path) -> None:
+    _corpus(tmp_path / "data", "law", 40, seed=7)
+    corpora = discover(tmp_path / "data", pairs=["de-en", "en-de"])
+    out = tmp_path / "out"
+    manifest = prepare(corpora, out, _cfg(lang_tags=True))
+    vocab = load_vocab(out)
+    tags = {lang: vocab.lang_tag_id(lang) for lang in ("de", "en")}
+    assert vocab.piece(tags["en"]) == "<2en>" and vocab.lang_tag("de") == "<2de>"
+    assert [c["lang_tag_id"] for c in manifest["corpora"]] == [tags["en"], tags["de"]]
+    dev = ShardedDataset(out, "dev")
+    for i in range(len(dev)):
+        tgt_lang = manifest["langs"][dev.tgt_lang_ids[i]]
+        src = dev.src(i)
+        assert src[0] == tags[tgt_lang]
+        assert list(src[1:]) == vocab.encode(dev.raw_src(i))
+    # de-en dev sources are exactly the en-de dev targets (same lines held out)
+    de_en = [dev.raw_src(i) for i in range(len(dev)) if dev.corpus_ids[i] == 0]
+    en_de = [dev.raw_tgt(i) for i in range(len(dev)) if dev.corpus_ids[i] == 1]
+    assert de_en == en_de and len(de_en) == 5
+
+
+def test_lang_tags_off_keeps_tags_in_vocab_but_not_in_source(
+        tmp_path: Path, two_domains: list[CorpusFiles]) -> None:
+    prepare(two_domains, tmp_path / "out", _cfg())
+    vocab, train = load_vocab(tmp_path / "out"), ShardedDataset(tmp_path / "out", "train")
+    tag = vocab.lang_tag_id("en")
+    assert all(tag not in train.src(i) for i in range(len(train)))
+    with pytest.raises(DataError, match=r"<2fr>"):
+        vocab.lang_tag_id("fr")
+
+
+def test_too_long_pairs_are_skipped_and_counted(tmp_path: Path) -> None:
+    folder = tmp_path / "data"
+    src, tgt = _sentences(40, seed=8)
+    src[3] = src[3] + " haus" * 30  # ~33 words: far more than max_len tokens
+    tgt[10] = tgt[10] + " house" * 30
+    (folder).mkdir()
+    (folder / "s.de").write_text("\n".join(src) + "\n", encoding="utf-8")
+    (folder / "s.en").write_text("\n".join(tgt) + "\n", encoding="utf-8")
+    corpus = plain_corpus(folder / "s.de", folder / "s.en", "d", "de", "en")
+    manifest = prepare([corpus], tmp_path / "out", _cfg(max_len=20, dev_per_domain=0,
+                                                       test_per_domain=0))
+    vocab = load_vocab(tmp_path / "out")
+    expected = sum(len(vocab.encode(s)) > 20 or len(vocab.encode(t)) > 20
+                   for s, t in zip(src, tgt))
+    assert expected >= 2
+    assert manifest["splits"]["train"]["skipped_too_long"] == [expected]
+    train = ShardedDataset(tmp_path / "out", "train")
+    assert len(train) == 40 - expected and train.src_lengths.max() <= 20
+    kept = set(_texts(train, vocab, "src"))
+    assert src[3] not in kept and src[10] not in kept
+
+
+# --- atomicity, overwrite, determinism ----------------------------------------------------------
+
+def test_failing_prepare_leaves_nothing(tmp_path: Path, two_domains: list[CorpusFiles]) -> None:
+    bad = two_domains[1].tgt
+    bad.write_text(bad.read_text(encoding="utf-8") + "extra line\n", encoding="utf-8")
+    parent = tmp_path / "work"
+    with pytest.raises(DataError, match="lines but"):
+        prepare(two_domains, parent / "prepared", _cfg())
+    assert not (parent / "prepared").exists()
+    # a failure inside the temporary directory (sentencepiece) also cleans up after itself
+    with pytest.raises(DataError) as info:
+        prepare(two_domains[:1], parent / "prepared", _cfg(vocab_size=8))
+    assert str(info.value).startswith("data.vocab_size: 8 is too small")
+    assert not parent.exists() or list(parent.iterdir()) == []
+
+
+def test_existing_output(tmp_path: Path, two_domains: list[CorpusFiles]) -> None:
+    out = tmp_path / "out"
+    first = prepare(two_domains[:1], out, _cfg())
+    with pytest.raises(DataError, match="already holds prepared data"):
+        prepare(two_domains, out, _cfg())
+    assert load_manifest(out) == first
+    second = prepare(two_domains, out, _cfg(), overwrite=True)
+    assert load_manifest(out) == second and len(second["corpora"]) == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data", "out"]
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "keep.txt").write_text("mine")
+    with pytest.raises(DataError, match="refusing to replace it"):
+        prepare(two_domains, foreign, _cfg(), overwrite=True)
+    assert (foreign / "keep.txt").read_text() == "mine"
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    prepare(two_domains, empty, _cfg())
+    assert (empty / "manifest.json").is_file()
+
+
+def _tree(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*"))
+            if p.is_file()}
+
+
+def test_deterministic_bytes(tmp_path: Path, two_domains: list[CorpusFiles]) -> None:
+    prepare(two_domains, tmp_path / "a", _cfg(), seed=5)
+    a = _tree(tmp_path / "a")
+    prepare(two_domains, tmp_path / "b", _cfg(), seed=5)
+    b = _tree(tmp_path / "b")
+    assert "spm.model" in a and "train/law.de-en.src.bin" in a and a == b
+    prepare(two_domains, tmp_path / "c", _cfg(), seed=6)
+    c = _tree(tmp_path / "c")
+    assert c["dev/law.de-en.raw.src"] != a["dev/law.de-en.raw.src"]
+
+
+# --- shards and vocab directly ------------------------------------------------------------------
+
+def test_sharded_dataset_with_an_empty_corpus_in_the_middle(tmp_path: Path) -> None:
+    split = tmp_path / "train"
+    write_shard(split, "a", [[5, 6], [7]], [[8], [9, 10, 11]])
+    write_shard(split, "b", [], [])
+    write_shard(split, "c", [[12, 13, 14]], [[15]])
+    corpora = [{"name": n, "domain_id": d, "src_lang_id": 0, "tgt_lang_id": t}
+               for n, d, t in (("a", 0, 1), ("b", 1, 1), ("c", 1, 2))]
+    write_json(tmp_path / "manifest.json", {"version": 1, "corpora": corpora,
+                                            "splits": {"train": {"corpus_sizes": [2, 0, 1]}}})
+    ds = ShardedDataset(tmp_path, "train")
+    assert len(ds) == 3 and list(ds.corpus_offsets) == [0, 2, 2]
+    assert [list(ds.src(i)) for i in range(3)] == [[5, 6], [7], [12, 13, 14]]
+    assert [list(ds.tgt(i)) for i in range(3)] == [[8], [9, 10, 11], [15]]
+    assert list(ds.src_lengths) == [2, 1, 3] and list(ds.tgt_lengths) == [1, 3, 1]
+    assert list(ds.corpus_ids) == [0, 0, 2] and list(ds.domain_ids) == [0, 0, 1]
+    assert list(ds.tgt_lang_ids) == [1, 1, 2]
+    assert np.fromfile(split / "a.src.idx", dtype=np.int64).tolist() == [0, 2, 3]
+    assert np.fromfile(split / "a.src.bin", dtype=np.int32).tolist() == [5, 6, 7]
+    clone = pickle.loads(pickle.dumps(ds))
+    assert list(clone.src(2)) == [12, 13, 14]
+    (split / "c.src.bin").write_bytes(b"\0" * 4)  # truncated
+    with pytest.raises(DataError, match="corrupt shard"):
+        ShardedDataset(tmp_path, "train")
+
+
+def test_sharded_dataset_missing(tmp_path: Path, two_domains: list[CorpusFiles]) -> None:
+    with pytest.raises(DataError, match="run `moe-train prepare` first") as info:
+        ShardedDataset(tmp_path / "nothing", "train")
+    assert str(tmp_path / "nothing") in str(info.value)
+    prepare(two_domains, tmp_path / "out", _cfg())
+    with pytest.raises(DataError, match="no such split.*run `moe-train prepare` first"):
+        ShardedDataset(tmp_path / "out", "valid")
+    with pytest.raises(DataError, match="run `moe-train prepare` first"):
+        load_vocab(tmp_path / "nothing")
+
+
+def test_vocab_special_ids_decode_and_pickle(tmp_path: Path) -> None:
+    src, tgt = _sentences(30, seed=9)
+    model = train_sentencepiece(src + tgt, tmp_path / "sp" / "m", vocab_size=1000,
+                                model_type="bpe", user_symbols=["<2de>", "<2en>"], seed=1,
+                                max_sentences=1000)
+    assert model == tmp_path / "sp" / "m.model" and (tmp_path / "sp" / "m.vocab").is_file()
+    assert sorted(p.name for p in (tmp_path / "sp").iterdir()) == ["m.model", "m.vocab"]
+    vocab = Vocab(model)
+    assert 50 < vocab.size < 1000  # too little text for 1000 pieces: the size shrinks
+    assert (vocab.pad_id, vocab.unk_id, vocab.bos_id, vocab.eos_id) == (0, 1, 2, 3)
+    ids = vocab.encode("katze hund 7")
+    assert vocab.encode_batch(["katze hund 7", "baum"]) == [ids, vocab.encode("baum")]
+    assert vocab.decode([2, *ids, 0]) == "katze hund 7"
+    assert vocab.decode([*ids, 3, *vocab.encode("baum")]) == "katze hund 7"  # stops at eos
+    assert vocab.decode(np.asarray([0, 0, *ids])) == "katze hund 7"
+    assert vocab.piece(vocab.lang_tag_id("en")) == "<2en>"
+    assert vocab.lang_tag_id("en") in vocab.encode("<2en> katze")  # a user symbol is one piece
+    assert pickle.loads(pickle.dumps(vocab)).encode("katze hund 7") == ids
+    with pytest.raises(DataError, match="not found"):
+        Vocab(tmp_path / "absent.model")
+
+
+def test_spm_sampling_respects_max_sentences(tmp_path: Path) -> None:
+    src, _ = _sentences(200, seed=10)
+    unique = [f"zz{i}qq" for i in range(5)]  # rare strings, seen only if sampled
+    a = train_sentencepiece(src + unique, tmp_path / "a", 80, "unigram", [], 1, 200)
+    b = train_sentencepiece(src + unique, tmp_path / "b", 80, "unigram", [], 1, 200)
+    full = train_sentencepiece(src + unique, tmp_path / "c", 80, "unigram", [], 1, 205)
+    assert a.read_bytes() == b.read_bytes()
+    assert a.read_bytes() != full.read_bytes()
+
+
+# --- real data ----------------------------------------------------------------------------------
+
+@pytest.mark.skipif(not (OPUS / "EMEA").is_dir(), reason="OPUS multi-domain data not present")
+def test_real_opus_de_en_two_domains(tmp_path: Path) -> None:
+    corpora = discover(OPUS, pairs=["de-en"], domains=["EMEA", "TED2020"])
+    assert [c.name for c in corpora] == ["EMEA.de-en", "TED2020.de-en"]
+    # sentencepiece sees a 4000-sentence sample only: keeps the test fast
+    cfg = DataConfig(vocab_size=1000, spm_max_sentences=4000)
+    manifest = prepare(corpora, tmp_path / "out", cfg)
+    assert manifest["vocab_size"] == 1000
+    splits = manifest["splits"]
+    for c, entry in enumerate(manifest["corpora"]):
+        total = sum(splits[s]["corpus_sizes"][c] + splits[s]["skipped_too_long"][c]
+                    + splits[s]["skipped_empty"][c] for s in ("train", "dev", "test"))
+        assert total + entry["train_dropped_overlap"] == 5000
+    dev, vocab = ShardedDataset(tmp_path / "out", "dev"), load_vocab(tmp_path / "out")
+    assert dev.corpus_sizes == [200 - splits["dev"]["skipped_too_long"][c] for c in range(2)]
+    assert list(dev.src(0)) == vocab.encode(dev.raw_src(0))

@@ -1,0 +1,77 @@
+"""Schedule, loss and DeepSpeed-config arithmetic on hand-computed cases."""
+
+import math
+
+import pytest
+import torch
+
+from moe_train.config import load_config
+from moe_train.errors import ConfigError
+from moe_train.train.ds_config import build_deepspeed_config
+from moe_train.train.loss import label_smoothed_nll
+from moe_train.train.schedule import inverse_sqrt_factor, inverse_sqrt_scheduler
+
+
+def test_inverse_sqrt_schedule_values():
+    assert inverse_sqrt_factor(1, 4000) == pytest.approx(1 / 4000)
+    assert inverse_sqrt_factor(2000, 4000) == pytest.approx(0.5)
+    assert inverse_sqrt_factor(4000, 4000) == pytest.approx(1.0)
+    assert inverse_sqrt_factor(16000, 4000) == pytest.approx(0.5)
+    # Noam: d^-0.5 * min(step^-0.5, step * warmup^-1.5), normalised to its peak
+    d, w = 512, 4000
+    noam = lambda s: d ** -0.5 * min(s ** -0.5, s * w ** -1.5)  # noqa: E731
+    for s in (10, 3999, 4000, 12345):
+        assert inverse_sqrt_factor(s, w) == pytest.approx(noam(s) / noam(w))
+
+
+def test_scheduler_drives_optimizer_lr():
+    p = torch.nn.Parameter(torch.zeros(1))
+    opt = torch.optim.AdamW([p], lr=7e-4)
+    sched = inverse_sqrt_scheduler(opt, warmup_steps=4)
+    lrs = []
+    for _ in range(6):
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    assert lrs == pytest.approx([7e-4 * f for f in (0.25, 0.5, 0.75, 1.0, math.sqrt(4 / 5),
+                                                   math.sqrt(4 / 6))])
+
+
+def test_label_smoothed_loss_hand_computed():
+    logits = torch.log(torch.tensor([[[0.5, 0.25, 0.25], [0.1, 0.2, 0.7]]]))
+    target = torch.tensor([[0, 2]])
+    loss, nll = label_smoothed_nll(logits, target, pad_id=99, epsilon=0.0)
+    assert nll.item() == pytest.approx(-math.log(0.5) - math.log(0.7))
+    assert loss.item() == pytest.approx(nll.item())
+    eps = 0.3
+    loss, nll = label_smoothed_nll(logits, target, pad_id=99, epsilon=eps)
+    smooth = -(math.log(0.5) + 2 * math.log(0.25)) / 3 - (math.log(0.1) + math.log(0.2)
+                                                         + math.log(0.7)) / 3
+    assert loss.item() == pytest.approx((1 - eps) * nll.item() + eps * smooth)
+
+
+def test_label_smoothed_loss_ignores_padding():
+    logits = torch.randn(2, 3, 5)
+    target = torch.tensor([[1, 2, 0], [3, 0, 0]])
+    loss, nll = label_smoothed_nll(logits, target, pad_id=0, epsilon=0.1)
+    keep = [(0, 0), (0, 1), (1, 0)]
+    lp = torch.log_softmax(logits, -1)
+    assert nll.item() == pytest.approx(sum(-lp[b, t, target[b, t]].item() for b, t in keep),
+                                       rel=1e-6)
+
+
+def test_deepspeed_config_mapping():
+    cfg = load_config(overrides=["optim.zero_stage=2", "optim.grad_accum=4", "optim.clip_norm=0.5",
+                                 "deepspeed.zero_optimization.reduce_bucket_size=1000"])
+    ds = build_deepspeed_config(cfg, world_size=8, device=torch.device("cpu"))
+    assert ds["train_batch_size"] == 32
+    assert ds["gradient_accumulation_steps"] == 4
+    assert ds["gradient_clipping"] == 0.5
+    assert ds["zero_optimization"] == {"stage": 2, "reduce_bucket_size": 1000}
+    assert ds["bf16"]["enabled"] is False and ds["fp16"]["enabled"] is False
+    bf16 = build_deepspeed_config(load_config(overrides=["optim.precision=bf16"]), 1,
+                                  torch.device("cpu"))
+    assert bf16["bf16"]["enabled"] is True
+    with pytest.raises(ConfigError, match="optim.precision: fp16 needs a GPU"):
+        build_deepspeed_config(load_config(overrides=["optim.precision=fp16"]), 1,
+                               torch.device("cpu"))
