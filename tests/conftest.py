@@ -31,7 +31,7 @@ def tiny_prepared(tiny_corpus, tmp_path_factory) -> Path:
     from moe_train.data.corpus import discover
     from moe_train.data.prepare import prepare
 
-    cfg = load_config(ROOT / "configs" / "debug-cpu.yaml", ["data.vocab_size=300"])
+    cfg = load_config(ROOT / "configs" / "debug-cpu.yaml", ["data.vocab_size=300", "data.pairs=[en-de]"])
     out = tmp_path_factory.mktemp("prepared") / "prepared"
     prepare(discover(tiny_corpus), out, cfg.data, seed=1)
     return out

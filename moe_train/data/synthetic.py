@@ -276,6 +276,7 @@ class _Unit:
 
 
 def _parse(tokens: list[str], pos: dict[str, str]) -> list[_Unit]:
+    """Group tokens into units: NP = det [num] adj* noun, PP = prep NP, anything else alone."""
     units: list[_Unit] = []
     i = 0
 
@@ -340,6 +341,7 @@ def _segments(units: list[_Unit]) -> list[_Segment]:
 
 
 def _reorder(seg: _Segment, rules: _Rules) -> list[_Unit]:
+    """Apply the language's clause-level verb placement to one segment."""
     verbs = [u for u in seg.body if u.kind == "verb"]
     rest = [u for u in seg.body if u.kind != "verb"]
     body = seg.body

@@ -8,12 +8,18 @@ Lengths: a sentence with L real source tokens may produce at most
 ``max_len = floor(max_len_a * L + max_len_b)`` tokens (at least 1, at most the model's
 ``max_positions``) counting the final eos, which is forced at that limit.
 
-Shape legend: B sentences, K beam, N = B * K decoding rows, S source length, V vocabulary.
+Under expert parallelism every rank must call `decode` equally often: pass ``sync_done``, a
+function that gets whether this rank has finished and returns whether all ranks have (an
+all-reduce living in moe_train/parallel/); a finished rank then keeps decoding dummy steps.
+
+Shape legend: B sentences, K beam, N = B * K decoding rows, S source length, V vocabulary,
+C candidates kept per step (2K), F hypotheses finished in one step.
 """
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+import itertools
+from typing import Any, Callable, Protocol
 
 import torch
 from torch import Tensor
@@ -41,6 +47,10 @@ def max_lengths(model: Any, src_tokens_BS: Tensor, pad_id: int, max_len_a: float
     return max_len_B.clamp(max=limit) if limit is not None else max_len_B
 
 
+def _stop(local_done: bool, sync_done: Callable[[bool], bool] | None) -> bool:
+    return local_done if sync_done is None else bool(sync_done(local_done))
+
+
 def _next_log_probs(model: IncrementalSeq2Seq, prev_N1: Tensor, enc: Any,
                     ctx: ForwardContext | None, cache: Any, step: int, max_len_N: Tensor,
                     bos_id: int, eos_id: int, pad_id: int) -> Tensor:
@@ -61,7 +71,8 @@ def _next_log_probs(model: IncrementalSeq2Seq, prev_N1: Tensor, enc: Any,
 @torch.no_grad()
 def greedy_search(model: IncrementalSeq2Seq, src_tokens_BS: Tensor, bos_id: int, eos_id: int,
                   pad_id: int, max_len_a: float = 1.2, max_len_b: int = 10,
-                  ctx: ForwardContext | None = None) -> list[list[int]]:
+                  ctx: ForwardContext | None = None,
+                  sync_done: Callable[[bool], bool] | None = None) -> list[list[int]]:
     """Most likely next token at every step; returns each sentence's tokens without bos/eos."""
     B = src_tokens_BS.size(0)
     device = src_tokens_BS.device
@@ -71,16 +82,16 @@ def greedy_search(model: IncrementalSeq2Seq, src_tokens_BS: Tensor, bos_id: int,
     prev_B1 = torch.full((B, 1), bos_id, dtype=torch.long, device=device)
     finished_B = torch.zeros(B, dtype=torch.bool, device=device)
     steps: list[Tensor] = []
-    for step in range(int(max_len_B.max())):
+    for step in itertools.count():
         lprobs_BV = _next_log_probs(model, prev_B1, enc, ctx, cache, step, max_len_B,
                                     bos_id, eos_id, pad_id)
         next_B = lprobs_BV.argmax(dim=-1)
         next_B = torch.where(finished_B, torch.full_like(next_B, pad_id), next_B)
         steps.append(next_B)
-        finished_B |= next_B.eq(eos_id)
-        if bool(finished_B.all()):
+        finished_B |= next_B.eq(eos_id)  # the length limit forces eos, so this ends the loop
+        if _stop(bool(finished_B.all()), sync_done):
             break
-        prev_B1 = next_B[:, None]
+        prev_B1 = next_B[:, None]  # finished rows feed pad
     out_BT = torch.stack(steps, dim=1).tolist()
     return [_strip(row, eos_id) for row in out_BT]
 
@@ -92,7 +103,8 @@ def _strip(tokens: list[int], eos_id: int) -> list[int]:
 @torch.no_grad()
 def beam_search(model: IncrementalSeq2Seq, src_tokens_BS: Tensor, bos_id: int, eos_id: int,
                 pad_id: int, beam: int = 5, lenpen: float = 1.0, max_len_a: float = 1.2,
-                max_len_b: int = 10, ctx: ForwardContext | None = None) -> list[list[int]]:
+                max_len_b: int = 10, ctx: ForwardContext | None = None,
+                sync_done: Callable[[bool], bool] | None = None) -> list[list[int]]:
     """Batched beam search; returns each sentence's best hypothesis without bos/eos.
 
     Each step takes the top 2K of the K x V extensions per sentence. Eos extensions ranked in the
@@ -122,7 +134,7 @@ def beam_search(model: IncrementalSeq2Seq, src_tokens_BS: Tensor, bos_id: int, e
     finished: list[list[tuple[float, list[int]]]] = [[] for _ in range(B)]
     done_B = torch.zeros(B, dtype=torch.bool, device=device)
 
-    for step in range(int(max_len_B.max())):
+    for step in itertools.count():
         lprobs_NV = _next_log_probs(model, prev_N1, enc, ctx_N, cache, step, max_len_N,
                                     bos_id, eos_id, pad_id)
         V = lprobs_NV.size(-1)
@@ -133,13 +145,15 @@ def beam_search(model: IncrementalSeq2Seq, src_tokens_BS: Tensor, bos_id: int, e
         is_eos_BC = top_tok_BC.eq(eos_id)
 
         final_BK = is_eos_BC[:, :K] & top_scores_BC[:, :K].isfinite() & ~done_B[:, None]
-        for b, c in final_BK.nonzero().tolist():
-            row = b * K + int(top_beam_BC[b, c])
-            score = float(top_scores_BC[b, c]) / (step + 1) ** lenpen
-            finished[b].append((score, tokens_NT[row].tolist()))
+        if bool(final_BK.any()):  # one host transfer per step, not per hypothesis
+            b_F, c_F = final_BK.nonzero(as_tuple=True)
+            hyps = tokens_NT.index_select(0, b_F * K + top_beam_BC[b_F, c_F]).tolist()
+            scores = (top_scores_BC[b_F, c_F].double() / (step + 1) ** lenpen).tolist()
+            for b, score, hyp in zip(b_F.tolist(), scores, hyps):
+                finished[b].append((score, hyp))
         n_finished_B = torch.tensor([len(f) for f in finished], device=device)
         done_B |= n_finished_B.ge(K) | max_len_B.le(step + 1)
-        if bool(done_B.all()):
+        if _stop(bool(done_B.all()), sync_done):
             break
 
         # Live: the first K non-eos candidates, in score order (there are at most K eos ones).

@@ -63,7 +63,7 @@ def test_config_errors_are_one_line(tmp_path):
 def test_prepare_train_evaluate_translate(tiny_corpus, tmp_path):
     prepared = tmp_path / "prepared"
     proc = run_cli(["prepare", "--data", str(tiny_corpus), "--out", str(prepared), "--config",
-                    CONFIG, "data.vocab_size=300"], cwd=tmp_path)
+                    CONFIG, "data.vocab_size=300", "data.pairs=[en-de]"], cwd=tmp_path)
     assert "train" in proc.stdout and (prepared / "manifest.json").is_file()
     work = tmp_path / "w"
     run_cli(["train", "--config", CONFIG,

@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import json
+import time
 from collections import Counter
 
 import numpy as np
 import pytest
 import torch
 
-from moe_train.data.batching import (Batch, TrainBatchIterator, collate, corpus_counts,
-                                     eval_batches, sampling_probs)
+from moe_train.data.batching import (Batch, TrainBatchIterator, build_epoch_plan, collate,
+                                     corpus_counts, eval_batches, sampling_probs)
 from moe_train.errors import CheckpointError, DataError
 
 PAD, BOS, EOS = 0, 2, 3
@@ -283,3 +284,31 @@ def test_eval_batches_subset_and_rank_without_batches() -> None:
         (filler,) = per_rank[r]
         assert filler.is_padding and torch.equal(filler.src_tokens_BS, only.src_tokens_BS)
     assert eval_batches(ds, 100, PAD, BOS, EOS, indices=[]) == []
+
+
+def test_trailing_incomplete_group_is_dropped() -> None:
+    ds = FakeDataset([90], seed=13)
+    kw = dict(max_tokens=100, pad_id=PAD, bos_id=BOS, eos_id=EOS, seed=3)
+    flat = TrainBatchIterator(ds, **kw)
+    n_batches = flat.steps_per_epoch
+    epoch0 = [step[0][:-1] for step in _steps(flat, n_batches)]
+    epoch1 = [step[0][:-1] for step in _steps(flat, 3)]
+    assert n_batches % 3 != 0
+    grouped = TrainBatchIterator(ds, grad_accum=3, **kw)
+    assert grouped.steps_per_epoch == n_batches // 3
+    seen = [b.indices_B.tolist() for _ in range(n_batches // 3) for b in next(grouped)]
+    assert seen == epoch0[:len(seen)]
+    assert [b.indices_B.tolist() for b in next(grouped)] == epoch1 and grouped.epoch == 1
+
+
+def test_plan_for_250k_sentences_is_fast_and_exact() -> None:
+    ds = FakeDataset([120_000, 80_000, 50_000], seed=0, max_len=80)
+    counts = corpus_counts(ds.corpus_sizes, 1.0, len(ds))
+    start = time.perf_counter()
+    plan = build_epoch_plan(ds, counts, 4096, seed=1, epoch=0)
+    assert time.perf_counter() - start < 1.0
+    assert np.array_equal(np.sort(plan.order), np.arange(len(ds)))
+    width = np.maximum(ds.src_lengths, ds.tgt_lengths)[plan.order] + 1
+    starts = plan.bounds[:-1]
+    assert np.all(np.diff(plan.bounds) * np.maximum.reduceat(width, starts) <= 4096)
+    assert plan.tgt_tokens.sum() == (ds.tgt_lengths + 1).sum()

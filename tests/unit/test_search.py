@@ -134,6 +134,26 @@ def test_eos_forced_at_length_limit() -> None:
     assert out == [[A, A], [A]]
 
 
+def test_sync_done_keeps_decoding_until_all_ranks_finish() -> None:
+    model = TableModel(LENPEN_TABLE, LENPEN_DEFAULT)
+    src = torch.tensor([[5, 6, EOS]])
+    for search, kw in ((greedy_search, {}), (beam_search, {"beam": 3, "lenpen": 1.0})):
+        alone = search(model, src, BOS, EOS, PAD, **kw)
+        local_calls = len(model.ctx_seen)
+        model.ctx_seen.clear()
+        flags: list[bool] = []
+
+        def sync_done(done: bool) -> bool:  # another rank needs 7 steps
+            flags.append(done)
+            return len(flags) >= 7
+
+        assert search(model, src, BOS, EOS, PAD, sync_done=sync_done, **kw) == alone
+        assert len(model.ctx_seen) == 7 and local_calls < 7
+        assert flags[local_calls - 1:] == [True] * (8 - local_calls)
+        assert not any(flags[:local_calls - 1])
+        model.ctx_seen.clear()
+
+
 def test_context_is_expanded_to_beams() -> None:
     model = TableModel(LENPEN_TABLE, LENPEN_DEFAULT)
     ctx = ForwardContext(domain_ids_B=torch.tensor([7, 9]))
@@ -142,10 +162,10 @@ def test_context_is_expanded_to_beams() -> None:
         torch.equal(c.domain_ids_B, torch.tensor([7, 7, 7, 9, 9, 9])) for c in model.ctx_seen)
 
 
-def small_model(seed: int, vocab: int = 11) -> Seq2SeqTransformer:
+def small_model(seed: int, vocab: int = 11, tie: bool = True) -> Seq2SeqTransformer:
     torch.manual_seed(seed)
     cfg = ModelConfig(d_model=32, n_heads=4, ffn_dim=64, encoder_layers=2, decoder_layers=2,
-                      dropout=0.0, max_positions=64)
+                      dropout=0.0, max_positions=64, tie_embeddings=tie)
     return Seq2SeqTransformer(cfg, vocab, PAD).eval()
 
 
@@ -189,15 +209,16 @@ def _exhaustive_best(model: Seq2SeqTransformer, src_1S: torch.Tensor, words: lis
     return best
 
 
-@pytest.mark.parametrize("seed", [4, 5])
+@pytest.mark.parametrize("seed", [1, 3])
 def test_beam_search_equals_exhaustive_search(seed: int) -> None:
     # Vocabulary pad, bos, eos, a, b, c; 4 tokens at most: 1 + 3 + 9 + 27 hypotheses and at
     # most 9 * 4 = 36 finite candidates before the forced-eos step, so beam 36 keeps every
     # hypothesis alive and must be exact.
-    model = small_model(seed, vocab=6)
+    # Untied: a random tied model mostly repeats its input token, a weaker check.
+    model = small_model(seed, vocab=6, tie=False)
     src = torch.tensor([[A, B_, C, EOS], [C, EOS, PAD, PAD]])
     lengths = [4, 2]
-    found_nonempty = False
+    longest = 0
     with torch.no_grad():
         for lenpen in (0.0, 1.0, 2.0):
             out = beam_search(model, src, BOS, EOS, PAD, beam=36, lenpen=lenpen, max_len_a=0,
@@ -205,8 +226,8 @@ def test_beam_search_equals_exhaustive_search(seed: int) -> None:
             for i, length in enumerate(lengths):
                 expected = _exhaustive_best(model, src[i:i + 1, :length], [A, B_, C], 4, lenpen)
                 assert out[i] == expected
-                found_nonempty |= bool(expected)
-    assert found_nonempty
+                longest = max(longest, len(expected))
+    assert longest == 3  # the length penalty reaches the deepest level
 
 
 @pytest.mark.parametrize("training", [True, False])

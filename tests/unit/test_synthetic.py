@@ -1,4 +1,4 @@
-"""The synthetic demo corpus: layout, determinism, splits, domain vocabularies, translation rules."""
+"""The synthetic demo corpus: layout, determinism, splits, domain vocabularies, reordering."""
 
 from __future__ import annotations
 

@@ -89,6 +89,25 @@ def test_tied_weights_are_one_table() -> None:
     assert untied.output_weight() is untied.output_proj.weight
 
 
+def test_layer_inputs_are_scaled_embeddings_plus_positions() -> None:
+    model = small_model(tie_embeddings=False)
+    seen: dict[str, torch.Tensor] = {}
+    model.encoder_layers[0].register_forward_hook(
+        lambda mod, args, out: seen.__setitem__("enc", args[0]))
+    model.decoder_layers[0].register_forward_hook(
+        lambda mod, args, out: seen.__setitem__("dec", args[0]))
+    table = model.positions(10)
+    with torch.no_grad():
+        enc = model.encode(SRC)
+        expected = model.embed_tokens(SRC) * math.sqrt(D) + table[:5]
+        assert torch.allclose(seen["enc"], expected, atol=1e-6)
+        cache = model.new_decoder_cache()
+        model.decode(TGT[:, :2], enc, cache=cache)
+        model.decode(TGT[:, 2:5], enc, cache=cache)  # positions continue at 2
+        expected = model.tgt_embed_tokens(TGT[:, 2:5]) * math.sqrt(D) + table[2:5]
+        assert torch.allclose(seen["dec"], expected, atol=1e-6)
+
+
 def test_incremental_decoding_matches_full() -> None:
     model = small_model(seed=1)
     with torch.no_grad():
@@ -192,19 +211,20 @@ def test_ffn_and_adapter_slots_and_aux_losses() -> None:
         seen.append((side, idx, cfg.d_model))
         return FakeFFN(side, idx, calls)
 
-    def adapter_factory(side, idx, cfg, shift=1.0):
-        return ShiftAdapter(shift) if (side, idx) == ("decoder", 1) else None
+    def adapter_factory(side, idx, cfg, shift=1.0, where=(("encoder", 0), ("decoder", 1))):
+        return ShiftAdapter(shift) if (side, idx) in where else None
 
     torch.manual_seed(5)
     model = Seq2SeqTransformer(small_cfg(), V, PAD, ffn_factory, adapter_factory).eval()
     assert seen == [("encoder", 0, D), ("encoder", 1, D), ("decoder", 0, D), ("decoder", 1, D)]
-    assert model.decoder_layers[1].adapter is not None and model.decoder_layers[0].adapter is None
+    assert [layer.adapter is not None for layer in model.encoder_layers] == [True, False]
+    assert [layer.adapter is not None for layer in model.decoder_layers] == [False, True]
 
     ctx = ForwardContext(domain_ids_B=torch.tensor([4, 5, 6]))
     out = model(SRC, TGT, ctx)
     assert set(out.aux_losses) == {"balance", "adapter"}
     assert out.aux_losses["balance"].item() == pytest.approx(10 * (1 + 2) + 1 * (1 + 2))
-    assert out.aux_losses["adapter"].item() == pytest.approx(0.5)
+    assert out.aux_losses["adapter"].item() == pytest.approx(0.5 + 0.5)
     assert [(s, i, c.side) for s, i, c in calls] == [
         ("encoder", 0, "encoder"), ("encoder", 1, "encoder"),
         ("decoder", 0, "decoder"), ("decoder", 1, "decoder")]
@@ -215,16 +235,20 @@ def test_ffn_and_adapter_slots_and_aux_losses() -> None:
             assert torch.equal(c.tgt_pad_mask_BT, TGT.eq(PAD))
     assert ctx.side == "encoder" and ctx.src_pad_mask_BS is None  # caller's ctx untouched
 
-    # The adapter is really applied: a zero shift reproduces the adapter-free model.
-    torch.manual_seed(5)
-    no_shift = Seq2SeqTransformer(small_cfg(), V, PAD, ffn_factory,
-                                  lambda s, i, c: adapter_factory(s, i, c, shift=0.0)).eval()
-    torch.manual_seed(5)
-    plain = Seq2SeqTransformer(small_cfg(), V, PAD, ffn_factory).eval()
+    # The adapters are really applied: a zero shift reproduces the adapter-free model, a shift
+    # on either side alone changes the logits.
+    def build(**kw):
+        torch.manual_seed(5)
+        return Seq2SeqTransformer(small_cfg(), V, PAD, ffn_factory,
+                                  lambda s, i, c: adapter_factory(s, i, c, **kw)).eval()
+
+    plain = build(where=())
     with torch.no_grad():
         ref = plain(SRC, TGT).logits_BTV
-        assert torch.allclose(no_shift(SRC, TGT).logits_BTV, ref, atol=1e-6)
-        assert not torch.allclose(model(SRC, TGT).logits_BTV, ref, atol=1e-3)
+        assert torch.allclose(build(shift=0.0)(SRC, TGT).logits_BTV, ref, atol=1e-6)
+        for where in ((("encoder", 0),), (("decoder", 1),)):
+            shifted = build(where=where)(SRC, TGT).logits_BTV
+            assert not torch.allclose(shifted, ref, atol=1e-3)
     assert plain(SRC, TGT).aux_losses.keys() == {"balance"}
 
 
