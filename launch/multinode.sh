@@ -3,26 +3,84 @@
 #
 #   launch/multinode.sh HOSTFILE CONFIG [a.b=value ...]
 #
-# runs, from the first node of HOSTFILE:
+# runs, from the current directory (which every node must also have: a shared file system):
 #   deepspeed --hostfile HOSTFILE --master_addr <first host> --master_port 29500 \
 #             --module moe_train train --config CONFIG [a.b=value ...]
-# Set MASTER_PORT to change the port; NUM_NODES / NUM_GPUS to use fewer than the hostfile lists.
-# On CPU-only nodes each slot is one process on the gloo backend.
+# pdsh starts one launcher per node over ssh; each does `cd <this directory>` and runs this
+# checkout's .venv python (the same absolute path must exist on every node).
+#
+# Environment: MASTER_PORT (default 29500; the master is the first host of HOSTFILE);
+# NUM_NODES / NUM_GPUS to use fewer nodes / slots than HOSTFILE lists; DEEPSPEED, the launcher
+# to run (default: this checkout's .venv/bin/deepspeed, else the one on PATH). Remote nodes get
+# PYTHON* variables and those listed in ./.deepspeed_env or ~/.deepspeed_env (KEY=value lines).
+# On CPU-only nodes each slot is one process on the gloo backend. See launch/README.md.
 set -euo pipefail
+prog=${0##*/}
+die() { echo "$prog: error: $*" >&2; exit 2; }
 if [ $# -lt 2 ]; then
-  echo "usage: $0 HOSTFILE CONFIG [a.b=value ...]" >&2
+  echo "usage: $prog HOSTFILE CONFIG [a.b=value ...]" >&2
   exit 2
 fi
 hostfile=$1; config=$2; shift 2
-[ -f "$hostfile" ] || { echo "error: $hostfile: hostfile not found" >&2; exit 2; }
-[ -f "$config" ] || { echo "error: $config: config not found" >&2; exit 2; }
-here=$(cd "$(dirname "$0")/.." && pwd)
-master=$(awk '!/^[[:space:]]*(#|$)/ {print $1; exit}' "$hostfile")
-[ -n "$master" ] || { echo "error: $hostfile: no host lines (expected 'host slots=N')" >&2; exit 2; }
+[ -f "$hostfile" ] || die "$hostfile: hostfile not found"
+[ -f "$config" ] || die "$config: config not found"
+abspath() { printf '%s/%s\n' "$(cd "$(dirname "$1")" && pwd)" "$(basename "$1")"; }
+# Absolute, so that they name the same files whatever directory the launcher runs in.
+hostfile=$(abspath "$hostfile"); config=$(abspath "$config")
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+
+# Hosts as DeepSpeed reads them: "host slots=N" lines; '#' comments and blank lines skipped.
+hosts=()
+while read -r host slots _ || [ -n "${host:-}" ]; do
+  case $host in ''|'#'*) continue ;; esac
+  [[ $slots =~ ^slots=[0-9]+$ ]] || die "$hostfile: bad line '$host${slots:+ $slots}' (expected 'host slots=N')"
+  hosts+=("$host")
+done < "$hostfile"
+[ ${#hosts[@]} -gt 0 ] || die "$hostfile: no host lines (expected 'host slots=N')"
+nodes=${#hosts[@]}
+if [ -n "${NUM_NODES:-}" ]; then
+  [[ $NUM_NODES =~ ^[1-9][0-9]*$ ]] || die "NUM_NODES=$NUM_NODES: expected a positive integer"
+  [ "$NUM_NODES" -le "$nodes" ] || die "NUM_NODES=$NUM_NODES but $hostfile lists $nodes host(s)"
+  nodes=$NUM_NODES
+fi
+[ -z "${NUM_GPUS:-}" ] || [[ $NUM_GPUS =~ ^[1-9][0-9]*$ ]] || die "NUM_GPUS=$NUM_GPUS: expected a positive integer"
+
+deepspeed=${DEEPSPEED:-$here/.venv/bin/deepspeed}
+if [ ! -x "$deepspeed" ]; then
+  [ -z "${DEEPSPEED:-}" ] && deepspeed=$(command -v deepspeed || true)
+  [ -n "$deepspeed" ] && [ -x "$deepspeed" ] \
+    || die "deepspeed launcher not found (${DEEPSPEED:-$here/.venv/bin/deepspeed}): run 'make setup' or set DEEPSPEED"
+fi
+
+# DeepSpeed turns each line of .deepspeed_env into 'export KEY=value;' in the remote command:
+# a blank line crashes it and a '#' line comments out the rest of the remote command.
+for envfile in "$HOME/${DS_ENV_FILE:-.deepspeed_env}" "./${DS_ENV_FILE:-.deepspeed_env}"; do
+  [ -f "$envfile" ] || continue
+  bad=$(grep -nvE '^[A-Za-z_][A-Za-z0-9_]*=' "$envfile" | head -n 1 || true)
+  [ -z "$bad" ] || die "$envfile:${bad%%:*}: expected KEY=value lines only (no blank or comment lines)"
+done
+
+args=("$@")
+if [ "$nodes" -gt 1 ]; then
+  command -v pdsh >/dev/null || die "pdsh not found: the multi-node launch runs 'pdsh -w HOSTS' (install pdsh)"
+  # pdsh hands the remote login shell one command line: DeepSpeed double-quotes arguments that
+  # contain spaces and passes the others as they are, so the remote shell would glob or expand
+  # a.b=[x,y] (zsh: "no matches found"), $VAR, quotes, ';'. Quote them for that shell.
+  for i in "${!args[@]}"; do
+    a=${args[$i]}
+    if [[ $a == *" "* ]]; then         # DeepSpeed adds "..." and escapes '"'; escape the rest
+      a=${a//\\/\\\\}; a=${a//\$/\\\$}; a=${a//\`/\\\`}
+    elif [[ $a =~ [^A-Za-z0-9_@%+=:,./-] ]]; then
+      a="'${a//\'/\'\\\'\'}'"
+    fi
+    args[$i]=$a
+  done
+fi
+
 extra=()
 [ -n "${NUM_NODES:-}" ] && extra+=(--num_nodes "$NUM_NODES")
 [ -n "${NUM_GPUS:-}" ] && extra+=(--num_gpus "$NUM_GPUS")
-cd "$here"
-exec "$here/.venv/bin/deepspeed" --hostfile "$hostfile" --master_addr "$master" \
-  --master_port "${MASTER_PORT:-29500}" "${extra[@]}" \
-  --module moe_train train --config "$config" "$@"
+# ${a[@]+"${a[@]}"}: empty arrays are "unbound" under set -u in bash < 4.4.
+exec "$deepspeed" --hostfile "$hostfile" --master_addr "${hosts[0]}" \
+  --master_port "${MASTER_PORT:-29500}" ${extra[@]+"${extra[@]}"} \
+  --module moe_train train --config "$config" ${args[@]+"${args[@]}"}

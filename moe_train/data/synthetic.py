@@ -14,6 +14,8 @@ generated. Tokens are separated by single spaces (punctuation included).
 
 from __future__ import annotations
 
+import re
+
 import functools
 import itertools
 import os
@@ -484,6 +486,20 @@ def pair_name(src: str, tgt: str) -> str:
     return "-".join(sorted((src, tgt)))
 
 
+_DETOK_RE = re.compile(r" ([.,;:?!])")
+_TOK_RE = re.compile(r"(?<=\S)([.,;:?!])")
+
+
+def detokenize(sentence: str) -> str:
+    """Attach punctuation to the preceding word, as real (detokenized) text is written."""
+    return _DETOK_RE.sub(r"\1", sentence)
+
+
+def tokenize(sentence: str) -> str:
+    """Inverse of `detokenize`: split punctuation off the preceding word."""
+    return _TOK_RE.sub(r" \1", sentence)
+
+
 def generate_synthetic(out_dir: str | os.PathLike, num_domains: int = 5,
                        target_langs: Sequence[str] = ("de",), train_per_domain: int = 3000,
                        dev_per_domain: int = 100, test_per_domain: int = 100,
@@ -518,9 +534,9 @@ def generate_synthetic(out_dir: str | os.PathLike, num_domains: int = 5,
             pair = pair_name(SOURCE_LANG, lang)
             for split, lines in split_sents.items():
                 stem = out / domain / f"{domain}.{pair}.{split}"
-                write_text(f"{stem}.{SOURCE_LANG}", "".join(f"{s}\n" for s in lines))
-                write_text(f"{stem}.{lang}",
-                           "".join(f"{translate(s, domain, lang)}\n" for s in lines))
+                write_text(f"{stem}.{SOURCE_LANG}", "".join(f"{detokenize(s)}\n" for s in lines))
+                write_text(f"{stem}.{lang}", "".join(
+                    f"{detokenize(translate(s, domain, lang))}\n" for s in lines))
         types = {w for s in sents for w in s.split()}
         all_types |= types
         train_words = [len(s.split()) for s in split_sents["train"]]

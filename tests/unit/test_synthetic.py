@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from moe_train.data.synthetic import (AMBIGUOUS, DOMAINS, TARGET_LANGS, generate_sentences,
-                                      generate_synthetic, gloss, translate, vocabulary)
+                                      detokenize, generate_synthetic, gloss, tokenize,
+                                      translate, vocabulary)
 from moe_train.errors import ConfigError
 
 SMALL = dict(num_domains=5, target_langs=("de", "fr"), train_per_domain=150, dev_per_domain=20,
@@ -42,7 +43,9 @@ def test_opus_layout_and_manifest(corpus: Path) -> None:
                 src = _lines(corpus / domain / f"{domain}.{pair}.{split}.en")
                 tgt = _lines(corpus / domain / f"{domain}.{pair}.{split}.{lang}")
                 assert len(src) == len(tgt) == n
-                assert tgt == [translate(s, domain, lang) for s in src]
+                # files hold detokenized text ("word." not "word .")
+                assert not any(" ." in line for line in src + tgt)
+                assert tgt == [detokenize(translate(tokenize(s), domain, lang)) for s in src]
     assert not (corpus / "news").exists()
     assert not [p for p in corpus.rglob("*") if p.name.endswith(".tmp")]
 
