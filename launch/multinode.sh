@@ -32,6 +32,7 @@ here=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 # Hosts as DeepSpeed reads them: "host slots=N" lines; '#' comments and blank lines skipped.
 hosts=()
 while read -r host slots _ || [ -n "${host:-}" ]; do
+  slots=${slots%$'\r'}; host=${host%$'\r'}
   case $host in ''|'#'*) continue ;; esac
   [[ $slots =~ ^slots=[0-9]+$ ]] || die "$hostfile: bad line '$host${slots:+ $slots}' (expected 'host slots=N')"
   hosts+=("$host")

@@ -1,0 +1,179 @@
+"""Multi-node launches for real, on the one-machine cluster of ../shared/tools/local-cluster.sh.
+
+- `launch/multinode.sh HOSTFILE CONFIG ...`: `deepspeed --hostfile` over pdsh/ssh to the two
+  "nodes" node1 and node2 (one rank each);
+- `sbatch launch/slurm.sbatch CONFIG ...` with GPUS_PER_NODE=2: one DeepSpeed launcher per node
+  through srun (--no_ssh), two CPU ranks.
+
+Both train world size 2 and write both ranks' RNG state. The tests never start the cluster; they
+skip, saying why, when it is not up.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT, cli_env, debug_overrides
+
+HOSTFILE = Path("/tmp/hostfile-2nodes")
+MULTINODE = ROOT / "launch" / "multinode.sh"
+SBATCH_SCRIPT = ROOT / "launch" / "slurm.sbatch"
+SETUP = "run `bash ../shared/tools/local-cluster.sh all` as root"
+# Overrides that a shell would split or glob: they must reach every rank intact.
+TRICKY = ["data.pairs=[en-de]", "data.domains=[it, law, medical, religion, subtitles]"]
+
+
+def _short_run(overrides: list[str]) -> list[str]:
+    return [*overrides, "train.max_steps=4", "checkpoint.save_every=4", "train.validate_every=0",
+            "train.bleu_sentences=5", "data.max_tokens=400", *TRICKY]
+
+
+def _ssh_cluster_missing() -> str | None:
+    if not HOSTFILE.is_file():
+        return f"{HOSTFILE} missing ({SETUP})"
+    if shutil.which("pdsh") is None:
+        return f"pdsh not installed ({SETUP})"
+    try:
+        proc = subprocess.run(["ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=5", "node2", "true"],
+                              capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"ssh node2: {exc} ({SETUP})"
+    if proc.returncode != 0:
+        return f"`ssh -o BatchMode=yes node2 true` failed: {proc.stderr.strip()[:200]} ({SETUP})"
+    return None
+
+
+def _slurm_partition() -> tuple[str | None, str | None]:
+    """(partition, None) when SLURM can run a job here, else (None, why not)."""
+    if shutil.which("sinfo") is None or shutil.which("sbatch") is None:
+        return None, f"sinfo/sbatch not installed ({SETUP})"
+    try:
+        proc = subprocess.run(["sinfo", "-h", "-o", "%P %a %t"], capture_output=True, text=True,
+                              timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return None, f"sinfo: {exc}"
+    rows = [line.split() for line in proc.stdout.splitlines() if len(line.split()) == 3]
+    if proc.returncode != 0 or not rows:
+        return None, f"sinfo: no partition ({proc.stderr.strip()[:200] or SETUP})"
+    usable = [(p.rstrip("*"), p.endswith("*")) for p, avail, state in rows
+              if avail == "up" and state.rstrip("*~#") in ("idle", "mix", "mixed", "alloc", "allocated")]
+    if not usable:
+        return None, f"sinfo: no partition up with a usable node ({proc.stdout.strip()[:200]})"
+    names = [name for name, _ in usable]
+    if "debug" in names:
+        return "debug", None
+    return next((name for name, default in usable if default), names[0]), None
+
+
+def _run(cmd: list[str], cwd: Path, env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
+    """Run a launcher; on timeout interrupt it (DeepSpeed then kills its remote ranks) and fail."""
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGINT)
+        try:
+            out, _ = proc.communicate(timeout=15)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, _ = proc.communicate()
+        pytest.fail(f"{' '.join(cmd[:3])} ... did not finish in {timeout:.0f}s\n{out[-4000:]}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, "")
+
+
+def _check_trained(out: str, ckpt: Path) -> None:
+    assert "world 2 (env, gloo)" in out, out[-5000:]
+    assert (ckpt / "latest").read_text().strip() == "step_00000004"
+    step = ckpt / "step_00000004"
+    assert (step / "rng_rank0.pt").is_file() and (step / "rng_rank1.pt").is_file(), \
+        sorted(p.name for p in step.iterdir())
+    assert json.loads((step / "meta.json").read_text())["world_size"] == 2
+    data = json.loads((ckpt / "export" / "config.json").read_text())["data"]
+    assert data["pairs"] == ["en-de"]
+    assert data["domains"] == ["it", "law", "medical", "religion", "subtitles"]
+
+
+def test_multinode_sh_pdsh_two_nodes(tiny_prepared, tmp_path):
+    why = _ssh_cluster_missing()
+    if why:
+        pytest.skip(why)
+    from moe_train.parallel.runtime import free_port
+
+    # Launched from a work directory outside the checkout, with a relative hostfile, as users do;
+    # a file that `data.pairs=[en-de]` would glob to on the remote shell if it went unquoted.
+    shutil.copy(HOSTFILE, tmp_path / "hostfile")
+    (tmp_path / "data.pairs=e").touch()
+    env = cli_env()
+    env["MASTER_PORT"] = str(free_port())
+    cmd = ["bash", str(MULTINODE), "hostfile", str(ROOT / "configs" / "debug-cpu.yaml"),
+           *_short_run(debug_overrides(tiny_prepared, tmp_path / "w"))]
+    proc = _run(cmd, tmp_path, env, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-5000:]
+    assert "pdsh -S -f 1024 -w node1,node2" in proc.stdout  # the real multi-node path
+    _check_trained(proc.stdout, tmp_path / "w" / "ckpt")
+
+
+def test_sbatch_template_two_cpu_ranks(tiny_prepared, tmp_path):
+    partition, why = _slurm_partition()
+    if why:
+        pytest.skip(why)
+    env = cli_env()
+    env["GPUS_PER_NODE"] = "2"
+    name = f"moe-test-{uuid.uuid4().hex[:8]}"
+    log = tmp_path / "slurm-%j.out"
+    cmd = ["sbatch", "--parsable", "-p", partition, "--nodes=1", f"--job-name={name}", "-o", str(log),
+           str(SBATCH_SCRIPT), "configs/debug-cpu.yaml",
+           *_short_run(debug_overrides(tiny_prepared, tmp_path / "w"))]
+    sub = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert sub.returncode == 0, sub.stderr
+    job = sub.stdout.strip().split(";")[0]
+    out_file = Path(str(log).replace("%j", job))
+    deadline, state = time.monotonic() + 240, "PENDING"
+    try:
+        while time.monotonic() < deadline:
+            state = subprocess.run(["squeue", "-h", "-j", job, "-o", "%T"], capture_output=True,
+                                   text=True, timeout=30).stdout.strip()
+            if not state:
+                break
+            time.sleep(2)
+        else:
+            if state == "PENDING":
+                pytest.skip(f"SLURM job {job} still pending after 240 s (node busy?)")
+            pytest.fail(f"SLURM job {job} still {state} after 240 s\n"
+                        f"{out_file.read_text()[-4000:] if out_file.exists() else ''}")
+    finally:
+        if state:
+            subprocess.run(["scancel", job], capture_output=True, timeout=30)
+    out = out_file.read_text() if out_file.exists() else f"(no {out_file})"
+    info = subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True,
+                          timeout=30).stdout
+    if "ExitCode=" in info:  # kept by slurmctld for MinJobAge seconds
+        assert "JobState=COMPLETED" in info and "ExitCode=0:0" in info, info + out[-5000:]
+    assert "1 node(s) x 2 rank(s) = world 2" in out, out[-5000:]
+    _check_trained(out, tmp_path / "w" / "ckpt")
+
+
+@pytest.mark.parametrize("case", ["no-args", "hostfile", "config", "bad-line"])
+def test_multinode_sh_one_line_errors(tmp_path, case):
+    config = str(ROOT / "configs" / "debug-cpu.yaml")
+    (tmp_path / "hosts").write_text("node1 slots=1\nnode2\n")
+    args = {"no-args": [], "hostfile": ["nope", config], "config": ["hosts", "nope.yaml"],
+            "bad-line": ["hosts", config]}[case]
+    proc = subprocess.run(["bash", str(MULTINODE), *args], cwd=tmp_path, env=cli_env(),
+                          capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 2 and proc.stdout == ""
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    expected = {"no-args": "usage: multinode.sh HOSTFILE CONFIG", "hostfile": "nope: hostfile not found",
+                "config": "nope.yaml: config not found", "bad-line": "bad line 'node2'"}[case]
+    assert expected in lines[0]
