@@ -1,6 +1,7 @@
 """Typed configuration: dataclasses (schema.py) and YAML/override loading (loader.py)."""
 
 from moe_train.config.loader import config_from_dict, load_config, parse_overrides
+from moe_train.config.moe import MoEConfig, RouterConfig
 from moe_train.config.schema import (
     CheckpointConfig,
     DataConfig,
@@ -14,6 +15,6 @@ from moe_train.config.schema import (
 
 __all__ = [
     "CheckpointConfig", "DataConfig", "EvalConfig", "ExperimentConfig", "LoggingConfig",
-    "ModelConfig", "OptimConfig", "TrainConfig", "config_from_dict", "load_config",
+    "ModelConfig", "MoEConfig", "OptimConfig", "RouterConfig", "TrainConfig", "config_from_dict", "load_config",
     "parse_overrides",
 ]

@@ -16,15 +16,18 @@ from moe_train.data.batching import Batch, eval_batches
 from moe_train.data.vocab import Vocab
 from moe_train.eval.search import beam_search, greedy_search
 from moe_train.models.context import ForwardContext
+from moe_train.moe.routing import NUM_LANGS_KEY
 from moe_train.parallel.collectives import all_gather_object
 from moe_train.parallel.runtime import ParallelRuntime
 
 
-def batch_context(batch: Batch, pad_id: int) -> ForwardContext:
-    """The routing context of a batch (padding mask, domain and language ids)."""
+def batch_context(batch: Batch, pad_id: int, num_langs: int | None = None) -> ForwardContext:
+    """The routing context of a batch (padding mask, domain and language ids; the number of
+    languages lets task routers number language pairs)."""
+    extras = {} if num_langs is None else {NUM_LANGS_KEY: num_langs}
     return ForwardContext(src_pad_mask_BS=batch.src_tokens_BS.eq(pad_id),
                           domain_ids_B=batch.domain_ids_B, src_lang_B=batch.src_lang_B,
-                          tgt_lang_B=batch.tgt_lang_B)
+                          tgt_lang_B=batch.tgt_lang_B, extras=extras)
 
 
 def search(model: torch.nn.Module, src_BS: torch.Tensor, ctx: ForwardContext, vocab: Vocab,
@@ -52,8 +55,8 @@ def translate_dataset(model: torch.nn.Module, dataset: Any, vocab: Vocab, rt: Pa
     local: dict[int, str] = {}
     for batch in batches:
         batch = batch.to(rt.device)
-        hyps = search(model, batch.src_tokens_BS, batch_context(batch, vocab.pad_id), vocab,
-                      ecfg, beam)
+        ctx = batch_context(batch, vocab.pad_id, len(dataset.manifest["langs"]))
+        hyps = search(model, batch.src_tokens_BS, ctx, vocab, ecfg, beam)
         if not batch.is_padding:
             for idx, ids in zip(batch.indices_B.tolist(), hyps):
                 local[idx] = vocab.decode(ids)

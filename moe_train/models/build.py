@@ -1,14 +1,50 @@
-"""Build the model a config describes (the one place that maps config -> modules)."""
+"""Build the model a config describes (the one place that maps config -> modules).
+
+Dense FFNs everywhere unless `moe.num_experts > 0`; then the layers `moe.layers` selects on each
+side get an `MoELayer` with that side's router (the encoder/decoder hybrids of seed 002), a
+`LocalDispatcher` and stacked experts. Expert parallelism is wired in afterwards by
+moe_train.parallel, so the model itself never knows about ranks.
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
-from moe_train.config.schema import ExperimentConfig
-from moe_train.models.transformer import Seq2SeqTransformer
+from torch import nn
+
+from moe_train.config.schema import ExperimentConfig, ModelConfig
+from moe_train.models.transformer import Seq2SeqTransformer, dense_ffn_factory
+from moe_train.moe.dispatcher import LocalDispatcher
+from moe_train.moe.experts import Experts
+from moe_train.moe.layer import MoELayer
+from moe_train.moe.router import build_router
+
+
+def moe_ffn_factory(cfg: ExperimentConfig):
+    """An ffn_factory placing MoE layers where `cfg.moe` says, dense FFNs elsewhere."""
+    moe = cfg.moe
+
+    def factory(side: str, layer_idx: int, mcfg: ModelConfig) -> nn.Module:
+        num_layers = mcfg.encoder_layers if side == "encoder" else mcfg.decoder_layers
+        if not moe.is_moe_layer(side, layer_idx, num_layers):
+            return dense_ffn_factory(side, layer_idx, mcfg)
+        router = build_router(moe.router_name(side), mcfg.d_model, moe.num_experts,
+                              moe.router_config(side))
+        experts = Experts(moe.num_experts, mcfg.d_model, moe.expert_ffn_dim or mcfg.ffn_dim,
+                          mcfg.activation, mcfg.activation_dropout)
+        return MoELayer(router, LocalDispatcher(moe.num_experts, moe.capacity_factor), experts,
+                        dropout=mcfg.dropout)
+
+    return factory
 
 
 def build_model(cfg: ExperimentConfig, manifest: dict[str, Any]) -> Seq2SeqTransformer:
     """A single-device Seq2SeqTransformer sized to the prepared data's vocabulary."""
+    ffn_factory = moe_ffn_factory(cfg) if cfg.moe.enabled else None
     return Seq2SeqTransformer(cfg.model, vocab_size=manifest["vocab_size"],
-                              pad_id=manifest["pad_id"])
+                              pad_id=manifest["pad_id"], ffn_factory=ffn_factory)
+
+
+def moe_layers(model: nn.Module) -> list[tuple[str, MoELayer]]:
+    """(name, layer) of every MoE layer in `model`, in module order."""
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, MoELayer)]

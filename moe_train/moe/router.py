@@ -23,75 +23,14 @@ E experts, K expert slots per token, N tasks.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from moe_train.config.moe import RouterConfig
 from moe_train.errors import ConfigError
 from moe_train.moe import losses
-from moe_train.moe.routing import TASK_SOURCES, Routing, RoutingContext, sentence_mean
-
-
-@dataclass
-class RouterConfig:
-    """Router settings (the ``moe.*`` router fields); checked on construction."""
-
-    k: int = 2
-    """Experts per token for topk / sentence / task routers (switch is 1, gshard 2, topp
-    varies); at most the number of experts (checked when the router is built)."""
-    capacity_factor: float = 0.0
-    """Expert capacity as a multiple of the even share T*K/E, read by the dispatcher;
-    0 means dropless (no token is ever dropped)."""
-    noisy_gating: bool = False
-    """Add Shazeer's learned Gaussian noise, softplus(x W_noise) * N(0, 1), to the router logits
-    (training only)."""
-    jitter_eps: float = 0.0
-    """Multiply router inputs by Uniform(1 - eps, 1 + eps) (training only; Switch uses 0.01)."""
-    aux_loss_coef: float = 0.01
-    """Weight of the Switch load-balancing loss (0 disables it)."""
-    z_loss_coef: float = 0.001
-    """Weight of the router z-loss (ST-MoE; 0 disables it)."""
-    entropy_coef: float = 1e-4
-    """Weight of the top-p entropy (dynamic routing) loss, delta in THOR-MoE Eq. 15."""
-    top_p: float = 0.5
-    """Top-p threshold in (0, 1]: the mass the chosen experts must reach (THOR-MoE uses 0.5)."""
-    task_source: str = "lang_pair"
-    """Task of a sentence for the task router: lang_pair, tgt_lang, domain or task_ids."""
-    num_tasks: int = 0
-    """Number of task ids (language pairs = num_langs^2, languages, domains) for the learned
-    task router; 0 with a fixed `assignment` means its number of rows."""
-    assignment: list[list[int]] = field(default_factory=list)
-    """Fixed task -> experts table for the task router: row i lists the k experts of task i
-    (each gets weight 1/k). Empty: the task router learns its gate."""
-    sentence_pool: str = "mean"
-    """How the sentence router condenses a sentence: mean over its non-pad tokens."""
-
-    def __post_init__(self) -> None:
-        _expect(self.k >= 1, "moe.k", "a positive integer", self.k)
-        _expect(self.capacity_factor >= 0, "moe.capacity_factor",
-                "a non-negative number (0: dropless)", self.capacity_factor)
-        _expect(0.0 <= self.jitter_eps < 1.0, "moe.jitter_eps", "a number in [0, 1)",
-                self.jitter_eps)
-        for name in ("aux_loss_coef", "z_loss_coef", "entropy_coef"):
-            _expect(getattr(self, name) >= 0, f"moe.{name}", "a non-negative number",
-                    getattr(self, name))
-        _expect(0.0 < self.top_p <= 1.0, "moe.top_p", "a number in (0, 1]", self.top_p)
-        _expect(self.task_source in TASK_SOURCES, "moe.task_source",
-                f"one of {', '.join(TASK_SOURCES)}", self.task_source)
-        _expect(self.num_tasks >= 0, "moe.num_tasks", "a non-negative integer", self.num_tasks)
-        _expect(self.sentence_pool == "mean", "moe.sentence_pool", "mean", self.sentence_pool)
-        for i, row in enumerate(self.assignment):
-            where = f"moe.assignment[{i}]"
-            _expect(isinstance(row, (list, tuple)) and len(row) == self.k, where,
-                    f"a list of moe.k ({self.k}) expert ids", row)
-            _expect(all(isinstance(e, int) and not isinstance(e, bool) and e >= 0 for e in row),
-                    where, "non-negative integer expert ids", row)
-            _expect(len(set(row)) == len(row), where, "distinct expert ids", row)
-        if self.assignment and self.num_tasks:
-            _expect(self.num_tasks == len(self.assignment), "moe.num_tasks",
-                    f"the number of moe.assignment rows ({len(self.assignment)})", self.num_tasks)
+from moe_train.moe.routing import Routing, RoutingContext, sentence_mean
 
 
 def _expect(cond: bool, path: str, expected: str, got: object) -> None:

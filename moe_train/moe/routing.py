@@ -19,11 +19,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from moe_train.config.moe import TASK_SOURCES
 from moe_train.errors import ConfigError
 from moe_train.models.context import SIDES, ForwardContext
-
-TASK_SOURCES = ("lang_pair", "tgt_lang", "domain", "task_ids")
-"""Where a sentence's task id comes from (see `RoutingContext.from_forward`)."""
 
 SENTENCE_REPR_KEY = "sentence_repr_BD"
 """`ForwardContext.extras` key of a precomputed sentence representation (B, D)."""

@@ -95,7 +95,7 @@ class Trainer:
     # ------------------------------------------------------------------ one optimizer step
     def _forward_loss(self, batch: Batch) -> tuple[torch.Tensor, float, float]:
         out = self.engine(batch.src_tokens_BS, batch.tgt_in_BT,
-                          batch_context(batch, self.vocab.pad_id))
+                          batch_context(batch, self.vocab.pad_id, len(self.manifest["langs"])))
         loss_sum, nll_sum = label_smoothed_nll(out.logits_BTV, batch.tgt_out_BT,
                                                self.vocab.pad_id, self.cfg.optim.label_smoothing)
         scale = self.rt.world_size * self.cfg.optim.grad_accum / batch.step_tgt_tokens

@@ -1,0 +1,157 @@
+"""MoE configuration: the router settings (`RouterConfig`) and where MoE layers go (`MoEConfig`).
+
+`MoEConfig` is the ``moe`` section of an experiment; it extends the router settings with the
+layer placement, the router of each side (the encoder/decoder hybrids of seed 002 Table 1, e.g.
+token routing in the encoder and target-language task routing in the decoder), the expert size
+and the expert-parallel degree. Errors name the field as ``moe.<field>``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+from moe_train.errors import ConfigError
+
+TASK_SOURCES = ("lang_pair", "tgt_lang", "domain", "task_ids")
+"""Where a sentence's task id comes from: its language pair, target language, domain, or
+explicit task ids supplied with the batch."""
+
+LAYER_PATTERNS = ("every_other", "all")
+
+
+def _expect(cond: bool, path: str, expected: str, got: object) -> None:
+    if not cond:
+        raise ConfigError(f"{path}: expected {expected}, got {got!r}")
+
+
+@dataclass
+class RouterConfig:
+    """Router settings (the ``moe.*`` router fields); checked on construction."""
+
+    k: int = 2
+    """Experts per token for topk / sentence / task routers (switch is 1, gshard 2, topp
+    varies); at most the number of experts (checked when the router is built)."""
+    capacity_factor: float = 0.0
+    """Expert capacity as a multiple of the even share T*K/E, read by the dispatcher;
+    0 means dropless (no token is ever dropped)."""
+    noisy_gating: bool = False
+    """Add Shazeer's learned Gaussian noise, softplus(x W_noise) * N(0, 1), to the router logits
+    (training only)."""
+    jitter_eps: float = 0.0
+    """Multiply router inputs by Uniform(1 - eps, 1 + eps) (training only; Switch uses 0.01)."""
+    aux_loss_coef: float = 0.01
+    """Weight of the Switch load-balancing loss (0 disables it)."""
+    z_loss_coef: float = 0.001
+    """Weight of the router z-loss (ST-MoE; 0 disables it)."""
+    entropy_coef: float = 1e-4
+    """Weight of the top-p entropy (dynamic routing) loss, delta in THOR-MoE Eq. 15."""
+    top_p: float = 0.5
+    """Top-p threshold in (0, 1]: the mass the chosen experts must reach (THOR-MoE uses 0.5)."""
+    task_source: str = "lang_pair"
+    """Task of a sentence for the task router: lang_pair, tgt_lang, domain or task_ids."""
+    num_tasks: int = 0
+    """Number of task ids (language pairs = num_langs^2, languages, domains) for the learned
+    task router; 0 with a fixed `assignment` means its number of rows."""
+    assignment: list[list[int]] = field(default_factory=list)
+    """Fixed task -> experts table for the task router: row i lists the k experts of task i
+    (each gets weight 1/k). Empty: the task router learns its gate."""
+    sentence_pool: str = "mean"
+    """How the sentence router condenses a sentence: mean over its non-pad tokens."""
+
+    def __post_init__(self) -> None:
+        _expect(self.k >= 1, "moe.k", "a positive integer", self.k)
+        _expect(self.capacity_factor >= 0, "moe.capacity_factor",
+                "a non-negative number (0: dropless)", self.capacity_factor)
+        _expect(0.0 <= self.jitter_eps < 1.0, "moe.jitter_eps", "a number in [0, 1)",
+                self.jitter_eps)
+        for name in ("aux_loss_coef", "z_loss_coef", "entropy_coef"):
+            _expect(getattr(self, name) >= 0, f"moe.{name}", "a non-negative number",
+                    getattr(self, name))
+        _expect(0.0 < self.top_p <= 1.0, "moe.top_p", "a number in (0, 1]", self.top_p)
+        _expect(self.task_source in TASK_SOURCES, "moe.task_source",
+                f"one of {', '.join(TASK_SOURCES)}", self.task_source)
+        _expect(self.num_tasks >= 0, "moe.num_tasks", "a non-negative integer", self.num_tasks)
+        _expect(self.sentence_pool == "mean", "moe.sentence_pool", "mean", self.sentence_pool)
+        for i, row in enumerate(self.assignment):
+            where = f"moe.assignment[{i}]"
+            _expect(isinstance(row, (list, tuple)) and len(row) == self.k, where,
+                    f"a list of moe.k ({self.k}) expert ids", row)
+            _expect(all(isinstance(e, int) and not isinstance(e, bool) and e >= 0 for e in row),
+                    where, "non-negative integer expert ids", row)
+            _expect(len(set(row)) == len(row), where, "distinct expert ids", row)
+        if self.assignment and self.num_tasks:
+            _expect(self.num_tasks == len(self.assignment), "moe.num_tasks",
+                    f"the number of moe.assignment rows ({len(self.assignment)})", self.num_tasks)
+
+
+@dataclass
+class MoEConfig(RouterConfig):
+    """The ``moe`` section: router settings plus placement, sizes and expert parallelism."""
+
+    num_experts: int = 0
+    """Experts per MoE layer; 0 keeps the model dense (no MoE layer anywhere)."""
+    layers: str = "every_other"
+    """Which layers of a side are MoE: every_other (layers 1, 3, 5, ... counting from 0, as in
+    GShard and seed 002), all, or a comma-separated list of 0-based layer indices."""
+    encoder_router: str = "topk"
+    """Router of the encoder's MoE layers (see moe_train.moe.router.ROUTERS); "dense" keeps
+    the encoder dense."""
+    decoder_router: str = "topk"
+    """Router of the decoder's MoE layers; "dense" keeps the decoder dense."""
+    encoder_task_source: str = "lang_pair"
+    """Task id of the encoder's task router: lang_pair, tgt_lang, domain or task_ids."""
+    decoder_task_source: str = "tgt_lang"
+    """Task id of the decoder's task router: lang_pair, tgt_lang, domain or task_ids."""
+    expert_ffn_dim: int = 0
+    """Inner dimension of each expert FFN; 0 means model.ffn_dim."""
+    ep_size: int = 1
+    """Expert-parallel degree: the experts of a layer are spread over this many ranks; must
+    divide num_experts and the world size."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _expect(self.num_experts >= 0, "moe.num_experts", "a non-negative integer",
+                self.num_experts)
+        _expect(self.expert_ffn_dim >= 0, "moe.expert_ffn_dim", "a non-negative integer",
+                self.expert_ffn_dim)
+        _expect(self.ep_size >= 1, "moe.ep_size", "a positive integer", self.ep_size)
+        if self.num_experts:
+            _expect(self.num_experts % self.ep_size == 0, "moe.num_experts",
+                    f"a multiple of moe.ep_size ({self.ep_size})", self.num_experts)
+        for side in ("encoder", "decoder"):
+            name = f"{side}_task_source"
+            _expect(getattr(self, name) in TASK_SOURCES, f"moe.{name}",
+                    f"one of {', '.join(TASK_SOURCES)}", getattr(self, name))
+        if self.layers not in LAYER_PATTERNS:
+            parts = [p.strip() for p in self.layers.split(",")]
+            _expect(all(p.isdigit() for p in parts) and parts, "moe.layers",
+                    "every_other, all, or a comma list of layer indices such as 0,2,4",
+                    self.layers)
+
+    @property
+    def enabled(self) -> bool:
+        return self.num_experts > 0
+
+    def router_name(self, side: str) -> str:
+        return getattr(self, f"{side}_router")
+
+    def is_moe_layer(self, side: str, layer_idx: int, num_layers: int) -> bool:
+        """Whether layer `layer_idx` (0-based) of `side` gets an MoE FFN."""
+        if not self.enabled or self.router_name(side) == "dense":
+            return False
+        if self.layers == "all":
+            return True
+        if self.layers == "every_other":
+            return layer_idx % 2 == 1 or num_layers == 1
+        wanted = {int(p) for p in self.layers.split(",")}
+        bad = sorted(i for i in wanted if i >= num_layers)
+        if bad:
+            raise ConfigError(f"moe.layers: layer {bad[0]} does not exist ({side} has "
+                              f"{num_layers} layers)")
+        return layer_idx in wanted
+
+    def router_config(self, side: str) -> RouterConfig:
+        """The plain router settings of one side (its task source filled in)."""
+        values = {f.name: getattr(self, f.name) for f in fields(RouterConfig)}
+        values["task_source"] = getattr(self, f"{side}_task_source")
+        return RouterConfig(**values)

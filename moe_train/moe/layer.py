@@ -1,0 +1,69 @@
+"""The MoE layer: router -> dispatcher -> experts -> combine, in the Transformer's FFN slot.
+
+Composed by injection: any router of the registry, a dispatcher (local, or the all-to-all one
+that moe_train.parallel wires in for expert parallelism), and a stacked experts module.
+Padding tokens are never routed. The layer returns its output and its (already weighted) aux
+losses; per-expert token counts, dropped slots and routing entropy of the last forward are kept
+in non-persistent buffers for logging.
+
+Shape legend: B sentences, T positions, D model dim, E experts, K slots per token, N rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from moe_train.models.context import ForwardContext
+from moe_train.moe.routing import Routing, RoutingContext
+
+
+class MoELayer(nn.Module):
+    """FFN-slot MoE layer: `forward(x_BTD, ctx) -> (y_BTD, aux_losses)`."""
+
+    def __init__(self, router: nn.Module, dispatcher: Any, experts: nn.Module,
+                 dropout: float = 0.0, shared_expert: nn.Module | None = None) -> None:
+        super().__init__()
+        self.router = router
+        self.dispatcher = dispatcher
+        self.experts = experts
+        self.shared_expert = shared_expert
+        self.dropout = dropout
+        num_experts = router.num_experts
+        self.register_buffer("tokens_per_expert_E", torch.zeros(num_experts, dtype=torch.long),
+                             persistent=False)
+        self.register_buffer("dropped_slots", torch.zeros((), dtype=torch.long),
+                             persistent=False)
+        self.register_buffer("routing_entropy", torch.zeros(()), persistent=False)
+
+    def forward(self, x_BTD: Tensor, ctx: ForwardContext) -> tuple[Tensor, dict[str, Tensor]]:
+        B, T, D = x_BTD.shape
+        x_TD = x_BTD.reshape(B * T, D)
+        rctx = RoutingContext.from_forward(ctx, B, T, task_source=self.router.task_source,
+                                           device=x_BTD.device)
+        routing: Routing = self.router.route(x_TD, rctx)
+        if rctx.pad_mask_T is not None:  # padding takes no expert capacity and no compute
+            ids_TK = routing.expert_ids_TK.masked_fill(rctx.pad_mask_T[:, None], -1)
+            routing = dataclasses.replace(routing, expert_ids_TK=ids_TK)
+        x_ND, counts_E, meta = self.dispatcher.dispatch(x_TD, routing)
+        y_ND = self.experts(x_ND, counts_E)
+        y_TD = self.dispatcher.combine(y_ND, meta)
+        if self.shared_expert is not None:
+            y_TD = y_TD + self.shared_expert(x_TD)
+        self._record(routing, meta)
+        y_BTD = F.dropout(y_TD.view(B, T, D), self.dropout, self.training)
+        return y_BTD, dict(routing.aux_losses)
+
+    @torch.no_grad()
+    def _record(self, routing: Routing, meta: Any) -> None:
+        ids = routing.expert_ids_TK
+        counts = torch.bincount(ids[ids >= 0].reshape(-1), minlength=routing.num_experts)
+        self.tokens_per_expert_E.copy_(counts)
+        self.dropped_slots.copy_(meta.dropped)
+        entropy = routing.stats.get("routing_entropy")
+        if entropy is not None:
+            self.routing_entropy.copy_(entropy.detach().float())

@@ -1,0 +1,126 @@
+"""MoE layer and local dispatcher against per-token references; capacity; model integration."""
+
+import pytest
+import torch
+
+from moe_train.config import RouterConfig, load_config
+from moe_train.errors import ConfigError
+from moe_train.models.build import build_model, moe_layers
+from moe_train.models.context import ForwardContext
+from moe_train.moe.dispatcher import LocalDispatcher, apply_capacity
+from moe_train.moe.experts import Experts
+from moe_train.moe.layer import MoELayer
+from moe_train.moe.router import build_router
+from moe_train.moe.routing import Routing
+
+
+def _routing(ids, weights, E):
+    ids = torch.tensor(ids)
+    return Routing(expert_ids_TK=ids, weights_TK=torch.tensor(weights, dtype=torch.float32),
+                   probs_TE=None, num_experts=E)
+
+
+def _reference(x_TD, experts: Experts, ids_TK, weights_TK):
+    """y[t] = sum_k w[t,k] * FFN_{e(t,k)}(x[t]), one token at a time."""
+    out = torch.zeros_like(x_TD)
+    for t in range(x_TD.size(0)):
+        for k in range(ids_TK.size(1)):
+            e = int(ids_TK[t, k])
+            if e < 0:
+                continue
+            h = torch.relu(x_TD[t] @ experts.w1_EDF[e] + experts.b1_EF[e])
+            out[t] += weights_TK[t, k] * (h @ experts.w2_EFD[e] + experts.b2_ED[e])
+    return out
+
+
+@pytest.mark.parametrize("ids", [
+    [[0, 1], [1, 2], [3, 0], [2, 3], [0, 2]],        # spread
+    [[0, -1], [0, -1], [0, -1], [0, -1], [0, -1]],   # everything to one expert, k=1 slots
+    [[2, 1], [-1, -1], [1, 2], [2, 1], [1, 2]],      # empty experts and a fully dropped token
+])
+def test_local_dispatch_combine_equals_reference(ids):
+    torch.manual_seed(0)
+    E, D = 4, 8
+    experts = Experts(E, D, 16)
+    x = torch.randn(5, D)
+    w = torch.rand(5, 2)
+    routing = _routing(ids, w.tolist(), E)
+    disp = LocalDispatcher(E)
+    x_ND, counts_E, meta = disp.dispatch(x, routing)
+    assert int(counts_E.sum()) == sum(e >= 0 for row in ids for e in row)
+    assert int(meta.dropped) == 0
+    y = disp.combine(experts(x_ND, counts_E), meta)
+    torch.testing.assert_close(y, _reference(x, experts, routing.expert_ids_TK, w),
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_capacity_drops_overflow_in_token_order():
+    ids = torch.tensor([[0], [0], [0], [0], [1], [0], [2], [0]])
+    kept, dropped = apply_capacity(ids, num_experts=4, capacity_factor=1.0)  # capacity 2
+    assert kept.view(-1).tolist() == [0, 0, -1, -1, 1, -1, 2, -1]
+    assert int(dropped) == 4
+    kept, dropped = apply_capacity(ids, num_experts=4, capacity_factor=4.0)  # capacity 8
+    assert torch.equal(kept, ids) and int(dropped) == 0
+
+
+def test_dropless_never_drops_under_total_imbalance():
+    torch.manual_seed(0)
+    E, D, T = 8, 6, 64
+    experts = Experts(E, D, 12)
+    routing = _routing([[3]] * T, [[1.0]] * T, E)
+    x_ND, counts_E, meta = LocalDispatcher(E).dispatch(torch.randn(T, D), routing)
+    assert counts_E.tolist() == [0, 0, 0, T, 0, 0, 0, 0] and int(meta.dropped) == 0
+    capped = LocalDispatcher(E, capacity_factor=1.0)
+    _, counts_E, meta = capped.dispatch(torch.randn(T, D), routing)
+    assert counts_E.tolist()[3] == T // E and int(meta.dropped) == T - T // E
+
+
+def test_moe_layer_skips_padding_and_matches_reference():
+    torch.manual_seed(0)
+    E, D = 4, 8
+    router = build_router("topk", D, E, RouterConfig(k=2))
+    layer = MoELayer(router, LocalDispatcher(E), Experts(E, D, 16)).eval()
+    x = torch.randn(2, 3, D)
+    pad = torch.tensor([[False, False, True], [False, False, False]])
+    y, aux = layer(x, ForwardContext(src_pad_mask_BS=pad, side="encoder"))
+    assert set(aux) == {"load_balance", "z_loss"}
+    assert torch.all(y[0, 2] == 0)  # padding is not routed
+    assert int(layer.tokens_per_expert_E.sum()) == 5 * 2
+    routing = router.route(x.reshape(6, D))
+    ref = _reference(x.reshape(6, D), layer.experts, routing.expert_ids_TK, routing.weights_TK)
+    torch.testing.assert_close(y.reshape(6, D)[[0, 1, 3, 4, 5]], ref[[0, 1, 3, 4, 5]],
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_model_places_moe_layers_from_config():
+    cfg = load_config(overrides=[
+        "model.d_model=32", "model.n_heads=4", "model.ffn_dim=64", "model.encoder_layers=4",
+        "model.decoder_layers=2", "moe.num_experts=4", "moe.decoder_router=task", "moe.k=1",
+        "moe.decoder_task_source=tgt_lang", "moe.num_tasks=3"])
+    model = build_model(cfg, {"vocab_size": 40, "pad_id": 0})
+    names = [n for n, _ in moe_layers(model)]
+    assert names == ["encoder_layers.1.ffn", "encoder_layers.3.ffn", "decoder_layers.1.ffn"]
+    src = torch.randint(4, 40, (3, 5))
+    tgt = torch.randint(4, 40, (3, 4))
+    ctx = ForwardContext(tgt_lang_B=torch.tensor([0, 1, 2]))
+    out = model(src, tgt, ctx)
+    (out.logits_BTV.sum() + sum(out.aux_losses.values())).backward()
+    dec = dict(moe_layers(model))["decoder_layers.1.ffn"]
+    # the task gate learns through the combine weights
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in dec.router.parameters())
+    with pytest.raises(ConfigError, match="moe.layers: layer 7 does not exist"):
+        build_model(load_config(overrides=["moe.num_experts=2", "moe.layers=1,7"]),
+                    {"vocab_size": 40, "pad_id": 0})
+
+
+@pytest.mark.parametrize("override, message", [
+    (["moe.num_experts=6", "moe.ep_size=4"], "moe.num_experts: expected a multiple of moe.ep_size"),
+    (["moe.num_experts=4", "moe.k=5"], "moe.k: expected at most moe.num_experts (4), got 5"),
+    (["moe.num_experts=4", "moe.encoder_router=hash"], "moe.router: unknown router 'hash'"),
+    (["moe.layers=odd"], "moe.layers: expected every_other, all, or a comma list"),
+])
+def test_bad_moe_configs_fail_in_one_line(override, message):
+    with pytest.raises(ConfigError) as err:
+        cfg = load_config(overrides=override)
+        build_model(cfg, {"vocab_size": 40, "pad_id": 0})
+    assert message in str(err.value) and "\n" not in str(err.value)
