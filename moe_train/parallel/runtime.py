@@ -71,6 +71,14 @@ class ParallelRuntime:
     """How ranks were discovered: env (deepspeed / torchrun), mpi, single, or none (no dist)."""
     dp_group: Any = None
     """Data-parallel group (None: the world group)."""
+    ep_size: int = 1
+    """Expert-parallel degree (moe.ep_size)."""
+    ep_rank: int = 0
+    """This rank's index in its expert-parallel group."""
+    ep_group: Any = None
+    """Ranks that split the experts of a layer among them (None when ep_size is 1)."""
+    edp_group: Any = None
+    """Ranks that hold the same experts (expert-data-parallel group)."""
 
     @property
     def is_main(self) -> bool:
