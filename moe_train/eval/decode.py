@@ -6,7 +6,7 @@ collectives inside the model (expert parallelism) stay in lockstep.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -17,7 +17,7 @@ from moe_train.data.vocab import Vocab
 from moe_train.eval.search import beam_search, greedy_search
 from moe_train.models.context import ForwardContext
 from moe_train.moe.routing import NUM_LANGS_KEY
-from moe_train.parallel.collectives import all_gather_object
+from moe_train.parallel.collectives import all_gather_object, all_ranks_true
 from moe_train.parallel.runtime import ParallelRuntime
 
 
@@ -31,11 +31,15 @@ def batch_context(batch: Batch, pad_id: int, num_langs: int | None = None) -> Fo
 
 
 def search(model: torch.nn.Module, src_BS: torch.Tensor, ctx: ForwardContext, vocab: Vocab,
-           ecfg: EvalConfig, beam: int | None = None) -> list[list[int]]:
-    """Beam search (beam > 1) or greedy search on one batch."""
+           ecfg: EvalConfig, beam: int | None = None,
+           sync_done: Callable[[bool], bool] | None = None) -> list[list[int]]:
+    """Beam search (beam > 1) or greedy search on one batch.
+
+    `sync_done` (expert parallelism) makes every rank take the same number of decoder steps.
+    """
     beam = ecfg.beam if beam is None else beam
     kw = dict(bos_id=vocab.bos_id, eos_id=vocab.eos_id, pad_id=vocab.pad_id,
-              max_len_a=ecfg.max_len_a, max_len_b=ecfg.max_len_b, ctx=ctx)
+              max_len_a=ecfg.max_len_a, max_len_b=ecfg.max_len_b, ctx=ctx, sync_done=sync_done)
     if beam <= 1:
         return greedy_search(model, src_BS, **kw)
     return beam_search(model, src_BS, beam=beam, lenpen=ecfg.lenpen, **kw)
@@ -53,10 +57,11 @@ def translate_dataset(model: torch.nn.Module, dataset: Any, vocab: Vocab, rt: Pa
                            max_sentences=ecfg.max_sentences,
                            indices=None if indices is None else np.asarray(indices))
     local: dict[int, str] = {}
+    sync_done = (lambda done: all_ranks_true(rt, done)) if rt.ep_size > 1 else None
     for batch in batches:
         batch = batch.to(rt.device)
         ctx = batch_context(batch, vocab.pad_id, len(dataset.manifest["langs"]))
-        hyps = search(model, batch.src_tokens_BS, ctx, vocab, ecfg, beam)
+        hyps = search(model, batch.src_tokens_BS, ctx, vocab, ecfg, beam, sync_done)
         if not batch.is_padding:
             for idx, ids in zip(batch.indices_B.tolist(), hyps):
                 local[idx] = vocab.decode(ids)

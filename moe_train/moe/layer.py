@@ -40,6 +40,11 @@ class MoELayer(nn.Module):
                              persistent=False)
         self.register_buffer("routing_entropy", torch.zeros(()), persistent=False)
 
+    @property
+    def num_experts(self) -> int:
+        """Global number of experts (the router's choice space)."""
+        return self.router.num_experts
+
     def forward(self, x_BTD: Tensor, ctx: ForwardContext) -> tuple[Tensor, dict[str, Tensor]]:
         B, T, D = x_BTD.shape
         x_TD = x_BTD.reshape(B * T, D)

@@ -56,3 +56,11 @@ def max_int(rt: ParallelRuntime, value: int) -> int:
     if rt.distributed and rt.world_size > 1:
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=rt.dp_group)
     return int(t.item())
+
+
+def all_ranks_true(rt: ParallelRuntime, flag: bool) -> bool:
+    """True when `flag` is true on every rank (a MIN all-reduce); keeps ranks in lockstep."""
+    t = torch.tensor([int(flag)], dtype=torch.int64, device=rt.device)
+    if rt.distributed and rt.world_size > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=rt.dp_group)
+    return bool(t.item())

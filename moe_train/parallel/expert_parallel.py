@@ -15,9 +15,10 @@ N rows sent by this rank, M rows received, D model dim.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
@@ -164,3 +165,61 @@ def wire_expert_parallel(model: nn.Module, rt: ParallelRuntime) -> int:
             param.group_name = ep_group_name(rt.ep_size)
         wired += 1
     return wired
+
+
+def moe_param_groups(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Split optimizer parameter groups into dense and expert groups (DeepSpeed's MoE layout),
+    so ZeRO partitions expert parameters over their expert-data-parallel group."""
+    from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+
+    return split_params_into_different_moe_groups_for_optimizer(groups)
+
+
+def check_moe_against_data(cfg: Any, manifest: dict[str, Any]) -> None:
+    """Task routers need task ids the prepared data has, and enough task embeddings."""
+    moe = cfg.moe
+    num_langs, num_domains = len(manifest["langs"]), len(manifest["domains"])
+    needed = {"lang_pair": num_langs * num_langs, "tgt_lang": num_langs, "domain": num_domains}
+    for side in ("encoder", "decoder"):
+        if moe.router_name(side) != "task":
+            continue
+        field = f"moe.{side}_task_source"
+        source = getattr(moe, f"{side}_task_source")
+        if source == "task_ids":
+            raise ConfigError(f"{field}: task_ids, but the prepared data carries no task ids "
+                              "(use lang_pair, tgt_lang or domain)")
+        tasks = len(moe.assignment) or moe.num_tasks
+        if tasks < needed[source]:
+            raise ConfigError(f"moe.num_tasks: expected at least {needed[source]} (tasks by "
+                              f"{source} in the prepared data, see {field}), got {tasks}")
+
+
+@contextlib.contextmanager
+def deepspeed_sees_moe_layers() -> Iterator[None]:
+    """During `deepspeed.initialize`, let the engine recognise our `MoELayer` as an MoE layer.
+
+    DeepSpeed enables its expert-gradient reduction (over the expert-data-parallel group) and
+    ZeRO's MoE parameter-group partitioning only when it finds its own MoE class in the model;
+    it checks with `isinstance(module, MoE)`, so the name is widened to (MoE, MoELayer) for the
+    duration of the call. Nothing else of DeepSpeed's MoE machinery is used.
+    """
+    import deepspeed.runtime.engine as engine_module
+
+    original = engine_module.MoE
+    engine_module.MoE = (original, MoELayer)
+    try:
+        yield
+    finally:
+        engine_module.MoE = original
+
+
+@contextlib.contextmanager
+def without_deepspeed_moe_checkpointing(engine: Any) -> Iterator[None]:
+    """Save / load engine state with DeepSpeed's own MoE checkpoint layout switched off (it
+    expects its MoE modules); our expert tensors go through parallel.expert_checkpoint."""
+    flag = engine.has_moe_layers
+    engine.has_moe_layers = False
+    try:
+        yield
+    finally:
+        engine.has_moe_layers = flag

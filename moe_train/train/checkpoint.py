@@ -18,13 +18,14 @@ import random
 import re
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
 
 from moe_train.errors import CheckpointError
 from moe_train.parallel.collectives import barrier
+from moe_train.parallel.expert_checkpoint import full_expert_state
 from moe_train.parallel.runtime import ParallelRuntime
 from moe_train.utils.atomic import atomic_path, write_json, write_text
 
@@ -68,8 +69,12 @@ def list_tags(ckpt_dir: Path) -> list[str]:
 
 
 def save_checkpoint(engine: Any, rt: ParallelRuntime, ckpt_dir: str | Path, step: int,
-                    meta: dict[str, Any], attachments: dict[str, Path], keep_last: int) -> Path:
-    """Save engine + metadata as `step_{step}` and move `latest` to it (collective)."""
+                    meta: dict[str, Any], attachments: dict[str, Path], keep_last: int,
+                    save_extra: Callable[[Path], None] | None = None) -> Path:
+    """Save engine + metadata as `step_{step}` and move `latest` to it (collective).
+
+    `save_extra(tag_dir)` runs on every rank before the checkpoint is completed (expert shards).
+    """
     ckpt_dir = Path(ckpt_dir)
     tag = step_tag(step)
     tmp_tag = f".tmp-{tag}"
@@ -80,6 +85,8 @@ def save_checkpoint(engine: Any, rt: ParallelRuntime, ckpt_dir: str | Path, step
                            save_latest=False)
     with atomic_path(ckpt_dir / tmp_tag / f"rng_rank{rt.rank}.pt") as tmp:
         torch.save(rng_state(), tmp)
+    if save_extra is not None:
+        save_extra(ckpt_dir / tmp_tag)
     barrier(rt)
     final = ckpt_dir / tag
     if rt.is_main:
@@ -98,16 +105,24 @@ def save_checkpoint(engine: Any, rt: ParallelRuntime, ckpt_dir: str | Path, step
 
 
 def load_checkpoint(engine: Any, rt: ParallelRuntime, ckpt_dir: str | Path,
-                    tag: str | None = None) -> dict[str, Any]:
-    """Restore engine state, this rank's RNG state, and return our metadata."""
+                    tag: str | None = None, load_extra: Callable[[Path], None] | None = None
+                    ) -> dict[str, Any]:
+    """Restore engine state, this rank's RNG state, and return our metadata.
+
+    Expert tensors are not in DeepSpeed's module states (see parallel/expert_checkpoint.py):
+    the module loads non-strictly and `load_extra(tag_dir)` restores them.
+    """
     ckpt_dir = Path(ckpt_dir)
     tag = tag or latest_tag(ckpt_dir)
     if tag is None:
         raise CheckpointError(f"{ckpt_dir}: no checkpoint to resume from (no 'latest' pointer)")
     path, client = engine.load_checkpoint(str(ckpt_dir), tag=tag, load_optimizer_states=True,
-                                          load_lr_scheduler_states=True)
+                                          load_lr_scheduler_states=True,
+                                          load_module_strict=load_extra is None)
     if path is None:
         raise CheckpointError(f"{ckpt_dir / tag}: DeepSpeed could not load this checkpoint")
+    if load_extra is not None:
+        load_extra(ckpt_dir / tag)
     rng_file = ckpt_dir / tag / f"rng_rank{rt.rank}.pt"
     if rng_file.is_file():
         set_rng_state(torch.load(rng_file, weights_only=False))
@@ -126,5 +141,6 @@ def consolidated_state_dict(tag_dir: str | Path) -> dict[str, torch.Tensor]:
     path = Path(tag_dir) / "mp_rank_00_model_states.pt"
     if not path.is_file():
         raise CheckpointError(f"{path}: missing model states")
-    state = torch.load(path, map_location="cpu", weights_only=False)
-    return {k: v.float() if v.is_floating_point() else v for k, v in state["module"].items()}
+    state = torch.load(path, map_location="cpu", weights_only=False)["module"]
+    state.update(full_expert_state(Path(tag_dir)))
+    return {k: v.float() if v.is_floating_point() else v for k, v in state.items()}

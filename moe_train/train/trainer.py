@@ -8,6 +8,7 @@ scaling divide out again; so the update equals one process on the whole global b
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
@@ -26,6 +27,14 @@ from moe_train.eval.decode import batch_context
 from moe_train.eval.evaluate import evaluate_dataset
 from moe_train.models.build import build_model
 from moe_train.parallel.collectives import all_reduce_floats
+from moe_train.parallel.expert_checkpoint import (detach_experts_from_state_dict,
+                                                  full_expert_state, load_expert_shards,
+                                                  save_expert_shards)
+from moe_train.parallel.expert_parallel import (check_moe_against_data,
+                                                deepspeed_sees_moe_layers, moe_param_groups,
+                                                setup_expert_parallel,
+                                                without_deepspeed_moe_checkpointing,
+                                                wire_expert_parallel)
 from moe_train.parallel.runtime import ParallelRuntime
 from moe_train.train.checkpoint import latest_tag, load_checkpoint, save_checkpoint
 from moe_train.train.ds_config import build_deepspeed_config
@@ -42,9 +51,9 @@ def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str,
         if not p.requires_grad:
             continue
         (no_decay if p.ndim < 2 or "embed" in name else decay).append(p)
-    groups = [{"params": decay, "weight_decay": weight_decay}]
+    groups = [{"name": "decay", "params": decay, "weight_decay": weight_decay}]
     if no_decay:
-        groups.append({"params": no_decay, "weight_decay": 0.0})
+        groups.append({"name": "no_decay", "params": no_decay, "weight_decay": 0.0})
     return groups
 
 
@@ -61,17 +70,28 @@ class Trainer:
         self.train_set = ShardedDataset(prepared, "train")
         self.dev_set = ShardedDataset(prepared, "dev") if "dev" in self.manifest["splits"] else None
 
+        if cfg.moe.enabled:
+            check_moe_against_data(cfg, self.manifest)
+            rt = self.rt = setup_expert_parallel(rt, cfg.moe.ep_size)
         torch.manual_seed(cfg.train.seed)
         np.random.seed(cfg.train.seed)
-        model = build_model(cfg, self.manifest)
-        optimizer = torch.optim.AdamW(_param_groups(model, cfg.optim.weight_decay),
-                                      lr=cfg.optim.lr, betas=cfg.optim.betas, eps=cfg.optim.eps)
+        model = build_model(cfg, self.manifest)  # identical on every rank (same seed)
+        if cfg.moe.enabled:
+            wire_expert_parallel(model, rt)
+            detach_experts_from_state_dict(model)
+        groups = _param_groups(model, cfg.optim.weight_decay)
+        if cfg.moe.enabled:
+            groups = moe_param_groups(groups)
+        optimizer = torch.optim.AdamW(groups, lr=cfg.optim.lr, betas=cfg.optim.betas,
+                                      eps=cfg.optim.eps)
         scheduler = inverse_sqrt_scheduler(optimizer, cfg.optim.warmup_steps)
         self.ds_config = build_deepspeed_config(cfg, rt.world_size, rt.device)
-        self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer,
-                                                    lr_scheduler=scheduler,
-                                                    config=self.ds_config,
-                                                    dist_init_required=False)
+        detect = deepspeed_sees_moe_layers() if rt.ep_size > 1 else contextlib.nullcontext()
+        with detect:
+            self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer,
+                                                        lr_scheduler=scheduler,
+                                                        config=self.ds_config,
+                                                        dist_init_required=False)
         self.batches = TrainBatchIterator(
             self.train_set, cfg.data.max_tokens, self.vocab.pad_id, self.vocab.bos_id,
             self.vocab.eos_id, seed=cfg.train.seed, temperature=cfg.data.temperature,
@@ -80,7 +100,9 @@ class Trainer:
         self.tokens_seen = 0
         self.ckpt_dir = Path(cfg.checkpoint.dir)
         if resume and latest_tag(self.ckpt_dir) is not None:
-            meta = load_checkpoint(self.engine, rt, self.ckpt_dir)
+            with without_deepspeed_moe_checkpointing(self.engine):
+                meta = load_checkpoint(self.engine, rt, self.ckpt_dir,
+                                       load_extra=self._load_experts)
             self.step = meta["step"]
             self.tokens_seen = meta.get("tokens_seen", 0)
             self.batches.load_state_dict(meta["data_state"])
@@ -173,14 +195,27 @@ class Trainer:
                 "world_size": self.rt.world_size}
         attachments = {"spm.model": self.spm_model,
                        "manifest.json": Path(self.cfg.data.prepared_dir) / "manifest.json"}
-        return save_checkpoint(self.engine, self.rt, self.ckpt_dir, self.step, meta, attachments,
-                               self.cfg.checkpoint.keep_last)
+        with without_deepspeed_moe_checkpointing(self.engine):
+            return save_checkpoint(self.engine, self.rt, self.ckpt_dir, self.step, meta,
+                                   attachments, self.cfg.checkpoint.keep_last,
+                                   save_extra=self._save_experts)
 
-    def export(self) -> Path | None:
+    def _save_experts(self, tag_dir: Path) -> None:
+        if self.cfg.moe.enabled:
+            save_expert_shards(self.engine.module, self.engine.optimizer, self.rt, tag_dir)
+
+    def _load_experts(self, tag_dir: Path) -> None:
+        if self.cfg.moe.enabled:
+            load_expert_shards(self.engine.module, self.engine.optimizer, self.rt, tag_dir)
+
+    def export(self, tag_dir: Path) -> Path | None:
+        """Standalone weights (experts assembled from the checkpoint `tag_dir`), rank 0."""
         if not self.rt.is_main:
             return None
-        return export_inference(self.ckpt_dir / "export", self.engine.module.state_dict(),
-                                self.cfg, self.manifest, self.spm_model)
+        state = self.engine.module.state_dict()
+        state.update(full_expert_state(tag_dir))
+        return export_inference(self.ckpt_dir / "export", state, self.cfg, self.manifest,
+                                self.spm_model)
 
     # ------------------------------------------------------------------ the loop
     def _log(self, window: dict[str, float], elapsed: float) -> None:
@@ -241,11 +276,13 @@ class Trainer:
                 self._log(window, time.time() - window_start)
                 window = {k: 0.0 for k in window}
                 window_start = time.time()
+            pause = time.time()  # validation and checkpoints do not count as training time
             if tc.validate_every and self.step % tc.validate_every == 0 and self.step < tc.max_steps:
                 bleu_due = bool(tc.bleu_every) and self.step % tc.bleu_every == 0
                 self._validate(with_bleu=bleu_due)
             if self.step % self.cfg.checkpoint.save_every == 0:
                 self.save()
+            window_start += time.time() - pause
             out_of_time = tc.max_minutes and (time.time() - start) / 60 >= tc.max_minutes
             if self.rt.world_size > 1:  # all ranks must agree to stop together
                 out_of_time = all_reduce_floats(self.rt, float(bool(out_of_time)))[0] > 0
@@ -257,7 +294,7 @@ class Trainer:
         self.tokens_seen += int(tokens)
         final = self._validate(with_bleu=True)
         path = self.save()
-        export = self.export()
+        export = self.export(path)
         self.monitor.print(f"| saved {path}" + (f" | exported {export}" if export else ""))
         self.monitor.close()
         return {"step": self.step, "train_seconds": elapsed,

@@ -1,0 +1,134 @@
+"""Local experts with stacked weights, run as grouped GEMMs over expert-sorted rows.
+
+Both modules take ``forward(x_ND, counts_E) -> y_ND``: x_ND holds the rows routed to this
+module's experts, grouped by expert (expert 0's `counts_E[0]` rows first, as
+`moe_train.kernels.permute` leaves them), and y_ND is in the same order.
+
+Convention for parallel/ (no attributes are hung on tensors): every parameter of a
+`StackedExperts` module is an expert parameter, stacked along dim 0 over the module's local
+experts (its name ends in a shape suffix starting with E). `expert_parameters()` lists them;
+expert-parallel code shards or reduces them over the expert groups, everything else in the
+model is dense. A module built with E local experts holds experts [offset, offset + E) of the
+global set; the offset is the parallel code's business, not this module's.
+
+Shape legend: N routed rows, E experts, D model dim, F FFN dim, R adapter bottleneck dim.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from moe_train.errors import ConfigError
+from moe_train.kernels import grouped_gemm
+
+
+def rows_expert(counts_E: Tensor, num_rows: int) -> Tensor:
+    """expert_N: the expert of each row of an expert-sorted batch (no host sync)."""
+    experts_E = torch.arange(counts_E.numel(), device=counts_E.device)
+    return torch.repeat_interleave(experts_E, counts_E, output_size=num_rows)
+
+
+def _xavier_uniform_stacked_(w_EIO: Tensor) -> None:
+    """Xavier-uniform per expert: fan_in = I, fan_out = O for each E slice (not the 3-D fans)."""
+    bound = math.sqrt(6.0 / (w_EIO.size(1) + w_EIO.size(2)))
+    nn.init.uniform_(w_EIO, -bound, bound)
+
+
+class StackedExperts(nn.Module):
+    """Base of expert modules: `num_experts` local experts, all parameters stacked on dim 0."""
+
+    num_experts: int
+
+    def expert_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """(name, parameter) of every expert parameter: all of this module's parameters."""
+        return self.named_parameters()
+
+    def _check_rows(self, x_ND: Tensor, counts_E: Tensor) -> None:
+        if counts_E.numel() != self.num_experts:
+            raise ValueError(f"{type(self).__name__}: counts_E has {counts_E.numel()} entries "
+                             f"for {self.num_experts} experts")
+
+
+class Experts(StackedExperts):
+    """E feed-forward experts: y = act(x w1[e] + b1[e]) w2[e] + b2[e], dropout after act.
+
+    Like `models.layers.FeedForward` per expert (xavier-uniform weights, zero biases) but
+    without the residual-branch dropout, which the MoE layer applies after the combine.
+    """
+
+    def __init__(self, num_experts: int, d_model: int, ffn_dim: int, activation: str = "relu",
+                 activation_dropout: float = 0.0, *, backend: str = "auto") -> None:
+        super().__init__()
+        if activation not in ("relu", "gelu"):
+            raise ConfigError(f"model.activation: expected one of relu, gelu, got {activation!r}")
+        self.num_experts = num_experts
+        self.activation = F.relu if activation == "relu" else F.gelu
+        self.activation_dropout = activation_dropout
+        self.backend = backend
+        self.w1_EDF = nn.Parameter(torch.empty(num_experts, d_model, ffn_dim))
+        self.b1_EF = nn.Parameter(torch.empty(num_experts, ffn_dim))
+        self.w2_EFD = nn.Parameter(torch.empty(num_experts, ffn_dim, d_model))
+        self.b2_ED = nn.Parameter(torch.empty(num_experts, d_model))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Xavier-uniform weights per expert, zero biases."""
+        _xavier_uniform_stacked_(self.w1_EDF.data)
+        _xavier_uniform_stacked_(self.w2_EFD.data)
+        nn.init.zeros_(self.b1_EF)
+        nn.init.zeros_(self.b2_ED)
+
+    def forward(self, x_ND: Tensor, counts_E: Tensor) -> Tensor:
+        self._check_rows(x_ND, counts_E)
+        h_NF = self.activation(grouped_gemm(x_ND, self.w1_EDF, counts_E, self.b1_EF,
+                                            backend=self.backend))
+        if self.activation_dropout > 0:
+            h_NF = F.dropout(h_NF, self.activation_dropout, self.training)
+        return grouped_gemm(h_NF, self.w2_EFD, counts_E, self.b2_ED, backend=self.backend)
+
+
+class AdapterExperts(StackedExperts):
+    """E residual adapters (MoA Eq. 3-4): y = up(relu(down(LN_e(x)))) + x, per expert.
+
+    Each adapter has its own LayerNorm affine parameters, a D x R down and an R x D up
+    projection with biases. The residual is inside: an adapter expert returns its full output.
+    """
+
+    def __init__(self, num_experts: int, d_model: int, adapter_dim: int = 128, *,
+                 eps: float = 1e-5, backend: str = "auto") -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.eps = eps
+        self.backend = backend
+        self.ln_weight_ED = nn.Parameter(torch.empty(num_experts, d_model))
+        self.ln_bias_ED = nn.Parameter(torch.empty(num_experts, d_model))
+        self.w_down_EDR = nn.Parameter(torch.empty(num_experts, d_model, adapter_dim))
+        self.b_down_ER = nn.Parameter(torch.empty(num_experts, adapter_dim))
+        self.w_up_ERD = nn.Parameter(torch.empty(num_experts, adapter_dim, d_model))
+        self.b_up_ED = nn.Parameter(torch.empty(num_experts, d_model))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """LayerNorm at identity, xavier-uniform projections per expert, zero biases."""
+        nn.init.ones_(self.ln_weight_ED)
+        nn.init.zeros_(self.ln_bias_ED)
+        _xavier_uniform_stacked_(self.w_down_EDR.data)
+        _xavier_uniform_stacked_(self.w_up_ERD.data)
+        nn.init.zeros_(self.b_down_ER)
+        nn.init.zeros_(self.b_up_ED)
+
+    def forward(self, x_ND: Tensor, counts_E: Tensor) -> Tensor:
+        self._check_rows(x_ND, counts_E)
+        expert_N = rows_expert(counts_E, x_ND.size(0))
+        z_ND = F.layer_norm(x_ND, x_ND.shape[-1:], eps=self.eps)
+        z_ND = z_ND * self.ln_weight_ED.index_select(0, expert_N) \
+            + self.ln_bias_ED.index_select(0, expert_N)
+        h_NR = F.relu(grouped_gemm(z_ND, self.w_down_EDR, counts_E, self.b_down_ER,
+                                   backend=self.backend))
+        y_ND = grouped_gemm(h_NR, self.w_up_ERD, counts_E, self.b_up_ED, backend=self.backend)
+        return y_ND + x_ND

@@ -1,0 +1,167 @@
+"""Stacked expert modules against per-expert loops and a single dense adapter.
+
+Shape legend: N routed rows, E experts, D model dim, F FFN dim, R adapter dim.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moe_train.errors import ConfigError
+from moe_train.moe.experts import AdapterExperts, Experts, StackedExperts, rows_expert
+
+COUNTS = [[3, 0, 5, 1], [0, 0, 9, 0], [2, 2, 2, 2], [0, 0, 0, 0]]
+
+
+def loop_ffn(x_ND, counts, m: Experts, act) -> torch.Tensor:
+    """Per-expert reference: act(x_e w1[e] + b1[e]) w2[e] + b2[e] (eval mode, no dropout)."""
+    outs, start = [], 0
+    for e, c in enumerate(counts):
+        x_e = x_ND[start:start + c]
+        outs.append(act(x_e @ m.w1_EDF[e] + m.b1_EF[e]) @ m.w2_EFD[e] + m.b2_ED[e])
+        start += c
+    return torch.cat(outs)
+
+
+def _randomize_(module: nn.Module, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+
+
+@pytest.mark.parametrize("activation", ["relu", "gelu"])
+@pytest.mark.parametrize("counts", COUNTS)
+def test_experts_match_per_expert_loop(counts, activation):
+    torch.manual_seed(0)
+    E, D, Fdim = 4, 8, 12
+    m = Experts(E, D, Fdim, activation=activation, backend="torch").double()
+    _randomize_(m, 1)
+    x = torch.randn(sum(counts), D, dtype=torch.float64, requires_grad=True)
+    y = m(x, torch.tensor(counts))
+    ref = Experts(E, D, Fdim, activation=activation).double()
+    ref.load_state_dict(m.state_dict())
+    x_ref = x.detach().clone().requires_grad_(True)
+    y_ref = loop_ffn(x_ref, counts, ref, F.relu if activation == "relu" else F.gelu)
+    torch.testing.assert_close(y, y_ref)
+    g = torch.randn_like(y)
+    y.backward(g)
+    y_ref.backward(g)
+    torch.testing.assert_close(x.grad, x_ref.grad)
+    for (name, p), p_ref in zip(m.named_parameters(), ref.parameters()):
+        assert p.grad.shape == p.shape, name
+        want = p_ref.grad if p_ref.grad is not None else torch.zeros_like(p)
+        torch.testing.assert_close(p.grad, want, msg=name)
+
+
+def test_activation_dropout_applies_in_training_only():
+    torch.manual_seed(0)
+    counts = torch.tensor([4, 6])
+    m = Experts(2, 8, 64, activation_dropout=0.5, backend="torch")
+    _randomize_(m, 2)
+    x = torch.randn(10, 8)
+    eval_out = m.eval()(x, counts)
+    torch.testing.assert_close(eval_out, loop_ffn(x, [4, 6], m, F.relu))
+    m.train()
+    torch.manual_seed(5)
+    train_out = m(x, counts)
+    torch.manual_seed(5)  # same dropout mask on the concatenated hidden rows
+    h = F.relu(torch.cat([x[:4] @ m.w1_EDF[0] + m.b1_EF[0], x[4:] @ m.w1_EDF[1] + m.b1_EF[1]]))
+    h = F.dropout(h, 0.5, True)
+    want = torch.cat([h[:4] @ m.w2_EFD[0] + m.b2_ED[0], h[4:] @ m.w2_EFD[1] + m.b2_ED[1]])
+    torch.testing.assert_close(train_out, want)
+    assert not torch.allclose(train_out, eval_out)
+
+
+def test_experts_init_is_xavier_per_expert_and_zero_bias():
+    torch.manual_seed(0)
+    E, D, Fdim = 3, 64, 256
+    m = Experts(E, D, Fdim)
+    bound = math.sqrt(6.0 / (D + Fdim))  # per-expert fans, not the 3-D tensor's
+    for w in (m.w1_EDF, m.w2_EFD):
+        assert w.abs().max() <= bound
+        assert abs(w.std().item() - bound / math.sqrt(3)) < 0.05 * bound
+    assert torch.all(m.b1_EF == 0) and torch.all(m.b2_ED == 0)
+
+
+def test_expert_parameters_are_all_parameters_stacked_on_dim0():
+    for m in (Experts(5, 8, 16), AdapterExperts(5, 8, 4)):
+        assert isinstance(m, StackedExperts)
+        named = dict(m.expert_parameters())
+        assert set(named) == {n for n, _ in m.named_parameters()}
+        assert all(p.size(0) == 5 for p in named.values())
+
+
+def test_rows_expert_and_bad_counts():
+    assert rows_expert(torch.tensor([2, 0, 1, 3]), 6).tolist() == [0, 0, 2, 3, 3, 3]
+    m = Experts(3, 4, 8)
+    with pytest.raises(ValueError, match="3 experts"):
+        m(torch.randn(4, 4), torch.tensor([2, 2]))
+    with pytest.raises(ConfigError, match="model.activation"):
+        Experts(3, 4, 8, activation="tanh")
+
+
+def _dense_adapter(D: int, R: int) -> nn.ModuleDict:
+    return nn.ModuleDict({"ln": nn.LayerNorm(D), "down": nn.Linear(D, R), "up": nn.Linear(R, D)})
+
+
+def _apply_adapter(a: nn.ModuleDict, x: torch.Tensor) -> torch.Tensor:
+    return a["up"](F.relu(a["down"](a["ln"](x)))) + x
+
+
+def _copy_adapter_into(m: AdapterExperts, e: int, a: nn.ModuleDict) -> None:
+    with torch.no_grad():
+        m.ln_weight_ED[e] = a["ln"].weight
+        m.ln_bias_ED[e] = a["ln"].bias
+        m.w_down_EDR[e] = a["down"].weight.t()
+        m.b_down_ER[e] = a["down"].bias
+        m.w_up_ERD[e] = a["up"].weight.t()
+        m.b_up_ED[e] = a["up"].bias
+
+
+def test_identical_adapter_experts_equal_one_adapter_on_every_row():
+    torch.manual_seed(0)
+    E, D, R, counts = 4, 16, 8, [5, 0, 3, 4]
+    adapter = _dense_adapter(D, R).double()
+    _randomize_(adapter, 3)
+    m = AdapterExperts(E, D, R, backend="torch").double()
+    for e in range(E):
+        _copy_adapter_into(m, e, adapter)
+    x = torch.randn(sum(counts), D, dtype=torch.float64)
+    y = m(x, torch.tensor(counts))
+    y_ref = _apply_adapter(adapter, x)
+    torch.testing.assert_close(y, y_ref)
+    g = torch.randn_like(y)
+    y.backward(g)
+    y_ref.backward(g)
+    # identical adapters: the experts' gradients sum to the single adapter's
+    torch.testing.assert_close(m.w_down_EDR.grad.sum(0), adapter["down"].weight.grad.t())
+    torch.testing.assert_close(m.w_up_ERD.grad.sum(0), adapter["up"].weight.grad.t())
+    torch.testing.assert_close(m.ln_weight_ED.grad.sum(0), adapter["ln"].weight.grad)
+    assert torch.all(m.w_down_EDR.grad[1] == 0)  # expert 1 got no rows
+
+
+def test_distinct_adapter_experts_match_per_expert_loop():
+    torch.manual_seed(0)
+    E, D, R, counts = 3, 8, 4, [2, 4, 3]
+    adapters = [_dense_adapter(D, R).double() for _ in range(E)]
+    m = AdapterExperts(E, D, R, backend="torch").double()
+    for e, a in enumerate(adapters):
+        _randomize_(a, 10 + e)
+        _copy_adapter_into(m, e, a)
+    x = torch.randn(sum(counts), D, dtype=torch.float64)
+    y = m(x, torch.tensor(counts))
+    want = torch.cat([_apply_adapter(a, part) for a, part in zip(adapters, x.split(counts))])
+    torch.testing.assert_close(y, want)
+
+
+def test_fresh_adapter_experts_are_finite_and_default_dim_is_128():
+    m = AdapterExperts(2, 16)
+    assert m.w_down_EDR.shape == (2, 16, 128) and m.w_up_ERD.shape == (2, 128, 16)
+    y = m(torch.randn(5, 16), torch.tensor([2, 3]))
+    assert y.shape == (5, 16) and torch.isfinite(y).all()
