@@ -96,10 +96,31 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
     p.add_argument("overrides", nargs="*", help="a.b=value overrides of the demo recipe")
 
 
+def _add_params(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("params", help="total, per-side and serving parameter counts",
+                       description="Count parameters of the model a config describes (built on "
+                       "the meta device, no memory needed); ends with one JSON line.")
+    p.add_argument("--config", required=True, help="YAML config")
+    p.add_argument("overrides", nargs="*", help="a.b=value overrides")
+
+
+def _add_routing_stats(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("routing-stats", help="expert x domain / task tables (CSV) and heatmaps",
+                       description="Teacher-forced forwards over a prepared split; per MoE layer "
+                       "writes expert x domain, expert x language-pair and expert x target-"
+                       "language count tables (CSV), heatmaps (PNG) and summary.json.")
+    p.add_argument("--checkpoint", required=True, help="export, checkpoint or step dir")
+    p.add_argument("--prepared", help="prepared data dir (default: the one the model trained on)")
+    p.add_argument("--split", default="dev", help="prepared split (default dev)")
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--max-batches", type=int, help="at most this many batches per rank")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="moe-train", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    for add in (_add_prepare, _add_train, _add_translate, _add_evaluate, _add_demo):
+    for add in (_add_prepare, _add_train, _add_translate, _add_evaluate, _add_demo, _add_params,
+                _add_routing_stats):
         add(sub)
     return parser
 
@@ -110,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     from moe_train import commands
 
     try:
-        return getattr(commands, f"cmd_{args.command}")(args)
+        return getattr(commands, f"cmd_{args.command.replace('-', '_')}")(args)
     except MoeTrainError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -137,8 +137,46 @@ def cmd_translate(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_evaluate(args: argparse.Namespace) -> int:
+def _prepared_split(inf, prepared_arg: str | None, split: str):
+    """The prepared split to score, checked against the model's sentencepiece model."""
     from moe_train.data.shards import ShardedDataset
+
+    prepared = Path(prepared_arg or inf.cfg.data.prepared_dir)
+    if (prepared / "spm.model").is_file() and \
+            (prepared / "spm.model").read_bytes() != (inf.source / "spm.model").read_bytes():
+        raise DataError(f"{prepared}: prepared with another sentencepiece model than "
+                        f"{inf.source}")
+    return ShardedDataset(prepared, split)
+
+
+def cmd_params(args: argparse.Namespace) -> int:
+    from moe_train.eval.params import count_parameters, format_params
+
+    cfg = load_config(args.config, args.overrides)
+    report = count_parameters(cfg, cfg.data.vocab_size)
+    print(format_params(report))
+    _json_line(report)
+    return 0
+
+
+def cmd_routing_stats(args: argparse.Namespace) -> int:
+    from moe_train.eval.routing_stats import collect_routing_stats, write_routing_stats
+    from moe_train.train.export import load_for_inference
+
+    rt = _runtime()
+    inf = load_for_inference(args.checkpoint, rt.device)
+    dataset = _prepared_split(inf, args.prepared, args.split)
+    stats = collect_routing_stats(inf.model, dataset, inf.manifest, rt, inf.cfg.data.max_tokens,
+                                  max_batches=args.max_batches)
+    if rt.is_main:
+        paths = write_routing_stats(stats, args.out)
+        print(f"| wrote {len(paths)} files to {args.out}")
+        _json_line({"checkpoint": str(inf.source), "out": str(args.out), "files": len(paths),
+                    **stats.summary()})
+    return 0
+
+
+def cmd_evaluate(args: argparse.Namespace) -> int:
     from moe_train.eval.decode import translate_lines
     from moe_train.eval.evaluate import evaluate_dataset, format_table
     from moe_train.eval.metrics import corpus_metrics
@@ -159,12 +197,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
         metrics = {"all": corpus_metrics(hyps, refs), "domains": {}, "pairs": {}}
         ordered = hyps
     else:
-        prepared = Path(args.prepared or inf.cfg.data.prepared_dir)
-        if (prepared / "spm.model").is_file() and \
-                (prepared / "spm.model").read_bytes() != (inf.source / "spm.model").read_bytes():
-            raise DataError(f"{prepared}: prepared with another sentencepiece model than "
-                            f"{inf.source}")
-        dataset = ShardedDataset(prepared, args.split)
+        dataset = _prepared_split(inf, args.prepared, args.split)
         metrics, hyp_map = evaluate_dataset(inf.model, dataset, inf.vocab, inf.manifest, rt,
                                             ecfg, inf.cfg.data.max_tokens)
         ordered = [hyp_map[i] for i in sorted(hyp_map)]

@@ -64,3 +64,34 @@ def all_ranks_true(rt: ParallelRuntime, flag: bool) -> bool:
     if rt.distributed and rt.world_size > 1:
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=rt.dp_group)
     return bool(t.item())
+
+
+def grad_norm_and_clip(model: torch.nn.Module, expert_param_ids: set[int], rt: ParallelRuntime,
+                       max_norm: float) -> float:
+    """Global L2 norm of the (already reduced) gradients, counting every expert once; clips.
+
+    Dense gradients are identical on all ranks after the data-parallel reduction; each rank of
+    an expert-parallel group holds the gradients of different experts, so their squared norms
+    are summed over that group. With max_norm > 0 all gradients are scaled by
+    min(1, max_norm / norm). Returns the norm before clipping.
+    """
+    dense_sq = torch.zeros((), dtype=torch.float64, device=rt.device)
+    expert_sq = torch.zeros((), dtype=torch.float64, device=rt.device)
+    grads = []
+    for p in model.parameters():
+        if p.grad is None:
+            continue
+        grads.append(p.grad)
+        sq = p.grad.detach().double().pow(2).sum()
+        if id(p) in expert_param_ids:
+            expert_sq += sq
+        else:
+            dense_sq += sq
+    if rt.ep_size > 1:
+        dist.all_reduce(expert_sq, op=dist.ReduceOp.SUM, group=rt.ep_group)
+    norm = float((dense_sq + expert_sq).sqrt())
+    if max_norm > 0 and norm > max_norm:
+        scale = max_norm / (norm + 1e-6)
+        for g in grads:
+            g.mul_(scale)
+    return norm

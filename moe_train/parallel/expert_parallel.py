@@ -167,12 +167,27 @@ def wire_expert_parallel(model: nn.Module, rt: ParallelRuntime) -> int:
     return wired
 
 
-def moe_param_groups(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Split optimizer parameter groups into dense and expert groups (DeepSpeed's MoE layout),
-    so ZeRO partitions expert parameters over their expert-data-parallel group."""
-    from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+def moe_param_groups(model: nn.Module, groups: list[dict[str, Any]], ep_size: int
+                     ) -> list[dict[str, Any]]:
+    """Split each optimizer group into its dense and its expert parameters.
 
-    return split_params_into_different_moe_groups_for_optimizer(groups)
+    The layout is the same at every ep size (so optimizer state saved at one ep size loads at
+    another); with ep_size > 1 the expert groups carry DeepSpeed's MoE marks (``moe: True`` and
+    the ep group's name), so ZeRO partitions them over the expert-data-parallel group.
+    """
+    expert_ids = {id(p) for m in model.modules() if isinstance(m, StackedExperts)
+                  for p in m.parameters()}
+    out: list[dict[str, Any]] = []
+    for group in groups:
+        dense = [p for p in group["params"] if id(p) not in expert_ids]
+        experts = [p for p in group["params"] if id(p) in expert_ids]
+        if dense:
+            out.append({**group, "params": dense})
+        if experts:
+            marks = ({"moe": True, "name": ep_group_name(ep_size)} if ep_size > 1
+                     else {"name": f"{group.get('name', 'group')}_experts"})
+            out.append({**group, "params": experts, **marks})
+    return out
 
 
 def check_moe_against_data(cfg: Any, manifest: dict[str, Any]) -> None:

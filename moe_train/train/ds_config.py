@@ -35,7 +35,8 @@ def build_deepspeed_config(cfg: ExperimentConfig, world_size: int, device: torch
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": cfg.optim.grad_accum,
         "train_batch_size": cfg.optim.grad_accum * world_size,
-        "gradient_clipping": cfg.optim.clip_norm,
+        # ZeRO 0: the trainer clips itself (a global norm that counts each expert once)
+        "gradient_clipping": cfg.optim.clip_norm if cfg.optim.zero_stage > 0 else 0.0,
         "zero_optimization": {"stage": cfg.optim.zero_stage},
         "zero_allow_untested_optimizer": True,
         "bf16": {"enabled": precision == "bf16"},

@@ -53,6 +53,10 @@ class Monitor:
             for key, value in values.items():
                 self.writer.add_scalar(key, value, step)
 
+    def histogram(self, step: int, tag: str, values: torch.Tensor) -> None:
+        if self.writer is not None:
+            self.writer.add_histogram(tag, values.detach().float().cpu(), step)
+
     def progress(self, step: int, postfix: dict[str, Any]) -> None:
         if self.bar is not None:
             self.bar.n = step

@@ -25,9 +25,9 @@ from moe_train.data.prepare import load_manifest, load_vocab
 from moe_train.data.shards import ShardedDataset
 from moe_train.eval.decode import batch_context
 from moe_train.eval.evaluate import evaluate_dataset
-from moe_train.models.build import build_model
-from moe_train.parallel.collectives import all_reduce_floats
-from moe_train.parallel.expert_checkpoint import (detach_experts_from_state_dict,
+from moe_train.models.build import build_model, moe_layers
+from moe_train.parallel.collectives import all_reduce_floats, grad_norm_and_clip
+from moe_train.parallel.expert_checkpoint import (detach_experts_from_state_dict, expert_modules,
                                                   full_expert_state, load_expert_shards,
                                                   save_expert_shards)
 from moe_train.parallel.expert_parallel import (check_moe_against_data,
@@ -81,7 +81,7 @@ class Trainer:
             detach_experts_from_state_dict(model)
         groups = _param_groups(model, cfg.optim.weight_decay)
         if cfg.moe.enabled:
-            groups = moe_param_groups(groups)
+            groups = moe_param_groups(model, groups, rt.ep_size)
         optimizer = torch.optim.AdamW(groups, lr=cfg.optim.lr, betas=cfg.optim.betas,
                                       eps=cfg.optim.eps)
         scheduler = inverse_sqrt_scheduler(optimizer, cfg.optim.warmup_steps)
@@ -98,6 +98,11 @@ class Trainer:
             dp_rank=rt.dp_rank, dp_world=rt.dp_world, grad_accum=cfg.optim.grad_accum)
         self.step = 0
         self.tokens_seen = 0
+        self.aux_window: dict[str, float] = {}  # aux losses summed since the last log line
+        self.moe_layers = moe_layers(self.engine.module)
+        self.expert_param_ids = {id(p) for _, m in expert_modules(self.engine.module)
+                                 for p in m.parameters()}
+        self.last_grad_norm: float | None = None
         self.ckpt_dir = Path(cfg.checkpoint.dir)
         if resume and latest_tag(self.ckpt_dir) is not None:
             with without_deepspeed_moe_checkpointing(self.engine):
@@ -122,21 +127,19 @@ class Trainer:
                                                self.vocab.pad_id, self.cfg.optim.label_smoothing)
         scale = self.rt.world_size * self.cfg.optim.grad_accum / batch.step_tgt_tokens
         scaled = loss_sum * scale
-        for aux in out.aux_losses.values():
+        for key, aux in out.aux_losses.items():
             scaled = scaled + aux
+            self.aux_window[key] = self.aux_window.get(key, 0.0) + aux.detach().item()
         return scaled, loss_sum.detach().item(), nll_sum.detach().item()
 
-    def _grad_norm(self) -> float | None:
-        """Global gradient norm before clipping (DeepSpeed records it only under ZeRO / 16-bit)."""
-        if self.cfg.optim.zero_stage > 0 or self.engine.bfloat16_enabled() \
-                or self.engine.fp16_enabled():
-            return None  # read from the engine after the step
-        grads = [p.grad for p in self.engine.module.parameters() if p.grad is not None]
-        if not grads:
-            return None
-        return torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])).item()
+    def _clip_gradients(self) -> None:
+        """Our own clipping under ZeRO 0 (DeepSpeed averages per-rank norms, which is wrong
+        with expert parallelism): the global norm counts each expert once; recorded for logs."""
+        if self.cfg.optim.zero_stage == 0:
+            self.last_grad_norm = grad_norm_and_clip(self.engine.module, self.expert_param_ids,
+                                                     self.rt, self.cfg.optim.clip_norm)
 
-    def train_step(self, measure_norm: bool = False) -> dict[str, float]:
+    def train_step(self) -> dict[str, float]:
         """Consume one optimizer step of micro-batches; returns local sums for logging."""
         self.engine.train()
         loss_tot = nll_tot = 0.0
@@ -147,8 +150,8 @@ class Trainer:
             batch = batch.to(self.rt.device)
             scaled, loss_sum, nll_sum = self._forward_loss(batch)
             self.engine.backward(scaled)
-            if measure_norm and i == len(micro) - 1:  # gradients are reduced at the boundary
-                self.last_grad_norm = self._grad_norm()
+            if i == len(micro) - 1:  # gradients are reduced at the accumulation boundary
+                self._clip_gradients()
             self.engine.step()
             loss_tot += loss_sum
             nll_tot += nll_sum
@@ -162,6 +165,7 @@ class Trainer:
         """Dev-set loss and perplexity (token-weighted over all ranks)."""
         assert self.dev_set is not None
         self.engine.eval()
+        aux_window = dict(self.aux_window)  # dev batches do not count as training aux losses
         loss = nll = tokens = 0.0
         for batch in eval_batches(self.dev_set, self.cfg.data.max_tokens, self.vocab.pad_id,
                                   self.vocab.bos_id, self.vocab.eos_id, dp_rank=self.rt.dp_rank,
@@ -171,6 +175,7 @@ class Trainer:
             if not batch.is_padding:
                 loss, nll, tokens = loss + loss_sum, nll + nll_sum, tokens + batch.n_tgt_tokens
         loss, nll, tokens = all_reduce_floats(self.rt, loss, nll, tokens)
+        self.aux_window = aux_window
         self.engine.train()
         tokens = max(tokens, 1.0)
         return {"dev/loss": loss / tokens / math.log(2), "dev/nll": nll / tokens / math.log(2),
@@ -234,7 +239,12 @@ class Trainer:
                   "train/epoch": float(self.batches.epoch)}
         if grad_norm is not None:
             values["train/grad_norm"] = float(grad_norm)
+        steps = max(self.cfg.train.log_every * self.cfg.optim.grad_accum, 1)
+        for key, total in self.aux_window.items():
+            values[f"moe/aux_{key}"] = total / steps
+        self.aux_window = {}
         self.monitor.scalars(self.step, values)
+        self._log_moe_layers()
         self.monitor.progress(self.step, {"loss": f"{values['train/loss']:.3f}",
                                           "tok/s": f"{values['train/tokens_per_s']:.0f}"})
         if self.monitor.bar is None:
@@ -243,6 +253,17 @@ class Trainer:
                 f"{values['train/nll']:.3f} | ppl {values['train/ppl']:.2f} | lr "
                 f"{values['train/lr']:.2e} | gnorm {values.get('train/grad_norm', 0.0):.2f} | "
                 f"tok/s {values['train/tokens_per_s']:.0f} | mem {values['train/memory_mb']:.0f}MB")
+
+    def _log_moe_layers(self) -> None:
+        """Per MoE layer (last forward on this rank): tokens per expert, drops, entropy."""
+        for name, layer in self.moe_layers:
+            counts = layer.tokens_per_expert_E.float()
+            tag = name.replace(".ffn", "").replace("_layers.", "")
+            self.monitor.histogram(self.step, f"moe_tokens_per_expert/{tag}", counts)
+            cv = (counts.std(unbiased=False) / counts.mean().clamp_min(1e-9)).item()
+            self.monitor.scalars(self.step, {f"moe_dropped/{tag}": float(layer.dropped_slots),
+                                             f"moe_entropy/{tag}": float(layer.routing_entropy),
+                                             f"moe_load_cv/{tag}": cv})
 
     def _validate(self, with_bleu: bool) -> dict[str, Any]:
         if self.dev_set is None:
@@ -268,7 +289,7 @@ class Trainer:
         window_start = time.time()
         train_tokens_local = 0.0
         while self.step < tc.max_steps:
-            sums = self.train_step(measure_norm=(self.step + 1) % tc.log_every == 0)
+            sums = self.train_step()
             for k in window:
                 window[k] += sums[k]
             train_tokens_local += sums["tokens"]
