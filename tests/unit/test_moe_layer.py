@@ -124,3 +124,31 @@ def test_bad_moe_configs_fail_in_one_line(override, message):
         cfg = load_config(overrides=override)
         build_model(cfg, {"vocab_size": 40, "pad_id": 0})
     assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_ep_size_must_divide_world_size():
+    from moe_train.parallel.expert_parallel import setup_expert_parallel
+    from moe_train.parallel.runtime import ParallelRuntime
+
+    with pytest.raises(ConfigError, match=r"moe.ep_size: expected a divisor of the world size "
+                                          r"\(4\), got 3"):
+        setup_expert_parallel(ParallelRuntime(world_size=4), 3)
+
+
+@pytest.mark.parametrize("override, message", [
+    (["moe.decoder_task_source=task_ids"], "moe.decoder_task_source: task_ids, but the prepared "
+                                           "data carries no task ids"),
+    (["moe.decoder_task_source=lang_pair", "moe.num_tasks=2"],
+     "moe.num_tasks: expected at least 9 (tasks by lang_pair"),
+])
+def test_task_routing_needs_task_ids_in_the_data(override, message):
+    from moe_train.parallel.expert_parallel import check_moe_against_data
+
+    cfg = load_config(overrides=["moe.num_experts=4", "moe.decoder_router=task", "moe.k=1",
+                                 "moe.num_tasks=3", *override])
+    manifest = {"langs": ["de", "en", "fr"], "domains": ["a", "b"]}
+    with pytest.raises(ConfigError) as err:
+        check_moe_against_data(cfg, manifest)
+    assert message in str(err.value) and "\n" not in str(err.value)
+    check_moe_against_data(load_config(overrides=["moe.num_experts=4", "moe.decoder_router=task",
+                                                  "moe.k=1", "moe.num_tasks=3"]), manifest)
