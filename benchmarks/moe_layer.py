@@ -1,0 +1,571 @@
+"""MoE layer benchmark: our layer vs DeepSpeed's stock MoE, Megatron-core permute, and two floors.
+
+    .venv/bin/python benchmarks/moe_layer.py [--device cpu|cuda] [--quick]
+
+Forward + backward of one MoE layer over T tokens at E in {8, 32, 128}, k in {1, 2} (CPU: D=256,
+F=1024, T=4096 fp32; CUDA: D=1024, F=4096, T=16384 bf16), every implementation on the same x_TD
+and output gradient: ours (MoELayer, dropless), DeepSpeed's stock MoE (capacity 1.0),
+Megatron-core's moe_utils permute/unpermute around a per-expert loop, and two floors measured in
+the same run: our Experts alone on rows pre-permuted with our router's counts, and one dense
+(T*k x D)@(D x F), relu, (F x D) pair. Also peak memory, our layer's stage times, and the EP=2
+all-to-all bytes against the minimum. Writes benchmarks/results/moe_layer_<device>.json
+(`--quick`: tiny sizes, ..._quick.json); benchmarks/README.md explains every field.
+
+Shape legend: T tokens, D model dim, F expert FFN dim, E experts, K slots per token, N routed
+rows (T*K: dropless), B batch (1 here).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import os
+import platform
+import re
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from moe_train.config import RouterConfig  # noqa: E402
+from moe_train.models.context import ForwardContext  # noqa: E402
+from moe_train.moe.dispatcher import LocalDispatcher  # noqa: E402
+from moe_train.moe.experts import Experts  # noqa: E402
+from moe_train.moe.layer import MoELayer  # noqa: E402
+from moe_train.moe.router import build_router  # noqa: E402
+from moe_train.parallel.runtime import free_port, init_runtime, shutdown  # noqa: E402
+from moe_train.utils.atomic import write_json  # noqa: E402
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    D: int
+    F: int
+    T: int
+    T_ep: int
+    """Tokens per rank in the EP=2 byte count."""
+    dtype: torch.dtype
+    experts: tuple[int, ...] = (8, 32, 128)
+    ks: tuple[int, ...] = (1, 2)
+    reps: int = 7
+    warmup: int = 2
+
+
+SHAPES = {
+    "cpu": Shape(D=256, F=1024, T=4096, T_ep=1024, dtype=torch.float32),
+    "cuda": Shape(D=1024, F=4096, T=16384, T_ep=1024, dtype=torch.bfloat16, reps=20, warmup=5),
+}
+QUICK = Shape(D=64, F=256, T=512, T_ep=64, dtype=torch.float32, experts=(8, 32), reps=2,
+              warmup=1)
+M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_MAX = -1, -2, -4  # glibc mallopt parameters
+AUX_COEF, Z_COEF = 0.01, 0.001
+Step = Callable[[], dict[str, Any]]
+
+
+# --- the implementations -------------------------------------------------------------------
+
+def build_ours(E: int, k: int, shape: Shape, seed: int = 0) -> MoELayer:
+    """Our layer as moe_train.models.build makes it: top-k router, dropless dispatch."""
+    torch.manual_seed(seed)
+    cfg = RouterConfig(k=k, capacity_factor=0.0, aux_loss_coef=AUX_COEF, z_loss_coef=Z_COEF)
+    return MoELayer(build_router("topk", shape.D, E, cfg), LocalDispatcher(E, 0.0),
+                    Experts(E, shape.D, shape.F))
+
+
+def ffn(D: int, F_: int) -> nn.Module:
+    return nn.Sequential(nn.Linear(D, F_), nn.ReLU(), nn.Linear(F_, D))
+
+
+class MegatronStyleMoE(nn.Module):
+    """Megatron-core's dropless path: `topk_routing_with_score_function`, its aux and z losses,
+    `permute`, a loop over per-expert FFN modules, `unpermute` with the routing probs."""
+
+    def __init__(self, E: int, k: int, D: int, F_: int) -> None:
+        super().__init__()
+        from megatron.core.transformer.moe import moe_utils
+        self.mu, self.k, self.E = moe_utils, k, E
+        self.gate = nn.Linear(D, E, bias=False)
+        self.experts = nn.ModuleList(ffn(D, F_) for _ in range(E))
+
+    def forward(self, x_TD: Tensor) -> tuple[Tensor, Tensor]:
+        logits_TE = self.gate(x_TD).float()
+        probs_TE, map_TE = self.mu.topk_routing_with_score_function(logits_TE, self.k)
+        counts_E = map_TE.sum(0)
+        aux = self.mu.switch_load_balancing_loss_func(
+            logits_TE.softmax(-1), counts_E, x_TD.size(0), self.k, self.E, AUX_COEF) \
+            + self.mu.z_loss_func(logits_TE, Z_COEF)
+        x_ND, _, sorted_N = self.mu.permute(x_TD, map_TE)
+        chunks = torch.split(x_ND, counts_E.tolist())
+        y_ND = torch.cat([expert(c) for c, expert in zip(chunks, self.experts)])
+        return self.mu.unpermute(y_ND, sorted_N, x_TD.shape, probs=probs_TE,
+                                 routing_map=map_TE), aux
+
+    @torch.no_grad()
+    def load_from(self, ours: MoELayer) -> None:
+        """Take `ours`'s router and expert weights."""
+        self.gate.weight.copy_(ours.router.gate.weight.weight)
+        ex = ours.experts
+        for e, mlp in enumerate(self.experts):
+            mlp[0].weight.copy_(ex.w1_EDF[e].t()), mlp[0].bias.copy_(ex.b1_EF[e])
+            mlp[2].weight.copy_(ex.w2_EFD[e].t()), mlp[2].bias.copy_(ex.b2_ED[e])
+
+
+def build_deepspeed(E: int, k: int, shape: Shape) -> nn.Module:
+    """DeepSpeed's stock MoE; it needs a process group (made in `main`) for its groups."""
+    from deepspeed.moe.layer import MoE
+    moe = MoE(shape.D, expert=ffn(shape.D, shape.F), num_experts=E, ep_size=1, k=k,
+              capacity_factor=1.0)
+    moe.set_deepspeed_parallelism()
+    return moe
+
+
+def malloc_no_mmap() -> None:
+    """glibc: serve every block from the heap and never give it back, so a freed buffer is
+    reused without page faults (by default blocks of 32 MiB and more are mmapped per use)."""
+    import ctypes
+    libc = ctypes.CDLL("libc.so.6")
+    for param, value in ((M_MMAP_MAX, 0), (M_TRIM_THRESHOLD, 1 << 36), (M_TOP_PAD, 1 << 28)):
+        if libc.mallopt(param, value) != 1:
+            raise RuntimeError(f"mallopt({param}, {value}) failed")
+
+
+@dataclasses.dataclass
+class Inputs:
+    """One configuration's shared data: x, output gradients, our layer and its routing."""
+
+    x_TD: Tensor
+    g_TD: Tensor
+    x_ND: Tensor
+    """x rows permuted by our router (expert-contiguous): the floors' input."""
+    g_ND: Tensor
+    counts_E: Tensor
+    ours: MoELayer
+
+
+def make_inputs(E: int, k: int, shape: Shape, device: str) -> Inputs:
+    gen = torch.Generator().manual_seed(1234)
+    x_TD, g_TD = (torch.randn(shape.T, shape.D, generator=gen).to(device, shape.dtype)
+                  for _ in range(2))
+    ours = build_ours(E, k, shape).to(device, shape.dtype)
+    with torch.no_grad():
+        x_ND, counts_E, _ = ours.dispatcher.dispatch(x_TD, ours.router.route(x_TD))
+    g_ND = torch.randn(x_ND.shape, generator=gen).to(device, shape.dtype)
+    return Inputs(x_TD, g_TD, x_ND.contiguous(), g_ND, counts_E, ours)
+
+
+def fwd_bwd(leaves: list[Tensor], run: Step) -> Step:
+    """A step: reset the leaves' grads to None, run forward + backward; `step.leaves` is kept
+    for the memory measurement."""
+    def step() -> dict[str, Any]:
+        for t in leaves:
+            t.grad = None
+        return run()
+    step.leaves = leaves  # type: ignore[attr-defined]
+    return step
+
+
+def step_ours(inp: Inputs) -> Step:
+    layer, x = inp.ours, inp.x_TD.clone().requires_grad_(True)
+
+    def run() -> dict[str, Any]:
+        y_BTD, aux = layer(x.view(1, *x.shape), ForwardContext())
+        torch.autograd.backward([y_BTD.view_as(x), sum(aux.values())],
+                                [inp.g_TD, torch.ones((), device=x.device)])
+        return {"dropped_slots": int(layer.dropped_slots),
+                "routed_slots": int(layer.tokens_per_expert_E.sum())}
+    return fwd_bwd([x, *layer.parameters()], run)
+
+
+def step_deepspeed(moe: nn.Module, inp: Inputs) -> Step:
+    x = inp.x_TD.clone().requires_grad_(True)
+    seen: dict[str, Any] = {}
+    moe.deepspeed_moe.gate.register_forward_hook(lambda m, i, out: seen.update(out=out))
+
+    def run() -> dict[str, Any]:
+        y_BTD, l_aux, _ = moe(x.view(1, *x.shape))
+        torch.autograd.backward([y_BTD.view_as(x), AUX_COEF * l_aux],
+                                [inp.g_TD, torch.ones((), device=x.device)])
+        _, capacity, E, ids_KT, _, _, counts_E = seen["out"]  # the gate's sparse-route output
+        C = int(capacity)
+        return {"dropped_slots": int((ids_KT < 0).sum()), "routed_slots": int(counts_E.sum()),
+                "capacity": C, "computed_rows": C * int(E),
+                "dropped_from_capacity": int((counts_E - C).clamp(min=0).sum())}
+    return fwd_bwd([x, *moe.parameters()], run)
+
+
+def step_expert_gemms(inp: Inputs) -> Step:
+    experts, x = inp.ours.experts, inp.x_ND.clone().requires_grad_(True)
+    return fwd_bwd([x, *experts.parameters()],
+                   lambda: experts(x, inp.counts_E).backward(inp.g_ND) or {})
+
+
+def step_dense(inp: Inputs, shape: Shape) -> Step:
+    gen = torch.Generator().manual_seed(7)
+    w1 = (torch.randn(shape.D, shape.F, generator=gen) * 0.05).to(inp.x_ND)
+    w2 = (torch.randn(shape.F, shape.D, generator=gen) * 0.05).to(inp.x_ND)
+    x, b1, b2 = inp.x_ND.clone(), w1.new_zeros(shape.F), w1.new_zeros(shape.D)
+    leaves = [t.requires_grad_(True) for t in (x, w1, b1, w2, b2)]
+
+    def run() -> dict[str, Any]:
+        torch.addmm(b2, F.relu(torch.addmm(b1, x, w1)), w2).backward(inp.g_ND)
+        return {}
+    return fwd_bwd(leaves, run)
+
+
+def build_steps(E: int, k: int, shape: Shape, device: str, only: str | None = None
+                ) -> tuple[Inputs, dict[str, Step]]:
+    """The fwd+bwd step of every implementation (or only of `only`) at one configuration."""
+    inp = make_inputs(E, k, shape, device)
+    steps: dict[str, Step] = {}
+    if only in (None, "ours"):
+        steps["ours"] = step_ours(inp)
+    if only in (None, "deepspeed"):
+        torch.manual_seed(1)
+        moe = build_deepspeed(E, k, shape).to(device, shape.dtype)
+        with torch.no_grad():  # the same gate as ours
+            moe.deepspeed_moe.gate.wg.weight.copy_(inp.ours.router.gate.weight.weight)
+        steps["deepspeed"] = step_deepspeed(moe, inp)
+    if only in (None, "megatron"):
+        mod = MegatronStyleMoE(E, k, shape.D, shape.F).to(device, shape.dtype)
+        mod.load_from(inp.ours)
+        x = inp.x_TD.clone().requires_grad_(True)
+        steps["megatron"] = fwd_bwd([x, *mod.parameters()], lambda: torch.autograd.backward(
+            mod(x), [inp.g_TD, torch.ones((), device=x.device)]) or {"dropped_slots": 0})
+    if only in (None, "expert_gemms"):
+        steps["expert_gemms"] = step_expert_gemms(inp)
+    if only in (None, "dense_gemm"):
+        steps["dense_gemm"] = step_dense(inp, shape)
+    return inp, steps
+
+
+# --- measuring -----------------------------------------------------------------------------
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def time_interleaved(steps: dict[str, Step], device: str, warmup: int, reps: int
+                     ) -> tuple[dict[str, list[float]], dict[str, dict[str, Any]]]:
+    """Milliseconds of each step over `reps` rounds that run every step once (order rotated
+    each round, so drift hits all alike), after `warmup` runs; and what each step reported,
+    with its median minor page faults (fresh pages the kernel had to map and zero)."""
+    info = {}
+    for name, fn in steps.items():
+        for _ in range(warmup):
+            info[name] = fn()
+    names = list(steps)
+    times: dict[str, list[float]] = {n: [] for n in names}
+    faults: dict[str, list[int]] = {n: [] for n in names}
+    for r in range(reps):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            sync(device)
+            f0, t0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt, time.perf_counter()
+            steps[name]()
+            sync(device)
+            times[name].append((time.perf_counter() - t0) * 1e3)
+            faults[name].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
+    for name in names:
+        info[name]["minor_faults_per_step"] = int(statistics.median(faults[name]))
+    return times, info
+
+
+def _proc_kib(field: str) -> int:
+    return int(re.search(rf"{field}:\s+(\d+) kB", Path("/proc/self/status").read_text())[1])
+
+
+def measure_peak(step: Step, device: str) -> dict[str, int]:
+    """Bytes one step (after a warm-up step) adds at its peak above what is resident before it
+    (weights and inputs), and the bytes of the gradients it leaves behind."""
+    step()
+    leaves = getattr(step, "leaves", [])
+    for t in leaves:
+        t.grad = None
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        step()
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - before
+    else:
+        before = _proc_kib("VmRSS")
+        Path("/proc/self/clear_refs").write_text("5")  # VmHWM := current RSS
+        step()
+        peak = (_proc_kib("VmHWM") - before) * 1024
+    grad_bytes = sum(t.grad.numel() * t.grad.element_size() for t in leaves
+                     if t.grad is not None)
+    return {"peak_bytes": peak, "grad_bytes": grad_bytes,
+            "peak_minus_grad_bytes": peak - grad_bytes}
+
+
+def peak_in_subprocess(impl: str, E: int, k: int, args: argparse.Namespace) -> dict[str, Any]:
+    """CPU: `measure_peak` in a fresh interpreter whose malloc gives every block of 64 KiB or
+    more back to the OS when freed, so that RSS follows the live tensors."""
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", RANK="0", WORLD_SIZE="1",
+               LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    cmd = [sys.executable, str(Path(__file__)), "--peak-child", impl, str(E), str(k),
+           "--threads", str(args.threads)] + (["--quick"] if args.quick else []) \
+        + (["--malloc-no-mmap"] if args.malloc_no_mmap else [])
+    proc = subprocess.run(cmd, env=env, text=True, capture_output=True, timeout=900)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        return {"peak_error": (proc.stderr or proc.stdout).strip().splitlines()[-1:]}
+    return json.loads(lines[-1])
+
+
+def stage_breakdown(inp: Inputs, device: str, warmup: int, reps: int) -> dict[str, float]:
+    """Median ms of our layer's stages, each run alone fwd + bwd on the same data: route (gate,
+    softmax, top-k, aux losses), dispatch (histogram, stable sort, row gather), combine
+    (weighted scatter-add), record (the logging statistics, no grad)."""
+    layer = inp.ours
+    x = inp.x_TD.clone().requires_grad_(True)
+    one = torch.ones((), device=x.device)
+    with torch.no_grad():
+        routing = layer.router.route(inp.x_TD)
+        _, _, meta = layer.dispatcher.dispatch(inp.x_TD, routing)
+    y_ND = inp.x_ND.clone().requires_grad_(True)
+    w_TK = routing.weights_TK.clone().requires_grad_(True)
+    meta_w, gw_TK = dataclasses.replace(meta, weights_TK=w_TK), torch.randn_like(w_TK)
+
+    def route() -> dict:
+        r = layer.router.route(x)
+        torch.autograd.backward([r.weights_TK, sum(r.aux_losses.values())], [gw_TK, one])
+        return {}
+
+    steps = {
+        "route": fwd_bwd([x, *layer.router.parameters()], route),
+        "dispatch": fwd_bwd([x], lambda: layer.dispatcher.dispatch(x, routing)[0]
+                            .backward(inp.g_ND) or {}),
+        "combine": fwd_bwd([y_ND, w_TK], lambda: layer.dispatcher.combine(y_ND, meta_w)
+                           .backward(inp.g_TD) or {}),
+        "record": lambda: layer._record(routing, meta) or {},
+    }
+    times, _ = time_interleaved(steps, device, warmup, reps)
+    return {f"{n}_ms": round(statistics.median(t), 3) for n, t in times.items()}
+
+
+def profile_top_ops(step: Step, device: str, top: int = 12) -> list[dict[str, Any]]:
+    """The ops of one step with the most self time (CPU; device time on CUDA)."""
+    from torch.profiler import ProfilerActivity, profile
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    step()
+    with profile(activities=acts) as prof:
+        step()
+        sync(device)
+    key = "self_device_time_total" if device == "cuda" else "self_cpu_time_total"
+    rows = sorted(prof.key_averages(), key=lambda e: getattr(e, key), reverse=True)[:top]
+    return [{"op": e.key, "calls": e.count, "self_ms": round(getattr(e, key) / 1e3, 3)}
+            for e in rows]
+
+
+def equivalence_check() -> dict[str, Any]:
+    """Ours and the Megatron-style baseline with the same weights compute the same function
+    (a like-for-like comparison): max |difference| of the outputs and of the input gradients."""
+    out: dict[str, Any] = {}
+    for k in (1, 2):
+        inp = make_inputs(8, k, dataclasses.replace(QUICK, T=256, D=32, F=64), "cpu")
+        mod = MegatronStyleMoE(8, k, 32, 64)
+        mod.load_from(inp.ours)
+        x0, x1 = (inp.x_TD.clone().requires_grad_(True) for _ in range(2))
+        y0, y1 = inp.ours(x0[None], ForwardContext())[0][0], mod(x1)[0]
+        torch.autograd.backward([y0, y1], [inp.g_TD, inp.g_TD])
+        out[f"k{k}"] = {"max_abs_diff_y": float((y0 - y1).abs().max()),
+                        "max_abs_diff_dx": float((x0.grad - x1.grad).abs().max())}
+        if out[f"k{k}"]["max_abs_diff_y"] > 1e-4:
+            raise AssertionError(f"megatron-style baseline differs from ours: {out}")
+    return out
+
+
+# --- EP=2 all-to-all bytes -----------------------------------------------------------------
+
+class CountingDist:
+    """Stands in for torch.distributed inside moe_train.parallel.expert_parallel and logs what
+    each all_to_all_single sends: bytes to the other ranks, and in total (self included)."""
+
+    def __init__(self, real: Any, rank: int, world: int) -> None:
+        self.real, self.rank, self.world = real, rank, world
+        self.phase = "forward"
+        self.log: list[dict[str, Any]] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.real, name)
+
+    def all_to_all_single(self, output, input, output_split_sizes=None, input_split_sizes=None,
+                          group=None, async_op=False):
+        splits = list(input_split_sizes or [input.size(0) // self.world] * self.world)
+        row_bytes = input[0].numel() * input.element_size() if input.size(0) else 0
+        self.log.append({"phase": self.phase,
+                         "kind": "tokens" if input.is_floating_point() else "counts",
+                         "bytes_remote": (sum(splits) - splits[self.rank]) * row_bytes,
+                         "bytes_total": sum(splits) * row_bytes})
+        return self.real.all_to_all_single(output, input, output_split_sizes, input_split_sizes,
+                                           group=group, async_op=async_op)
+
+
+def ep_worker(rank: int, port: int, E: int, k: int, shape: Shape, out_dir: str) -> None:
+    """One of two EP ranks: wire our layer, run fwd + bwd on this rank's tokens, log bytes."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    import moe_train.parallel.expert_parallel as ep
+    rt = ep.setup_expert_parallel(init_runtime(), 2)
+    layer = build_ours(E, k, shape)  # the same seed on both ranks: one global initialisation
+    assert ep.wire_expert_parallel(nn.ModuleList([layer]), rt) == 1
+    counter = ep.dist = CountingDist(ep.dist, rt.ep_rank, 2)
+    seen: dict[str, Any] = {}
+    layer.router.register_forward_hook(lambda m, i, out: seen.update(routing=out))
+    gen = torch.Generator().manual_seed(100 + rank)
+    x = torch.randn(1, shape.T_ep, shape.D, generator=gen, requires_grad=True)
+    y, aux = layer(x, ForwardContext())
+    counter.phase = "backward"
+    torch.autograd.backward([y, sum(aux.values())], [torch.randn_like(y), torch.ones(())])
+    ids_TK = seen["routing"].expert_ids_TK
+    remote_TK = (ids_TK >= 0) & (ids_TK // (E // 2) != rt.ep_rank)
+    Path(out_dir, f"{rank}.json").write_text(json.dumps({
+        "log": counter.log, "remote_rows": int(remote_TK.sum()),
+        "remote_tokens": int(remote_TK.any(1).sum()),  # P=2: a single remote rank
+        "row_bytes": shape.D * x.element_size(), "dropped_slots": int(layer.dropped_slots)}))
+    ep.dist = counter.real
+    shutdown(rt)
+
+
+def ep_bytes(E: int, k: int, shape: Shape) -> dict[str, Any]:
+    """Bytes the all-to-alls of one EP=2 fwd+bwd step send between ranks, vs. the minimum."""
+    import torch.multiprocessing as mp
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(ep_worker, args=(free_port(), E, k, shape, tmp), nprocs=2, join=True)
+        ranks = [json.loads(Path(tmp, f"{r}.json").read_text()) for r in range(2)]
+    log = [entry for r in ranks for entry in r["log"]]
+    sent = sum(e["bytes_remote"] for e in log)
+    by_kind = {f"{p}_{kind}_bytes": sum(e["bytes_remote"] for e in log
+                                        if e["phase"] == p and e["kind"] == kind)
+               for p in ("forward", "backward") for kind in ("tokens", "counts")}
+    minimum = sum(4 * r["remote_rows"] * r["row_bytes"] for r in ranks)
+    minimum_dedup = sum(4 * r["remote_tokens"] * r["row_bytes"] for r in ranks)
+    return {"tokens_per_rank": shape.T_ep, "element_bytes": 4, "calls": len(log),
+            "bytes_sent_remote": sent, **by_kind,
+            "bytes_incl_self": sum(e["bytes_total"] for e in log),
+            "min_bytes_routed_rows": minimum, "ratio_to_min": round(sent / minimum, 4),
+            "min_bytes_unique_tokens": minimum_dedup,
+            "ratio_to_unique_min": round(sent / minimum_dedup, 4),
+            "dropped_slots": sum(r["dropped_slots"] for r in ranks)}
+
+
+# --- the run -------------------------------------------------------------------------------
+
+def bench_config(E: int, k: int, shape: Shape, args: argparse.Namespace) -> dict[str, Any]:
+    device = args.device
+    inp, steps = build_steps(E, k, shape, device)
+    times, info = time_interleaved(steps, device, shape.warmup, shape.reps)
+    med = {n: statistics.median(t) for n, t in times.items()}
+    counts = inp.counts_E.tolist()
+    row: dict[str, Any] = {
+        "experts": E, "k": k, "routed_slots": sum(counts),
+        "tokens_per_expert": {"min": min(counts), "max": max(counts), "mean": sum(counts) / E,
+                              "counts": counts},
+        "impls": {name: {"ms": round(med[name], 3), "ms_reps": [round(t, 2) for t in times[name]],
+                         "vs_expert_gemms": round(med[name] / med["expert_gemms"], 3),
+                         "vs_dense_gemm": round(med[name] / med["dense_gemm"], 3), **info[name]}
+                  for name in steps}}
+    row["ours_stages"] = stages = stage_breakdown(inp, device, shape.warmup, shape.reps)
+    stages["experts_ms"] = round(med["expert_gemms"], 3)
+    stages["sum_ms"] = round(sum(stages.values()), 3)
+    stages["overhead_vs_floor_ms"] = round(med["ours"] - med["expert_gemms"], 3)
+    row["ours_profile_top_ops"] = profile_top_ops(steps["ours"], device)
+    del steps, inp
+    gc.collect()
+    for name in row["impls"]:
+        if device == "cuda":
+            _, one = build_steps(E, k, shape, device, only=name)
+            row["impls"][name].update(measure_peak(one[name], device))
+            del one
+        else:
+            row["impls"][name].update(peak_in_subprocess(name, E, k, args))
+    ours = row["impls"]["ours"]
+    row["ep2"] = ep_bytes(E, k, shape)
+    row["acceptance"] = {
+        "ours_within_1.15x_expert_gemms": ours["vs_expert_gemms"] <= 1.15,
+        "ours_no_token_dropped": ours["dropped_slots"] == 0,
+        "ours_faster_than_deepspeed_at_E_ge_32": None if E < 32
+        else ours["ms"] < row["impls"]["deepspeed"]["ms"],
+        "ep2_bytes_within_1.05x_min": row["ep2"]["ratio_to_min"] <= 1.05}
+    return row
+
+
+METHOD = {
+    "fields": "benchmarks/README.md defines every implementation and field",
+    "ep2_min": "min_bytes_routed_rows = 4 x (routed slots whose expert is on the other rank) x "
+               "D x element bytes, over both ranks: each such row goes out and its output comes "
+               "back in forward, and its gradient makes the same two trips in backward",
+}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", choices=("cpu", "cuda"),
+                    default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--quick", action="store_true", help="tiny sizes, to check the script")
+    ap.add_argument("--threads", type=int, default=2, help="torch CPU threads (default 2)")
+    ap.add_argument("--malloc-no-mmap", action="store_true",
+                    help="diagnostic: glibc never mmaps nor trims (see malloc_no_mmap)")
+    ap.add_argument("--out", default=None,
+                    help="default benchmarks/results/moe_layer_<device>[_quick].json")
+    ap.add_argument("--peak-child", nargs=3, metavar=("IMPL", "E", "K"), help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    device = args.device
+    shape = QUICK if args.quick else SHAPES[device]
+    if args.malloc_no_mmap:
+        malloc_no_mmap()
+    init_runtime()  # one process (gloo on CPU): DeepSpeed's MoE wants a process group
+    torch.set_num_threads(args.threads)
+    if args.peak_child:
+        impl, E, k = args.peak_child
+        _, steps = build_steps(int(E), int(k), shape, device, only=impl)
+        print(json.dumps(measure_peak(steps[impl], device)))
+        return
+    import deepspeed
+    import megatron.core
+    load_start, equivalence, rows = os.getloadavg(), equivalence_check(), []
+    for E in shape.experts:
+        for k in shape.ks:
+            rows.append(row := bench_config(E, k, shape, args))
+            brief = {n: (v["ms"], v["vs_expert_gemms"]) for n, v in row["impls"].items()}
+            print(f"E={E} k={k} {brief} ep2={row['ep2']['ratio_to_min']}", flush=True)
+    out = Path(args.out or ROOT / "benchmarks" / "results" /
+               f"moe_layer_{device}{'_quick' if args.quick else ''}.json")
+    write_json(out, {
+        "device": torch.cuda.get_device_name() if device == "cuda"
+        else platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(), "threads": torch.get_num_threads(), "quick": args.quick,
+        "allocator": "glibc, no mmap, no trim" if args.malloc_no_mmap else "glibc defaults",
+        "loadavg_1_5_15min": {"start": load_start, "end": os.getloadavg()},
+        "torch": torch.__version__, "deepspeed": deepspeed.__version__,
+        "megatron_core": {"version": megatron.core.__version__, "imports_without_apex_te": True,
+                          "path": "megatron.core.transformer.moe.moe_utils, unfused"},
+        "shape": {"D": shape.D, "F": shape.F, "T": shape.T, "dtype": str(shape.dtype),
+                  "reps": shape.reps, "warmup": shape.warmup},
+        "method": METHOD, "equivalence_check": equivalence, "results": rows,
+        "acceptance": {key: all(r["acceptance"][key] for r in rows
+                                if r["acceptance"][key] is not None)
+                       for key in rows[0]["acceptance"]},
+    })
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
