@@ -26,6 +26,10 @@ setup(
         "openmpi>=5.0",
         "mpi4py>=4.0,<5",
     ],
-    extras_require={"dev": ["pytest>=8"]},
+    extras_require={
+        # triton: the GPU kernels' fast path; on CPU its interpreter runs the equivalence tests
+        "gpu": ["triton>=3.0; platform_system == 'Linux'"],
+        "dev": ["pytest>=8", "triton>=3.0; platform_system == 'Linux'"],
+    },
     entry_points={"console_scripts": ["moe-train=moe_train.cli:main"]},
 )
