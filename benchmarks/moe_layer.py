@@ -315,12 +315,12 @@ def measure_peak(step: Step, device: str) -> dict[str, int]:
 
 def peak_in_subprocess(impl: str, E: int, k: int, args: argparse.Namespace) -> dict[str, Any]:
     """CPU: `measure_peak` in a fresh interpreter whose malloc gives every block of 64 KiB or
-    more back to the OS when freed, so that RSS follows the live tensors."""
+    more back to the OS when freed, so that RSS follows the live tensors (whatever
+    --malloc-no-mmap says: memory kept in the heap would hide the peak)."""
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", RANK="0", WORLD_SIZE="1",
                LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     cmd = [sys.executable, str(Path(__file__)), "--peak-child", impl, str(E), str(k),
-           "--threads", str(args.threads)] + (["--quick"] if args.quick else []) \
-        + (["--malloc-no-mmap"] if args.malloc_no_mmap else [])
+           "--threads", str(args.threads)] + (["--quick"] if args.quick else [])
     proc = subprocess.run(cmd, env=env, text=True, capture_output=True, timeout=900)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     if proc.returncode != 0 or not lines:
