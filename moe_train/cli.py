@@ -7,11 +7,8 @@ and exit with status 2; no traceback.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import re
 import sys
-from pathlib import Path
 
 from moe_train.errors import MoeTrainError
 

@@ -5,7 +5,6 @@ batch iterator gives both runs the same global group, and the loss is normalised
 global target tokens, so gradients and updates must agree to float precision.
 """
 
-import os
 import subprocess
 import sys
 from pathlib import Path

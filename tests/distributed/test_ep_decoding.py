@@ -4,7 +4,6 @@ sentence lengths take the same number of decoder steps (no deadlock) and give th
 import copy
 import os
 
-import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
