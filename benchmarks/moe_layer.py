@@ -45,7 +45,7 @@ from moe_train.models.context import ForwardContext  # noqa: E402
 from moe_train.moe.dispatcher import LocalDispatcher  # noqa: E402
 from moe_train.moe.experts import Experts  # noqa: E402
 from moe_train.moe.layer import MoELayer  # noqa: E402
-from moe_train.moe.router import build_router  # noqa: E402
+from moe_train.moe.registry import build_router  # noqa: E402
 from moe_train.parallel.runtime import free_port, init_runtime, shutdown  # noqa: E402
 from moe_train.utils.atomic import write_json  # noqa: E402
 

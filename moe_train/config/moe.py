@@ -94,7 +94,7 @@ class MoEConfig(RouterConfig):
     """Which layers of a side are MoE: every_other (layers 1, 3, 5, ... counting from 0, as in
     GShard and seed 002), all, or a comma-separated list of 0-based layer indices."""
     encoder_router: str = "topk"
-    """Router of the encoder's MoE layers (see moe_train.moe.router.ROUTERS); "dense" keeps
+    """Router of the encoder's MoE layers (see moe_train.moe.registry.ROUTERS); "dense" keeps
     the encoder dense."""
     decoder_router: str = "topk"
     """Router of the decoder's MoE layers; "dense" keeps the decoder dense."""

@@ -17,7 +17,7 @@ from moe_train.models.transformer import Seq2SeqTransformer, dense_ffn_factory
 from moe_train.moe.dispatcher import LocalDispatcher
 from moe_train.moe.experts import Experts
 from moe_train.moe.layer import MoELayer
-from moe_train.moe.router import build_router
+from moe_train.moe.registry import build_router
 
 
 def moe_ffn_factory(cfg: ExperimentConfig):

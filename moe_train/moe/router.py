@@ -1,7 +1,8 @@
 """Routers: decide which experts each token goes to, with which combine weights.
 
 A router maps the (layer-normed) token states and a `RoutingContext` to a `Routing`. Routers are
-picked by name from the explicit `ROUTERS` registry through `build_router`:
+picked by name from the explicit registry in moe_train.moe.registry (`build_router`). This file
+holds the token-level ones; moe_train.moe.sentence_router the sentence- and task-level ones:
 
 - ``topk``: softmax over E, top-k, weights renormalised over the k (Eq. 4 of THOR-MoE).
 - ``switch``: top-1 whose weight is the raw top-1 probability (Switch Transformer), so the gate
@@ -27,7 +28,6 @@ import torch
 from torch import Tensor
 
 from moe_train.config.moe import RouterConfig
-from moe_train.errors import ConfigError
 from moe_train.moe import losses
 from moe_train.moe.gating import (  # noqa: F401  (re-exported: the routers' building blocks)
     LinearGate,
@@ -40,7 +40,6 @@ from moe_train.moe.gating import (  # noqa: F401  (re-exported: the routers' bui
     top_p_select,
 )
 from moe_train.moe.routing import Routing, RoutingContext
-from moe_train.moe.sentence_router import SentenceRouter, TaskRouter
 
 
 class TopKRouter(Router):
@@ -122,23 +121,3 @@ class TopPRouter(Router):
         return Routing(expert_ids_TK=expert_ids_TK, weights_TK=weights_TK.to(x_TD.dtype),
                        probs_TE=probs_TE, num_experts=self.num_experts, aux_losses=aux,
                        stats=stats)
-
-
-ROUTERS: dict[str, type[Router]] = {
-    "gshard": GShardRouter,
-    "sentence": SentenceRouter,
-    "switch": SwitchRouter,
-    "task": TaskRouter,
-    "topk": TopKRouter,
-    "topp": TopPRouter,
-}
-"""Router name (``moe.router``) -> class; every class takes (d_model, num_experts, cfg)."""
-
-
-def build_router(name: str, d_model: int, num_experts: int, cfg: RouterConfig) -> Router:
-    """The router registered as `name`; unknown names and impossible k are ConfigErrors."""
-    if name not in ROUTERS:
-        known = ", ".join(sorted(ROUTERS))
-        raise ConfigError(f"moe.router: unknown router {name!r} (known: {known})")
-    _expect(num_experts >= 1, "moe.num_experts", "a positive integer", num_experts)
-    return ROUTERS[name](d_model, num_experts, cfg)

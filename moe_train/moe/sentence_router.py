@@ -17,7 +17,6 @@ from torch import Tensor, nn
 from moe_train.config.moe import RouterConfig
 from moe_train.errors import ConfigError
 from moe_train.moe import losses
-from moe_train.moe.routing import Routing, RoutingContext, sentence_mean
 from moe_train.moe.gating import (
     LinearGate,
     Router,
@@ -29,6 +28,7 @@ from moe_train.moe.gating import (
     _token_stats,
     top_k_select,
 )
+from moe_train.moe.routing import Routing, RoutingContext, sentence_mean
 
 
 class SentenceRouter(Router):

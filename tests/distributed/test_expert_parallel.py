@@ -18,7 +18,7 @@ from moe_train.models.context import ForwardContext
 from moe_train.moe.dispatcher import LocalDispatcher
 from moe_train.moe.experts import Experts
 from moe_train.moe.layer import MoELayer
-from moe_train.moe.router import build_router
+from moe_train.moe.registry import build_router
 from moe_train.parallel.expert_parallel import wire_expert_parallel
 from moe_train.parallel.runtime import ParallelRuntime, free_port
 

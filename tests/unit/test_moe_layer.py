@@ -10,7 +10,7 @@ from moe_train.models.context import ForwardContext
 from moe_train.moe.dispatcher import LocalDispatcher, apply_capacity
 from moe_train.moe.experts import Experts
 from moe_train.moe.layer import MoELayer
-from moe_train.moe.router import build_router
+from moe_train.moe.registry import build_router
 from moe_train.moe.routing import Routing
 
 

@@ -14,14 +14,11 @@ import math
 import pytest
 import torch
 
+from moe_train.config.moe import RouterConfig
 from moe_train.errors import ConfigError
 from moe_train.models.context import ForwardContext
-from moe_train.moe.router import (
-    ROUTERS,
-    RouterConfig,
-    build_router,
-    top_p_select,
-)
+from moe_train.moe.registry import ROUTERS, build_router
+from moe_train.moe.router import top_p_select
 from moe_train.moe.routing import Routing, RoutingContext, sentence_mean
 
 E = 4

@@ -1,0 +1,28 @@
+"""The router registry: `moe.*_router` names -> router classes, and `build_router`."""
+
+from __future__ import annotations
+
+from moe_train.config.moe import RouterConfig
+from moe_train.errors import ConfigError
+from moe_train.moe.gating import Router, _expect
+from moe_train.moe.router import GShardRouter, SwitchRouter, TopKRouter, TopPRouter
+from moe_train.moe.sentence_router import SentenceRouter, TaskRouter
+
+ROUTERS: dict[str, type[Router]] = {
+    "gshard": GShardRouter,
+    "sentence": SentenceRouter,
+    "switch": SwitchRouter,
+    "task": TaskRouter,
+    "topk": TopKRouter,
+    "topp": TopPRouter,
+}
+"""Router name (``moe.router``) -> class; every class takes (d_model, num_experts, cfg)."""
+
+
+def build_router(name: str, d_model: int, num_experts: int, cfg: RouterConfig) -> Router:
+    """The router registered as `name`; unknown names and impossible k are ConfigErrors."""
+    if name not in ROUTERS:
+        known = ", ".join(sorted(ROUTERS))
+        raise ConfigError(f"moe.router: unknown router {name!r} (known: {known})")
+    _expect(num_experts >= 1, "moe.num_experts", "a positive integer", num_experts)
+    return ROUTERS[name](d_model, num_experts, cfg)
