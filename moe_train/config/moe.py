@@ -9,6 +9,7 @@ and the expert-parallel degree. Errors name the field as ``moe.<field>``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
+from typing import ClassVar
 
 from moe_train.errors import ConfigError
 
@@ -57,30 +58,39 @@ class RouterConfig:
     (each gets weight 1/k). Empty: the task router learns its gate."""
     sentence_pool: str = "mean"
     """How the sentence router condenses a sentence: mean over its non-pad tokens."""
+    tau: float = 1.0
+    """Gumbel-Max temperature of the `gumbel` router (MoA Eq. 8): the sampled candidate follows
+    softmax(top-k(s) / tau); 0 means no sampling (top-1, as at inference)."""
+
+    section: ClassVar[str] = "moe"
+    """Config section named in error messages."""
 
     def __post_init__(self) -> None:
-        _expect(self.k >= 1, "moe.k", "a positive integer", self.k)
-        _expect(self.capacity_factor >= 0, "moe.capacity_factor",
+        s = self.section
+        _expect(self.k >= 1, f"{s}.k", "a positive integer", self.k)
+        _expect(self.capacity_factor >= 0, f"{s}.capacity_factor",
                 "a non-negative number (0: dropless)", self.capacity_factor)
-        _expect(0.0 <= self.jitter_eps < 1.0, "moe.jitter_eps", "a number in [0, 1)",
+        _expect(0.0 <= self.jitter_eps < 1.0, f"{s}.jitter_eps", "a number in [0, 1)",
                 self.jitter_eps)
         for name in ("aux_loss_coef", "z_loss_coef", "entropy_coef"):
-            _expect(getattr(self, name) >= 0, f"moe.{name}", "a non-negative number",
+            _expect(getattr(self, name) >= 0, f"{s}.{name}", "a non-negative number",
                     getattr(self, name))
-        _expect(0.0 < self.top_p <= 1.0, "moe.top_p", "a number in (0, 1]", self.top_p)
-        _expect(self.task_source in TASK_SOURCES, "moe.task_source",
+        _expect(0.0 < self.top_p <= 1.0, f"{s}.top_p", "a number in (0, 1]", self.top_p)
+        _expect(self.task_source in TASK_SOURCES, f"{s}.task_source",
                 f"one of {', '.join(TASK_SOURCES)}", self.task_source)
-        _expect(self.num_tasks >= 0, "moe.num_tasks", "a non-negative integer", self.num_tasks)
-        _expect(self.sentence_pool == "mean", "moe.sentence_pool", "mean", self.sentence_pool)
+        _expect(self.num_tasks >= 0, f"{s}.num_tasks", "a non-negative integer", self.num_tasks)
+        _expect(self.tau >= 0, f"{s}.tau", "a non-negative temperature (0: plain top-1)",
+                self.tau)
+        _expect(self.sentence_pool == "mean", f"{s}.sentence_pool", "mean", self.sentence_pool)
         for i, row in enumerate(self.assignment):
-            where = f"moe.assignment[{i}]"
+            where = f"{s}.assignment[{i}]"
             _expect(isinstance(row, (list, tuple)) and len(row) == self.k, where,
                     f"a list of moe.k ({self.k}) expert ids", row)
             _expect(all(isinstance(e, int) and not isinstance(e, bool) and e >= 0 for e in row),
                     where, "non-negative integer expert ids", row)
             _expect(len(set(row)) == len(row), where, "distinct expert ids", row)
         if self.assignment and self.num_tasks:
-            _expect(self.num_tasks == len(self.assignment), "moe.num_tasks",
+            _expect(self.num_tasks == len(self.assignment), f"{s}.num_tasks",
                     f"the number of moe.assignment rows ({len(self.assignment)})", self.num_tasks)
 
 

@@ -10,6 +10,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from moe_train.config.adapters import AdapterConfig, MoAConfig
 from moe_train.config.moe import MoEConfig
 from moe_train.errors import ConfigError
 
@@ -241,6 +242,8 @@ class ExperimentConfig:
 
     model: ModelConfig = field(default_factory=ModelConfig)
     moe: MoEConfig = field(default_factory=MoEConfig)
+    adapters: AdapterConfig = field(default_factory=AdapterConfig)
+    moa: MoAConfig = field(default_factory=MoAConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -252,6 +255,14 @@ class ExperimentConfig:
 
     def __post_init__(self) -> None:
         _check(isinstance(self.deepspeed, dict), "deepspeed", "a mapping", self.deepspeed)
+        if self.adapters.enabled:
+            _check(self.adapters.num_experts % self.moe.ep_size == 0, "adapters.num_experts",
+                   f"a multiple of moe.ep_size ({self.moe.ep_size})", self.adapters.num_experts)
+
+    @property
+    def uses_experts(self) -> bool:
+        """Whether the model has MoE layers (FFN experts or adapter experts)."""
+        return self.moe.enabled or self.adapters.enabled
 
     def to_dict(self) -> dict[str, Any]:
         """Plain nested dict (JSON/YAML serialisable)."""

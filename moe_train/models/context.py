@@ -14,9 +14,16 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from torch import Tensor
 
 SIDES = ("encoder", "decoder")
+
+SENTENCE_REPR_KEY = "sentence_repr_BD"
+"""`ForwardContext.extras` key of the sentence representation the model computes once per stack:
+the mean-pooled source embeddings while the encoder runs, the mean-pooled encoder output (MoA
+Eq. 1) while the decoder runs. Sentence-level routers read it, so every layer they serve
+decides from the same input."""
 
 # Extras keys named like tensors whose first dimension is the batch (``prior_BE``, ``ids_B``).
 _PER_SENTENCE_KEY = re.compile(r"_B[A-Za-z]*$")
@@ -78,3 +85,16 @@ class ForwardContext:
             for key, value in self.extras.items()
         }
         return dataclasses.replace(self, **changes)
+
+
+def mean_pool(x_BTD: Tensor, pad_mask_BT: Tensor | None) -> Tensor:
+    """Mean over the non-pad positions of each sentence, (B, D), summed in float32.
+
+    A sentence without any real position gets zeros.
+    """
+    x32_BTD = x_BTD.float()
+    if pad_mask_BT is None:
+        return x32_BTD.mean(1).to(x_BTD.dtype)
+    keep_BT = (~pad_mask_BT).to(torch.float32)
+    sums_BD = torch.einsum("btd,bt->bd", x32_BTD, keep_BT)
+    return (sums_BD / keep_BT.sum(1, keepdim=True).clamp_min(1.0)).to(x_BTD.dtype)

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from moe_train.config.schema import ModelConfig
-from moe_train.models.context import ForwardContext
+from moe_train.models.context import SENTENCE_REPR_KEY, ForwardContext, mean_pool
 from moe_train.models.layers import (
     AuxLosses,
     DecoderLayer,
@@ -61,11 +61,19 @@ class EncoderOut:
     pad_mask_BS: Tensor
     """True at source padding."""
     aux_losses: AuxLosses = field(default_factory=dict)
+    sentence_repr_BD: Tensor | None = None
+    """Mean-pooled encoder output over non-pad positions (MoA Eq. 1); the decoder's sentence
+    representation. Filled by `Seq2SeqTransformer.encode`."""
+
+    def __post_init__(self) -> None:
+        if self.sentence_repr_BD is None:
+            self.sentence_repr_BD = mean_pool(self.states_BSD, self.pad_mask_BS)
 
     def index_select(self, index_B: Tensor) -> EncoderOut:
         """Rows reordered / repeated by `index_B` (beam search); aux losses are kept as is."""
         return EncoderOut(self.states_BSD.index_select(0, index_B),
-                          self.pad_mask_BS.index_select(0, index_B), self.aux_losses)
+                          self.pad_mask_BS.index_select(0, index_B), self.aux_losses,
+                          self.sentence_repr_BD.index_select(0, index_B))
 
 
 class DecoderCache:
@@ -151,16 +159,24 @@ class Seq2SeqTransformer(nn.Module):
         """Number of distinct parameters (shared tensors counted once)."""
         return sum(p.numel() for p in self.parameters())
 
-    def _embed(self, table: nn.Embedding, tokens_BT: Tensor, offset: int = 0) -> Tensor:
-        x_BTD = table(tokens_BT) * self.embed_scale
-        x_BTD = x_BTD + self.positions(tokens_BT.size(1), offset).to(x_BTD.dtype)
+    def _embed(self, table: nn.Embedding, tokens_BT: Tensor) -> Tensor:
+        """Scaled token embeddings (no positions, no dropout)."""
+        return table(tokens_BT) * self.embed_scale
+
+    def _add_positions(self, emb_BTD: Tensor, offset: int = 0) -> Tensor:
+        x_BTD = emb_BTD + self.positions(emb_BTD.size(1), offset).to(emb_BTD.dtype)
         return self.dropout(x_BTD)
 
     def encode(self, src_tokens_BS: Tensor, ctx: ForwardContext | None = None) -> EncoderOut:
         """Run the encoder on right-padded source tokens."""
         pad_mask_BS = src_tokens_BS.eq(self.pad_id)
-        ctx = (ctx or ForwardContext()).replace(side="encoder", src_pad_mask_BS=pad_mask_BS)
-        x_BSD = self._embed(self.embed_tokens, src_tokens_BS)
+        ctx = ctx or ForwardContext()
+        # Sentence-level routers in the encoder decide from the mean source embedding.
+        emb_BSD = self._embed(self.embed_tokens, src_tokens_BS)
+        ctx = ctx.replace(side="encoder", src_pad_mask_BS=pad_mask_BS,
+                          extras={**ctx.extras,
+                                  SENTENCE_REPR_KEY: mean_pool(emb_BSD, pad_mask_BS)})
+        x_BSD = self._add_positions(emb_BSD)
         aux: AuxLosses = {}
         for layer in self.encoder_layers:
             x_BSD, layer_aux = layer(x_BSD, pad_mask_BS, ctx)
@@ -184,10 +200,11 @@ class Seq2SeqTransformer(nn.Module):
                 raise ValueError(f"decoder cache has {len(cache.layers)} layers, "
                                  f"the model {len(self.decoder_layers)}")
             offset = cache.length
-        ctx = (ctx or ForwardContext()).replace(
-            side="decoder", src_pad_mask_BS=enc.pad_mask_BS,
-            tgt_pad_mask_BT=tgt_in_BT.eq(self.pad_id))
-        x_BTD = self._embed(self.decoder_embed, tgt_in_BT, offset)
+        ctx = ctx or ForwardContext()
+        ctx = ctx.replace(side="decoder", src_pad_mask_BS=enc.pad_mask_BS,
+                          tgt_pad_mask_BT=tgt_in_BT.eq(self.pad_id),
+                          extras={**ctx.extras, SENTENCE_REPR_KEY: enc.sentence_repr_BD})
+        x_BTD = self._add_positions(self._embed(self.decoder_embed, tgt_in_BT), offset)
         aux: AuxLosses = {}
         for i, layer in enumerate(self.decoder_layers):
             x_BTD, layer_aux = layer(x_BTD, enc.states_BSD, enc.pad_mask_BS, ctx,

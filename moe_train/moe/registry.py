@@ -5,12 +5,15 @@ from __future__ import annotations
 from moe_train.config.moe import RouterConfig
 from moe_train.errors import ConfigError
 from moe_train.moe.gating import Router, _expect
+from moe_train.moe.moa_router import GumbelMaxRouter, SharedRouter, SingleRouter
 from moe_train.moe.router import GShardRouter, SwitchRouter, TopKRouter, TopPRouter
 from moe_train.moe.sentence_router import SentenceRouter, TaskRouter
 
 ROUTERS: dict[str, type[Router]] = {
     "gshard": GShardRouter,
+    "gumbel": GumbelMaxRouter,
     "sentence": SentenceRouter,
+    "single": SingleRouter,
     "switch": SwitchRouter,
     "task": TaskRouter,
     "topk": TopKRouter,
@@ -26,3 +29,17 @@ def build_router(name: str, d_model: int, num_experts: int, cfg: RouterConfig) -
         raise ConfigError(f"moe.router: unknown router {name!r} (known: {known})")
     _expect(num_experts >= 1, "moe.num_experts", "a positive integer", num_experts)
     return ROUTERS[name](d_model, num_experts, cfg)
+
+
+SENTENCE_LEVEL_ROUTERS = ("sentence", "gumbel", "single", "task")
+"""Routers whose decision depends only on the sentence (its representation or task), never on a
+layer's token states: one `SharedRouter` can serve every adapter layer of a stack."""
+
+
+def build_shared_router(name: str, d_model: int, num_experts: int, cfg: RouterConfig
+                        ) -> SharedRouter:
+    """A sentence-level router wrapped to make one decision per forward for all its layers."""
+    if name not in SENTENCE_LEVEL_ROUTERS:
+        raise ConfigError(f"moe.router: {name!r} routes tokens, so it cannot be shared across "
+                          f"layers (sentence-level routers: {', '.join(SENTENCE_LEVEL_ROUTERS)})")
+    return SharedRouter(build_router(name, d_model, num_experts, cfg))

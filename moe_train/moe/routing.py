@@ -21,10 +21,7 @@ from torch import Tensor
 
 from moe_train.config.moe import TASK_SOURCES
 from moe_train.errors import ConfigError
-from moe_train.models.context import SIDES, ForwardContext
-
-SENTENCE_REPR_KEY = "sentence_repr_BD"
-"""`ForwardContext.extras` key of a precomputed sentence representation (B, D)."""
+from moe_train.models.context import SENTENCE_REPR_KEY, SIDES, ForwardContext  # noqa: F401
 
 NUM_LANGS_KEY = "num_langs"
 """`ForwardContext.extras` key of the number of languages (needed by task_source lang_pair)."""

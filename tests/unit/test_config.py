@@ -38,7 +38,7 @@ def test_parse_overrides_nested():
     ("train.max_steps=abc", "train.max_steps: expected an integer"),
     ("train.max_steps=0", "train.max_steps: expected a positive number"),
     ("data.pairs=[deen]", "data.pairs[0]: expected src-tgt"),
-    ("modl.d_model=3", "modl: unknown field (allowed: checkpoint, data, deepspeed"),
+    ("modl.d_model=3", "modl: unknown field (allowed: adapters, checkpoint, data, deepspeed"),
     ("model.dmodel=3", "model.dmodel: unknown field"),
     ("model.activation=swish", "model.activation: expected one of relu, gelu"),
     ("optim.betas=[0.9]", "optim.betas: expected 2 values"),
