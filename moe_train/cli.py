@@ -113,11 +113,23 @@ def _add_routing_stats(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-batches", type=int, help="at most this many batches per rank")
 
 
+def _add_pipeline(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("pipeline", help="run a stage-wise recipe (moa) or one of its stages",
+                       description="Stage-wise recipes. Each finished stage is reused; runs "
+                       "alone or under a launcher with N ranks.")
+    recipes = p.add_subparsers(dest="recipe", required=True)
+    r = recipes.add_parser("moa", help="MoA: backbone, features, cluster, distill, adapters, "
+                           "evaluate (the stages depend on the adapter router)")
+    r.add_argument("--config", required=True, help="YAML config (see configs/moa-*.yaml)")
+    r.add_argument("--stage", help="run only this stage (its inputs must exist)")
+    r.add_argument("overrides", nargs="*", help="a.b=value overrides, e.g. moa.num_clusters=8")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="moe-train", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     for add in (_add_prepare, _add_train, _add_translate, _add_evaluate, _add_demo, _add_params,
-                _add_routing_stats):
+                _add_routing_stats, _add_pipeline):
         add(sub)
     return parser
 

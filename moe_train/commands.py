@@ -218,3 +218,19 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     run_demo(Path(args.workdir), minutes=args.minutes, overrides=args.overrides)
     return 0
+
+
+def cmd_pipeline(args: argparse.Namespace) -> int:
+    from moe_train.parallel.runtime import init_runtime, shutdown
+    from moe_train.stages.common import StageContext
+    from moe_train.stages.pipeline import run_pipeline
+
+    cfg = load_config(args.config, args.overrides)
+    rt = init_runtime()
+    try:
+        summary = run_pipeline(StageContext(cfg, rt), args.recipe, args.stage)
+    finally:
+        shutdown(rt)
+    if rt.is_main:
+        _json_line(summary)
+    return 0

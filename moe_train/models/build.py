@@ -18,6 +18,7 @@ from torch import nn
 
 from moe_train.config.schema import ExperimentConfig, ModelConfig
 from moe_train.models.transformer import Seq2SeqTransformer, dense_ffn_factory
+from moe_train.moe.adapters import AdapterExperts, AdapterSlot
 from moe_train.moe.dispatcher import LocalDispatcher
 from moe_train.moe.experts import Experts
 from moe_train.moe.layer import MoELayer

@@ -46,3 +46,12 @@ def build_deepspeed_config(cfg: ExperimentConfig, world_size: int, device: torch
         "dump_state": False,
     }
     return merge(ds, cfg.deepspeed)
+
+
+def plain_deepspeed_config(world_size: int) -> dict[str, Any]:
+    """A minimal fp32, ZeRO-0 config for small auxiliary models (e.g. a distilled gate):
+    data-parallel gradient averaging and nothing else."""
+    return {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+            "train_batch_size": world_size, "zero_optimization": {"stage": 0},
+            "zero_allow_untested_optimizer": True, "steps_per_print": 10**9,
+            "wall_clock_breakdown": False}

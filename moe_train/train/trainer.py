@@ -13,7 +13,7 @@ import logging
 import math
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import deepspeed
 import numpy as np
@@ -30,6 +30,7 @@ from moe_train.parallel.collectives import all_reduce_floats, grad_norm_and_clip
 from moe_train.parallel.expert_checkpoint import (detach_experts_from_state_dict, expert_modules,
                                                   full_expert_state, load_expert_shards,
                                                   save_expert_shards)
+from moe_train.parallel.zero_clip import exact_ep_grad_norm
 from moe_train.parallel.expert_parallel import (check_moe_against_data,
                                                 deepspeed_sees_moe_layers, moe_param_groups,
                                                 setup_expert_parallel,
@@ -60,7 +61,11 @@ def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str,
 class Trainer:
     """Builds data, model and engine from a config; trains, validates, checkpoints, exports."""
 
-    def __init__(self, cfg: ExperimentConfig, rt: ParallelRuntime, resume: bool = False) -> None:
+    def __init__(self, cfg: ExperimentConfig, rt: ParallelRuntime, resume: bool = False,
+                 init_model: Callable[[torch.nn.Module], None] | None = None) -> None:
+        """`init_model(model)` runs on the freshly built single-device model, before expert
+        parallelism and the engine: stages load earlier weights and freeze parameters there
+        (parameters with requires_grad False get no optimizer state and never change)."""
         logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
         self.cfg, self.rt = cfg, rt
         prepared = Path(cfg.data.prepared_dir)
@@ -70,17 +75,19 @@ class Trainer:
         self.train_set = ShardedDataset(prepared, "train")
         self.dev_set = ShardedDataset(prepared, "dev") if "dev" in self.manifest["splits"] else None
 
-        if cfg.moe.enabled:
+        if cfg.uses_experts:
             check_moe_against_data(cfg, self.manifest)
             rt = self.rt = setup_expert_parallel(rt, cfg.moe.ep_size)
         torch.manual_seed(cfg.train.seed)
         np.random.seed(cfg.train.seed)
         model = build_model(cfg, self.manifest)  # identical on every rank (same seed)
-        if cfg.moe.enabled:
+        if init_model is not None:
+            init_model(model)
+        if cfg.uses_experts:
             wire_expert_parallel(model, rt)
             detach_experts_from_state_dict(model)
         groups = _param_groups(model, cfg.optim.weight_decay)
-        if cfg.moe.enabled:
+        if cfg.uses_experts:
             groups = moe_param_groups(model, groups, rt.ep_size)
         optimizer = torch.optim.AdamW(groups, lr=cfg.optim.lr, betas=cfg.optim.betas,
                                       eps=cfg.optim.eps)
@@ -92,6 +99,8 @@ class Trainer:
                                                         lr_scheduler=scheduler,
                                                         config=self.ds_config,
                                                         dist_init_required=False)
+        if cfg.optim.zero_stage in (1, 2) and rt.ep_size > 1:
+            exact_ep_grad_norm(self.engine.optimizer, rt)
         self.batches = TrainBatchIterator(
             self.train_set, cfg.data.max_tokens, self.vocab.pad_id, self.vocab.bos_id,
             self.vocab.eos_id, seed=cfg.train.seed, temperature=cfg.data.temperature,
@@ -133,8 +142,9 @@ class Trainer:
         return scaled, loss_sum.detach().item(), nll_sum.detach().item()
 
     def _clip_gradients(self) -> None:
-        """Our own clipping under ZeRO 0 (DeepSpeed averages per-rank norms, which is wrong
-        with expert parallelism): the global norm counts each expert once; recorded for logs."""
+        """Our own clipping under ZeRO 0 (DeepSpeed's engine-level clipping does not know which
+        parameters are experts): the global norm counts each expert once; recorded for logs.
+        Under ZeRO 1/2 DeepSpeed's optimizer clips, with `exact_ep_grad_norm` pinning its norm."""
         if self.cfg.optim.zero_stage == 0:
             self.last_grad_norm = grad_norm_and_clip(self.engine.module, self.expert_param_ids,
                                                      self.rt, self.cfg.optim.clip_norm)
@@ -206,11 +216,11 @@ class Trainer:
                                    save_extra=self._save_experts)
 
     def _save_experts(self, tag_dir: Path) -> None:
-        if self.cfg.moe.enabled:
+        if self.cfg.uses_experts:
             save_expert_shards(self.engine.module, self.engine.optimizer, self.rt, tag_dir)
 
     def _load_experts(self, tag_dir: Path) -> None:
-        if self.cfg.moe.enabled:
+        if self.cfg.uses_experts:
             load_expert_shards(self.engine.module, self.engine.optimizer, self.rt, tag_dir)
 
     def export(self, tag_dir: Path) -> Path | None:

@@ -1,0 +1,126 @@
+"""Stage `adapters`: K adapter experts per layer on the frozen backbone (MoA Sec. 4.3).
+
+The model is the backbone plus an `AdapterSlot` after every decoder layer (and every encoder
+layer for ``adapters.sides: both``, the ADPT baseline). Before training:
+- every parameter the backbone has is loaded from it;
+- with ``moa.pre_inject`` each layer's K adapters start as copies of its pre-injected adapter;
+- the `gumbel` router (MoA) gets the distilled gate, frozen; learned routers (the Switch-SL /
+  SGMoE-SL `sentence` baselines, a learned `task` gate) train with the adapters;
+- the backbone is frozen (``moa.unfreeze_decoder``: the decoder layers train too, "Unf-D").
+Training then runs on the usual trainer (DeepSpeed, data + expert parallel: adapters are
+experts, so ``moe.ep_size`` spreads them over ranks). Artifact: ``checkpoints/export``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from moe_train.config.schema import ExperimentConfig
+from moe_train.errors import CheckpointError
+from moe_train.moe.adapters import AdapterSlot
+from moe_train.stages.common import StageContext, stage_config
+from moe_train.stages.distill import load_gate
+from moe_train.train.checkpoint import latest_tag
+from moe_train.train.export import EXPORT_WEIGHTS
+from moe_train.train.trainer import Trainer
+
+STAGE = "adapters"
+LEARNED_ROUTERS = ("sentence", "switch", "topk", "gshard", "task")
+
+
+def adapters_config(ctx: StageContext) -> ExperimentConfig:
+    """The adapter stage's training config (K = moa.num_clusters for the gumbel router)."""
+    cfg = ctx.cfg
+    adapters: dict[str, Any] = {}
+    if cfg.adapters.router == "gumbel":
+        adapters["num_experts"] = cfg.moa.num_clusters
+    optim = {"lr": cfg.moa.adapter_lr}
+    return stage_config(cfg, ctx.stage_dir(STAGE), adapters=adapters, optim=optim,
+                        train={"max_steps": cfg.moa.adapter_steps})
+
+
+def _load_backbone(model: nn.Module, backbone: dict[str, torch.Tensor], source: Path) -> None:
+    """Load every non-adapter weight; adapter weights are handled by `_init_adapters`."""
+    own = model.state_dict()
+    base = {k: v for k, v in backbone.items() if ".adapter." not in k}
+    missing = [k for k in own if ".adapter." not in k and k not in base]
+    unexpected = [k for k in base if k not in own]
+    wrong = [k for k in base if k in own and own[k].shape != base[k].shape]
+    if missing or unexpected or wrong:
+        raise CheckpointError(f"{source}: the backbone does not match this config's model "
+                              f"(missing {missing[:3]}, unexpected {unexpected[:3]}, "
+                              f"other shapes {wrong[:3]})")
+    model.load_state_dict(base, strict=False)
+
+
+def _init_adapters(model: nn.Module, backbone: dict[str, torch.Tensor], pre_inject: bool) -> int:
+    """Copy each pre-injected (single) adapter into all K adapters of its layer; returns the
+    number of layers initialised that way."""
+    copied = 0
+    for name, module in model.named_modules():
+        if not isinstance(module, AdapterSlot) or not pre_inject:
+            continue
+        prefix = f"{name}.moe.experts."
+        for pname, param in module.moe.experts.named_parameters():
+            source = backbone.get(prefix + pname)
+            if source is None:
+                break
+            with torch.no_grad():
+                param.copy_(source[:1].expand_as(param))
+        else:
+            copied += 1
+    return copied
+
+
+def _freeze(model: nn.Module, cfg: ExperimentConfig) -> None:
+    """Train only the adapters, learned routers and (Unf-D) the decoder layers."""
+    model.requires_grad_(False)
+    for module in model.modules():
+        if isinstance(module, AdapterSlot):
+            module.moe.experts.requires_grad_(True)
+            if cfg.adapters.router in LEARNED_ROUTERS:
+                module.moe.router.requires_grad_(True)
+    if cfg.moa.unfreeze_decoder:
+        for layer in model.decoder_layers:
+            for name, p in layer.named_parameters():
+                if not name.startswith("adapter."):
+                    p.requires_grad_(True)
+
+
+def make_init(ctx: StageContext, cfg: ExperimentConfig):
+    """The trainer's `init_model` hook for this stage."""
+    export = ctx.require("backbone", STAGE) / "checkpoints" / "export"
+    backbone = torch.load(export / EXPORT_WEIGHTS, map_location="cpu", weights_only=True)
+    gate = load_gate(ctx, STAGE) if cfg.adapters.router == "gumbel" else None
+
+    def init_model(model: nn.Module) -> None:
+        _load_backbone(model, backbone, export)
+        _init_adapters(model, backbone, cfg.moa.pre_inject)
+        if gate is not None:
+            for module in model.modules():
+                if isinstance(module, AdapterSlot):
+                    module.moe.router.inner.gate.load_state_dict(gate)
+        _freeze(model, cfg)
+
+    return init_model
+
+
+def run(ctx: StageContext) -> dict[str, Any]:
+    done = ctx.done(STAGE)
+    if done is not None:
+        return done
+    cfg = adapters_config(ctx)
+    init_model = make_init(ctx, cfg)
+    resume = latest_tag(cfg.checkpoint.dir) is not None
+    trainer = Trainer(cfg, ctx.rt, resume=resume, init_model=init_model)
+    trainable = sum(p.numel() for p in trainer.engine.module.parameters() if p.requires_grad)
+    summary = trainer.fit()
+    keep = ("step", "train_seconds", "train_tokens_per_s", "export", "dev_loss", "dev_bleu",
+            "dev_chrf")
+    return ctx.finish(STAGE, {k: summary[k] for k in keep if k in summary}
+                      | {"router": cfg.adapters.router, "num_adapters": cfg.adapters.num_experts,
+                         "trainable_parameters_local": trainable})

@@ -1,0 +1,39 @@
+"""Stage `backbone`: the Transformer trained on the mixed corpus (MoA Sec. 4.1).
+
+With ``moa.pre_inject`` one adapter is injected after every decoder layer and trained with the
+backbone; the adapter stage copies it into all K adapters ("Pre-A"). Without it this is the
+plain backbone ("Mixed-nat", and the "naive MoA" ablation's starting point). Resumable: an
+interrupted run continues from its last checkpoint. Artifact: ``export/`` (standalone weights).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from moe_train.stages.common import StageContext, stage_config
+from moe_train.train.checkpoint import latest_tag
+from moe_train.train.trainer import Trainer
+
+STAGE = "backbone"
+
+
+def backbone_config(ctx: StageContext):
+    """The backbone's training config: one pre-injected decoder adapter (or none), no EP."""
+    cfg = ctx.cfg
+    adapters = {"num_experts": 1 if cfg.moa.pre_inject else 0, "router": "single",
+                "sides": "decoder", "k": 1}
+    return stage_config(cfg, ctx.stage_dir(STAGE), adapters=adapters,
+                        moe={"ep_size": 1 if not cfg.moe.enabled else cfg.moe.ep_size})
+
+
+def run(ctx: StageContext) -> dict[str, Any]:
+    done = ctx.done(STAGE)
+    if done is not None:
+        return done
+    cfg = backbone_config(ctx)
+    resume = latest_tag(cfg.checkpoint.dir) is not None
+    summary = Trainer(cfg, ctx.rt, resume=resume).fit()
+    keep = ("step", "train_seconds", "train_tokens_per_s", "export", "dev_loss", "dev_bleu",
+            "dev_chrf")
+    return ctx.finish(STAGE, {k: summary[k] for k in keep if k in summary}
+                      | {"pre_inject": cfg.moa.pre_inject})

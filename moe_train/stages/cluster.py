@@ -1,0 +1,61 @@
+"""Stage `cluster`: PCA then a scikit-learn clusterer into K groups (MoA Sec. 4.2, App. 8.2).
+
+Runs on rank 0 (scikit-learn is single-process); the other ranks wait and read the labels it
+wrote. Artifact: ``clusterer.pkl`` (the fitted PCA + clusterer, reused to label any later set),
+``labels.npy`` (the cluster of every feature row) and, in ``done.json``, PUR and NMI of the
+clusters against the true domains (evaluation only: the clusterer never sees them).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from moe_train.data.shards import read_manifest
+from moe_train.parallel.collectives import broadcast_object
+from moe_train.stages.cluster_core import (FittedClusterer, cluster_report, fit_clusterer,
+                                           load_clusterer)
+from moe_train.stages.common import StageContext
+from moe_train.stages.features import load_features
+from moe_train.utils.atomic import atomic_path
+
+STAGE = "cluster"
+CLUSTERER, LABELS = "clusterer.pkl", "labels.npy"
+
+
+def run(ctx: StageContext) -> dict[str, Any]:
+    done = ctx.done(STAGE)
+    if done is not None:
+        return done
+    moa = ctx.cfg.moa
+    features_ND, meta = load_features(ctx, STAGE)
+    out = ctx.stage_dir(STAGE)
+    summary: dict[str, Any] | None = None
+    if ctx.rt.is_main:
+        fitted = fit_clusterer(features_ND, moa.num_clusters, moa.clusterer, moa.pca_dim, moa.seed)
+        labels_N = fitted.predict(features_ND)
+        out.mkdir(parents=True, exist_ok=True)
+        fitted.save(out / CLUSTERER)
+        with atomic_path(out / LABELS) as tmp:
+            with open(tmp, "wb") as f:
+                np.save(f, labels_N)
+        domains = _domain_names(ctx)
+        sampled = meta["split"] == 0
+        summary = {"method": moa.clusterer, "num_clusters": moa.num_clusters,
+                   "pca_dim": fitted.dims, "sentences": int(len(labels_N)),
+                   "all": cluster_report(labels_N, meta["domain"], domains, moa.num_clusters),
+                   "sampled_only": cluster_report(labels_N[sampled], meta["domain"][sampled],
+                                                  domains, moa.num_clusters)}
+    summary = broadcast_object(ctx.rt, summary)
+    return ctx.finish(STAGE, summary)
+
+
+def _domain_names(ctx: StageContext) -> list[str]:
+    return list(read_manifest(ctx.cfg.data.prepared_dir)["domains"])
+
+
+def load_cluster(ctx: StageContext, by: str) -> tuple[FittedClusterer, np.ndarray]:
+    """(fitted clusterer, labels of the feature rows) of the finished cluster stage."""
+    where = ctx.require(STAGE, by)
+    return load_clusterer(where / CLUSTERER), np.load(where / LABELS)

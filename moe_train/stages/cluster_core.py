@@ -1,0 +1,236 @@
+"""Clustering core of the stage-wise MoA recipe: sentence features -> K cluster labels.
+
+Seed 000 (sec. 4.2, app. 8.2) and seed 001 (app. A.2): sentence features (mean-pooled encoder
+states) are reduced with PCA (512 -> 64 dims, no whitening), then clustered into K groups with a
+scikit-learn GMM (full covariance, other settings default); seed 001 also compares K-Means and
+Birch. The fitted PCA and clusterer are reused unchanged to label any later set (test sets,
+distillation data). Cluster quality against known domains is PUR (seed 001 Eq. 11) and NMI.
+
+Pure library: numpy + scikit-learn, no torch.distributed. The stage wrapper runs `fit_clusterer`
+on rank 0 and broadcasts the labels.
+
+Cluster ids are canonical: renumbered in order of first appearance over the fitting sample (the
+first sentence is in cluster 0, the next sentence outside cluster 0 opens cluster 1, ...), so a
+run's labels read the same whatever ids the sklearn model happened to use. Clusters the model
+has but the sample never hits (possible with Birch or a collapsed GMM component) take the last
+ids, in model order.
+
+Numerics: features are cast to float64 before PCA, so fit and predict run the same arithmetic
+whatever dtype the caller passes, and GMM's default ``reg_covar=1e-6`` suffices (in float32 the
+Cholesky factorisation of a nearly singular 64 x 64 covariance can fail at that regulariser).
+The default is kept, as in the papers; a fit that still fails is a DataError with advice.
+
+Shape legend: N sentences, D feature dim, P PCA dims (min(pca_dim, D, N)), K clusters,
+C domains.
+"""
+
+from __future__ import annotations
+
+import pickle
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import sklearn
+from sklearn.cluster import Birch, KMeans
+from sklearn.decomposition import PCA
+from sklearn.mixture import GaussianMixture
+
+from moe_train.errors import ConfigError, DataError
+from moe_train.eval.routing_stats import expert_purity, normalized_mutual_info
+from moe_train.utils.atomic import atomic_path
+
+FORMAT_VERSION = 1
+"""Version of the pickled clusterer file; bumped when its fields change."""
+
+CLUSTERERS: dict[str, Callable[[int, int], Any]] = {
+    # seed 000 app. 8.2: covariance 'full', all other settings default
+    "gmm": lambda k, seed: GaussianMixture(n_components=k, covariance_type="full",
+                                           random_state=seed),
+    # n_init=10: the scikit-learn default when the papers were written ("auto" now means 1 run)
+    "kmeans": lambda k, seed: KMeans(n_clusters=k, n_init=10, random_state=seed),
+    # deterministic; the final step is agglomerative clustering of the CF subclusters into K
+    "birch": lambda k, seed: Birch(n_clusters=k),
+}
+"""Clusterer name (``moa.clusterer``) -> factory (num_clusters, seed) -> unfitted sklearn model
+with ``fit`` and ``predict``."""
+
+
+@dataclass
+class FittedClusterer:
+    """A fitted PCA + clusterer pair and the canonical renumbering of its cluster ids."""
+
+    pca: PCA
+    """Fitted on the sample; reduces D -> `dims` dims (no whitening)."""
+    model: Any
+    """Fitted sklearn clusterer (GaussianMixture, KMeans or Birch) on the PCA features."""
+    method: str
+    """Key of CLUSTERERS."""
+    num_clusters: int
+    """K; canonical labels are in [0, K)."""
+    dims: int
+    """P, the PCA output dims."""
+    label_map_K: np.ndarray
+    """Model cluster id -> canonical id (a permutation of 0..K-1), int64."""
+    fit_sizes_K: np.ndarray
+    """Sentences of the fitting sample per canonical cluster, int64 (zeros: empty clusters)."""
+
+    @property
+    def input_dim(self) -> int:
+        """D, the feature dim the PCA was fitted on."""
+        return int(self.pca.n_features_in_)
+
+    def predict(self, features_ND: np.ndarray) -> np.ndarray:
+        """Canonical cluster labels_N (int64) of any feature set with the fitting sample's D."""
+        x_ND = _as_features(features_ND, expect_dim=self.input_dim)
+        if x_ND.shape[0] == 0:
+            return np.zeros(0, dtype=np.int64)
+        raw_N = np.asarray(self.model.predict(self.pca.transform(x_ND)), dtype=np.int64)
+        return self.label_map_K[raw_N]
+
+    def save(self, path: str | Path) -> None:
+        """Pickle to `path` atomically (a reader never sees a half-written file)."""
+        state = {f.name: getattr(self, f.name) for f in fields(self)}
+        state["format_version"] = FORMAT_VERSION
+        state["sklearn_version"] = sklearn.__version__
+        with atomic_path(path) as tmp, open(tmp, "wb") as fh:
+            pickle.dump(state, fh, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def load_clusterer(path: str | Path) -> FittedClusterer:
+    """Read a clusterer written by `FittedClusterer.save`; a missing or unreadable file is a
+    one-line DataError naming it. (Pickle: load only files this project wrote.)"""
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"{path}: clusterer file not found; run the cluster stage first")
+    try:
+        with open(path, "rb") as fh:
+            state = pickle.load(fh)
+    except Exception as exc:  # noqa: BLE001  (pickle raises many types on bad data)
+        raise DataError(f"{path}: not a readable clusterer file "
+                        f"({type(exc).__name__}: {_first_line(exc)}); run the cluster stage "
+                        "again") from None
+    names = [f.name for f in fields(FittedClusterer)]
+    if not isinstance(state, dict) or state.get("format_version") != FORMAT_VERSION:
+        found = state.get("format_version") if isinstance(state, dict) else type(state).__name__
+        raise DataError(f"{path}: not a clusterer file of format {FORMAT_VERSION} "
+                        f"(found {found!r}); run the cluster stage again")
+    missing = [n for n in names if n not in state]
+    if missing or state["method"] not in CLUSTERERS:
+        what = f"missing {', '.join(missing)}" if missing else f"method {state['method']!r}"
+        raise DataError(f"{path}: malformed clusterer file ({what}); run the cluster stage again")
+    return FittedClusterer(**{n: state[n] for n in names})
+
+
+def fit_clusterer(features_ND: np.ndarray, num_clusters: int, method: str = "gmm",
+                  pca_dim: int = 64, seed: int = 0) -> FittedClusterer:
+    """Fit PCA to min(pca_dim, D, N) dims, then the `method` clusterer with K = num_clusters
+    on the N sampled sentence features; cluster ids are made canonical (module docstring)."""
+    if method not in CLUSTERERS:
+        raise ConfigError(f"moa.clusterer: unknown clusterer {method!r} "
+                          f"(known: {', '.join(sorted(CLUSTERERS))})")
+    if isinstance(num_clusters, bool) or not isinstance(num_clusters, (int, np.integer)) \
+            or num_clusters < 2:
+        raise ConfigError(f"moa.num_clusters: expected an integer >= 2, got {num_clusters!r}")
+    if isinstance(pca_dim, bool) or not isinstance(pca_dim, (int, np.integer)) or pca_dim < 1:
+        raise ConfigError(f"moa.pca_dim: expected a positive integer, got {pca_dim!r}")
+    x_ND = _as_features(features_ND)
+    N, D = x_ND.shape
+    K = int(num_clusters)
+    if K > N:
+        raise ConfigError(f"moa.num_clusters: expected at most the N={N} sampled sentences, "
+                          f"got {K}; sample more sentences or use fewer clusters")
+    P = min(int(pca_dim), D, N)
+    pca = PCA(n_components=P, whiten=False, random_state=seed)
+    z_NP = pca.fit_transform(x_ND)
+    model = CLUSTERERS[method](K, seed)
+    try:
+        model.fit(z_NP)
+    except ValueError as exc:  # e.g. GMM: "ill-defined empirical covariance"
+        raise DataError(f"cluster features: {method} failed on the {N} sampled sentences "
+                        f"({_first_line(exc)}); sample more (or more varied) sentences, lower "
+                        "moa.num_clusters or change moa.clusterer") from None
+    raw_N = np.asarray(model.predict(z_NP), dtype=np.int64)
+    label_map_K = _first_appearance_map(raw_N, K)
+    labels_N = label_map_K[raw_N]
+    return FittedClusterer(pca=pca, model=model, method=method, num_clusters=K, dims=P,
+                           label_map_K=label_map_K,
+                           fit_sizes_K=np.bincount(labels_N, minlength=K).astype(np.int64))
+
+
+def cluster_report(labels_N: np.ndarray, domains_N: np.ndarray, domain_names: list[str],
+                   num_clusters: int | None = None) -> dict[str, Any]:
+    """PUR (seed 001 Eq. 11), NMI (arithmetic normalisation, as sklearn's
+    normalized_mutual_info_score) and the cluster x domain count table of labelled sentences.
+
+    Rows are clusters 0..K-1 (K = `num_clusters`, or max label + 1), columns the domains in
+    `domain_names` order. JSON-serialisable.
+    """
+    labels_N = np.asarray(labels_N).reshape(-1)
+    domains_N = np.asarray(domains_N).reshape(-1)
+    if labels_N.shape != domains_N.shape:
+        raise ValueError(f"cluster_report: {labels_N.size} labels but {domains_N.size} domains")
+    C = len(domain_names)
+    if labels_N.size and labels_N.min() < 0:
+        raise ValueError("cluster_report: cluster labels must be non-negative")
+    K = int(labels_N.max()) + 1 if labels_N.size else 0
+    if num_clusters is not None:
+        if K > num_clusters:
+            raise ValueError(f"cluster_report: label {K - 1} but num_clusters={num_clusters}")
+        K = int(num_clusters)
+    if domains_N.size and (domains_N.min() < 0 or domains_N.max() >= C):
+        raise DataError(f"cluster report: domain ids span [{int(domains_N.min())}, "
+                        f"{int(domains_N.max())}] but {C} domain names are given "
+                        f"({', '.join(domain_names)})")
+    flat = labels_N.astype(np.int64) * C + domains_N.astype(np.int64)
+    table_KC = np.bincount(flat, minlength=K * C).reshape(K, C)
+    return {
+        "pur": expert_purity(table_KC),
+        "nmi": normalized_mutual_info(table_KC),
+        "sentences": int(labels_N.size),
+        "num_clusters": K,
+        "domains": list(domain_names),
+        "cluster_sizes": table_KC.sum(1).tolist(),
+        "table": table_KC.tolist(),
+    }
+
+
+# ----------------------------------------------------------------------------------- helpers
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else "no message"
+
+
+def _as_features(features_ND: np.ndarray, expect_dim: int | None = None) -> np.ndarray:
+    """float64 (N, D) copy-if-needed of the features; non-finite values are a DataError."""
+    x_ND = np.asarray(features_ND, dtype=np.float64)
+    if x_ND.ndim != 2:
+        raise ValueError(f"cluster features: expected an (N, D) array, got shape {x_ND.shape}")
+    if expect_dim is not None and x_ND.shape[1] != expect_dim:
+        raise DataError(f"cluster features: expected dim {expect_dim} (the dim the clusterer "
+                        f"was fitted on), got {x_ND.shape[1]}; features and clusterer come from "
+                        "different backbones")
+    finite_N = np.isfinite(x_ND).all(axis=1)
+    if not finite_N.all():
+        bad = np.flatnonzero(~finite_N)
+        raise DataError(f"cluster features: {bad.size} of {x_ND.shape[0]} sentences have "
+                        f"non-finite values (NaN/inf), first at row {int(bad[0])}; expected "
+                        "finite encoder features")
+    return x_ND
+
+
+def _first_appearance_map(raw_N: np.ndarray, K: int) -> np.ndarray:
+    """Model id -> canonical id: ids seen in `raw_N` numbered by first appearance, then the
+    unseen ids in model order."""
+    if raw_N.size and (raw_N.min() < 0 or raw_N.max() >= K):
+        raise RuntimeError(f"clusterer returned ids outside [0, {K}): "
+                           f"[{int(raw_N.min())}, {int(raw_N.max())}]")
+    seen, first_idx = np.unique(raw_N, return_index=True)
+    order = seen[np.argsort(first_idx)]
+    label_map_K = np.full(K, -1, dtype=np.int64)
+    label_map_K[order] = np.arange(order.size)
+    unseen = np.flatnonzero(label_map_K < 0)
+    label_map_K[unseen] = np.arange(order.size, K)
+    return label_map_K

@@ -1,0 +1,83 @@
+"""What every stage of a stage-wise recipe shares: its directory, its "done" record, its inputs.
+
+A stage is a function ``run(ctx) -> dict`` writing its artifact under ``<moa.workdir>/<stage>/``
+and, last, ``done.json`` (atomically): a stage whose ``done.json`` exists is finished and is
+reused, not run again. A stage whose inputs are missing fails in one line naming the stage to
+run first. Every rank runs every stage; rank-0-only work is followed by a barrier.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from moe_train.config.schema import ExperimentConfig
+from moe_train.errors import ConfigError, DataError
+from moe_train.parallel.collectives import barrier
+from moe_train.parallel.runtime import ParallelRuntime
+from moe_train.utils.atomic import write_json
+
+DONE = "done.json"
+
+
+@dataclass
+class StageContext:
+    """The recipe's config, the process group container and the recipe's working directory."""
+
+    cfg: ExperimentConfig
+    rt: ParallelRuntime
+
+    @property
+    def workdir(self) -> Path:
+        return Path(self.cfg.moa.workdir)
+
+    def stage_dir(self, stage: str) -> Path:
+        """Where `stage` keeps its artifact (the backbone may live in another recipe's workdir)."""
+        if stage == "backbone" and self.cfg.moa.backbone_dir:
+            return Path(self.cfg.moa.backbone_dir)
+        return self.workdir / stage
+
+    def done(self, stage: str) -> dict[str, Any] | None:
+        """The summary a finished stage recorded, or None."""
+        path = self.stage_dir(stage) / DONE
+        if not path.is_file():
+            return None
+        try:
+            return json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as err:
+            raise DataError(f"{path}: unreadable stage record ({err}); delete it to rerun "
+                            f"the stage") from None
+
+    def require(self, stage: str, by: str) -> Path:
+        """The directory of finished stage `stage`, which stage `by` needs."""
+        if self.done(stage) is None:
+            raise ConfigError(f"stage {by}: needs the output of stage {stage} "
+                              f"({self.stage_dir(stage) / DONE} is missing); run "
+                              f"`moe-train pipeline moa --stage {stage}` first")
+        return self.stage_dir(stage)
+
+    def finish(self, stage: str, summary: dict[str, Any]) -> dict[str, Any]:
+        """Record `stage` as finished (rank 0 writes, everyone waits)."""
+        if self.rt.is_main:
+            write_json(self.stage_dir(stage) / DONE, summary)
+        barrier(self.rt)
+        return summary
+
+
+def stage_config(cfg: ExperimentConfig, stage_dir: Path, **sections: dict[str, Any]
+                 ) -> ExperimentConfig:
+    """A copy of `cfg` for a training stage: its checkpoints and TensorBoard logs under
+    `stage_dir`, and the given sections' fields replaced (e.g. ``adapters={"num_experts": 1}``).
+    Validation runs again on the result."""
+    changes: dict[str, Any] = {
+        "checkpoint": dataclasses.replace(cfg.checkpoint, dir=str(stage_dir / "checkpoints")),
+        "logging": dataclasses.replace(
+            cfg.logging, tensorboard_dir=str(stage_dir / "tensorboard")
+            if cfg.logging.tensorboard_dir else ""),
+    }
+    for name, fields in sections.items():
+        changes[name] = dataclasses.replace(changes.get(name, getattr(cfg, name)), **fields)
+    return dataclasses.replace(cfg, **changes)

@@ -1,0 +1,155 @@
+"""Stage `evaluate`: translation quality and domain discrimination of a stage-wise recipe.
+
+- Per-domain BLEU and chrF (sacreBLEU) of the backbone and of the adapter model on the first
+  ``moa.eval_sentences`` test sentences of each domain, beam ``moa.eval_beam``.
+- RND (seed 001): the same sentences mixed with their domain labels withheld. Label-free models
+  never read the labels, so RND is their overall score; a model routed by domain label (ADPT's
+  oracle routing) is decoded again with the labels shuffled.
+- Routing on the test sentences, as a sentence x domain table (CSV + heatmap PNG, seed 001
+  Figures 4-5) with PUR (Eq. 11) and NMI: the clusterer (its fitted PCA + clusterer applied to
+  the test features), the distilled gate (top-1), and the adapter model's own sentence router
+  (its top-1 on the same mean-pooled encoder states; the encoder is frozen, so the backbone's
+  features are the adapter model's).
+- Extra parameters of the adapter model over the backbone.
+Artifact: ``eval.json``, ``routing/<name>.csv`` and ``.png``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from moe_train.config.schema import EvalConfig
+from moe_train.data.shards import ShardedDataset
+from moe_train.eval.evaluate import evaluate_dataset
+from moe_train.eval.routing_stats import plot_heatmap, table_csv
+from moe_train.moe.adapters import AdapterSlot
+from moe_train.moe.moa_router import MoAGate
+from moe_train.stages.cluster import load_cluster
+from moe_train.stages.cluster_core import cluster_report
+from moe_train.stages.common import StageContext
+from moe_train.stages.distill import gate_labels, load_gate
+from moe_train.stages.features import encode_sentences
+from moe_train.train.export import InferenceModel, load_for_inference
+from moe_train.utils.atomic import write_json, write_text
+
+STAGE = "evaluate"
+
+
+class Relabeled:
+    """A dataset view with other domain ids (RND: labels withheld / randomised)."""
+
+    def __init__(self, dataset: ShardedDataset, domain_ids: np.ndarray) -> None:
+        self._dataset = dataset
+        self.domain_ids = domain_ids
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._dataset, name)
+
+    def __len__(self) -> int:
+        return len(self._dataset)
+
+
+def test_indices(test: ShardedDataset, per_domain: int) -> np.ndarray:
+    """The first `per_domain` test sentences of every domain, in index order."""
+    chosen = [np.flatnonzero(test.domain_ids == d)[:per_domain]
+              for d in np.unique(test.domain_ids)]
+    return np.sort(np.concatenate(chosen)).astype(np.int64)
+
+
+def _scores(metrics: dict[str, Any]) -> dict[str, Any]:
+    keep = ("bleu", "chrf", "sentences")
+    return {"all": {k: metrics["all"][k] for k in keep},
+            "domains": {d: {k: m[k] for k in keep} for d, m in metrics["domains"].items()}}
+
+
+def _uses_domain_labels(inf: InferenceModel) -> bool:
+    a = inf.cfg.adapters
+    return a.enabled and a.router == "task" and a.task_source == "domain"
+
+
+@torch.no_grad()
+def sentence_router_labels(inf: InferenceModel, features_ND: np.ndarray) -> np.ndarray | None:
+    """Top-1 expert per sentence of the adapter model's decoder-side sentence router, from the
+    mean-pooled encoder states (the router's own input); None for other routers."""
+    slots = [m for m in inf.model.decoder_layers if isinstance(m.adapter, AdapterSlot)]
+    if not slots:
+        return None
+    router = slots[0].adapter.moe.router.inner
+    x_ND = torch.from_numpy(features_ND)
+    if router.name == "gumbel":
+        return router.gate(x_ND).argmax(-1).numpy()
+    if router.name == "sentence":
+        return router.gate(x_ND)[1].argmax(-1).numpy()
+    return None
+
+
+def _write_table(out: Path, name: str, report: dict[str, Any]) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    table = np.asarray(report["table"])
+    write_text(out / f"{name}.csv", table_csv(table, report["domains"]))
+    plot_heatmap(table, report["domains"], f"{name}: PUR {report['pur']:.3f}, "
+                 f"NMI {report['nmi']:.3f}", "domain", out / f"{name}.png")
+
+
+def run(ctx: StageContext) -> dict[str, Any]:
+    done = ctx.done(STAGE)
+    if done is not None:
+        return done
+    cfg, rt, moa = ctx.cfg, ctx.rt, ctx.cfg.moa
+    test = ShardedDataset(cfg.data.prepared_dir, "test")
+    domains = list(test.manifest["domains"])
+    idx = test_indices(test, moa.eval_sentences)
+    ecfg = EvalConfig(beam=moa.eval_beam, lenpen=cfg.eval.lenpen, max_len_a=cfg.eval.max_len_a,
+                      max_len_b=cfg.eval.max_len_b, max_sentences=cfg.eval.max_sentences)
+    backbone = load_for_inference(ctx.require("backbone", STAGE) / "checkpoints" / "export",
+                                  rt.device)
+    models = {"backbone": backbone}
+    if ctx.done("adapters") is not None:
+        models["adapters"] = load_for_inference(
+            ctx.stage_dir("adapters") / "checkpoints" / "export", rt.device)
+    result: dict[str, Any] = {"test_sentences": int(len(idx)), "beam": moa.eval_beam}
+    for name, inf in models.items():
+        metrics, _ = evaluate_dataset(inf.model, test, inf.vocab, inf.manifest, rt, ecfg,
+                                      cfg.data.max_tokens, indices=idx)
+        entry = _scores(metrics)
+        entry["rnd"] = entry["all"]
+        if _uses_domain_labels(inf):
+            shuffled = test.domain_ids.copy()
+            shuffled[idx] = np.random.default_rng(moa.seed).permutation(shuffled[idx])
+            rnd, _ = evaluate_dataset(inf.model, Relabeled(test, shuffled), inf.vocab,
+                                      inf.manifest, rt, ecfg, cfg.data.max_tokens, indices=idx)
+            entry["rnd"] = {k: rnd["all"][k] for k in ("bleu", "chrf", "sentences")}
+        entry["parameters"] = sum(p.numel() for p in inf.model.parameters())
+        result[name] = entry
+    if "adapters" in result:
+        result["extra_parameters"] = result["adapters"]["parameters"] - \
+            result["backbone"]["parameters"]
+
+    features_ND = encode_sentences(backbone.model, test, idx, ctx, cfg.data.max_tokens)
+    true_N = test.domain_ids[idx]
+    assignments: dict[str, np.ndarray] = {}
+    if ctx.done("cluster") is not None:
+        assignments["clusterer"] = load_cluster(ctx, STAGE)[0].predict(features_ND)
+    if ctx.done("distill") is not None:
+        gate = MoAGate(features_ND.shape[1], moa.num_clusters)
+        gate.load_state_dict(load_gate(ctx, STAGE))
+        assignments["distilled_gate"] = gate_labels(gate, features_ND)
+    if "adapters" in models:
+        learned = sentence_router_labels(models["adapters"], features_ND)
+        if learned is not None:
+            assignments[f"router_{models['adapters'].cfg.adapters.router}"] = learned
+    out = ctx.stage_dir(STAGE)
+    routing: dict[str, Any] = {}
+    for name, labels_N in assignments.items():
+        report = cluster_report(labels_N, true_N, domains, max(int(labels_N.max()) + 1, 1))
+        routing[name] = {k: report[k] for k in ("pur", "nmi", "table")}
+        if rt.is_main:
+            _write_table(out / "routing", name, report)
+    result["routing"] = routing
+    if rt.is_main:
+        write_json(out / "eval.json", result)
+    return ctx.finish(STAGE, result)

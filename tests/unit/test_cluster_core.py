@@ -1,0 +1,221 @@
+"""Clustering core: blob recovery per method, held-out prediction, canonical ids, save/load,
+PCA dims, PUR/NMI report, and every user error with its message."""
+
+from __future__ import annotations
+
+import pickle
+
+import numpy as np
+import pytest
+from sklearn.metrics import normalized_mutual_info_score
+
+from moe_train.errors import ConfigError, DataError
+from moe_train.stages.cluster_core import (CLUSTERERS, FittedClusterer, _first_appearance_map,
+                                           cluster_report, fit_clusterer, load_clusterer)
+
+C, D = 5, 32  # domains, feature dim
+DOMAINS = ["it", "law", "med", "news", "subs"]
+METHODS = sorted(CLUSTERERS)
+
+
+def blobs(per_domain: int, seed: int, centers_CD: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Unit-variance Gaussian blobs around `centers_CD`, rows shuffled; (features_ND, domains_N)."""
+    rng = np.random.default_rng(seed)
+    domains_N = rng.permutation(np.repeat(np.arange(C), per_domain))
+    x_ND = centers_CD[domains_N] + rng.normal(0.0, 1.0, (domains_N.size, D))
+    return x_ND.astype(np.float32), domains_N
+
+
+@pytest.fixture(scope="module")
+def data() -> dict[str, np.ndarray]:
+    # centers ~48 apart, blob radius ~6: any sane clusterer separates them
+    centers_CD = np.random.default_rng(123).normal(0.0, 6.0, (C, D))
+    x, dom = blobs(100, 0, centers_CD)
+    x_held, dom_held = blobs(40, 1, centers_CD)
+    return {"x": x, "dom": dom, "x_held": x_held, "dom_held": dom_held}
+
+
+@pytest.fixture(scope="module")
+def fitted(data: dict[str, np.ndarray]) -> dict[str, FittedClusterer]:
+    return {m: fit_clusterer(data["x"], C, method=m, pca_dim=64, seed=0) for m in METHODS}
+
+
+def first_appearance_order(labels_N: np.ndarray) -> list[int]:
+    return [int(v) for v in dict.fromkeys(labels_N.tolist())]
+
+
+# ------------------------------------------------------------------------------ behaviour
+@pytest.mark.parametrize("method", METHODS)
+def test_each_method_recovers_blobs(method, data, fitted):
+    f = fitted[method]
+    labels_N = f.predict(data["x"])
+    report = cluster_report(labels_N, data["dom"], DOMAINS, num_clusters=C)
+    assert report["pur"] >= 0.95 and report["nmi"] >= 0.9
+    assert labels_N.dtype == np.int64 and labels_N.shape == (data["x"].shape[0],)
+    assert f.method == method and f.num_clusters == C
+    assert f.fit_sizes_K.tolist() == np.bincount(labels_N, minlength=C).tolist()
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_predict_held_out_points_joins_their_blobs_cluster(method, data, fitted):
+    f = fitted[method]
+    train_N = f.predict(data["x"])
+    # the cluster each domain's training points mostly fell in
+    cluster_of_C = np.array([np.bincount(train_N[data["dom"] == c], minlength=C).argmax()
+                             for c in range(C)])
+    assert sorted(cluster_of_C.tolist()) == list(range(C))  # one cluster per blob
+    np.testing.assert_array_equal(f.predict(data["x_held"]), cluster_of_C[data["dom_held"]])
+
+
+def test_canonical_ids_follow_first_appearance(data, fitted):
+    dom = data["dom"]
+    # with separable blobs, cluster == domain renumbered by the domain's first row
+    expected_N = _first_appearance_map(dom, C)[dom]
+    assert first_appearance_order(expected_N) == list(range(C))
+    for method in METHODS:
+        np.testing.assert_array_equal(fitted[method].predict(data["x"]), expected_N)
+    # other seeds, other sklearn ids, same canonical labels
+    again = fit_clusterer(data["x"], C, method="gmm", seed=7)
+    np.testing.assert_array_equal(again.predict(data["x"]), expected_N)
+
+
+def test_first_appearance_map_by_hand():
+    # raw ids 2, 0, 3 appear in that order; unseen 1 and 4 follow in model order
+    np.testing.assert_array_equal(_first_appearance_map(np.array([2, 2, 0, 3, 0]), 5),
+                                  [1, 3, 0, 2, 4])
+    np.testing.assert_array_equal(_first_appearance_map(np.array([1, 0]), 2), [1, 0])
+
+
+def test_first_rows_set_the_numbering(data):
+    # put one row of domains 3, 1, 4, 0, 2 first: their clusters must be 0, 1, 2, 3, 4
+    dom, x = data["dom"], data["x"]
+    first = [int(np.flatnonzero(dom == c)[0]) for c in (3, 1, 4, 0, 2)]
+    order = first + [i for i in range(dom.size) if i not in first]
+    f = fit_clusterer(x[order], C, method="kmeans")
+    assert f.predict(x[order])[:5].tolist() == [0, 1, 2, 3, 4]
+    assert f.predict(x[first]).tolist() == [0, 1, 2, 3, 4]
+
+
+def test_float32_and_float64_inputs_agree(data, fitted):
+    f = fitted["gmm"]
+    np.testing.assert_array_equal(f.predict(data["x_held"]),
+                                  f.predict(data["x_held"].astype(np.float64)))
+    assert f.predict(np.zeros((0, D))).shape == (0,)
+
+
+def test_save_load_round_trip(tmp_path, data, fitted):
+    for method in METHODS:
+        path = tmp_path / "sub" / f"{method}.pkl"
+        fitted[method].save(path)
+        loaded = load_clusterer(path)
+        assert (loaded.method, loaded.num_clusters, loaded.dims) == (method, C, D)
+        np.testing.assert_array_equal(loaded.label_map_K, fitted[method].label_map_K)
+        np.testing.assert_array_equal(loaded.predict(data["x_held"]),
+                                      fitted[method].predict(data["x_held"]))
+    # atomic write: only the final files, no temporaries left beside them
+    assert sorted(p.name for p in (tmp_path / "sub").iterdir()) == [f"{m}.pkl" for m in METHODS]
+
+
+@pytest.mark.parametrize("n, d, pca_dim, dims", [(60, 8, 64, 8), (6, 8, 64, 6), (60, 8, 3, 3)])
+def test_pca_dims_capped(n, d, pca_dim, dims):
+    x_ND = np.random.default_rng(0).normal(size=(n, d))
+    f = fit_clusterer(x_ND, 2, method="kmeans", pca_dim=pca_dim)
+    assert f.dims == dims and f.pca.n_components_ == dims and f.input_dim == d
+    assert not f.pca.whiten
+
+
+def test_cluster_report_by_hand():
+    labels_N = np.array([0, 0, 1, 1, 1, 2])
+    domains_N = np.array([0, 0, 0, 1, 1, 1])
+    r = cluster_report(labels_N, domains_N, ["a", "b"])
+    assert r["table"] == [[2, 0], [1, 2], [0, 1]]
+    assert r["pur"] == pytest.approx(5 / 6)  # (2 + 2 + 1) / 6, seed 001 Eq. 11
+    assert r["nmi"] == pytest.approx(normalized_mutual_info_score(domains_N, labels_N))
+    assert (r["sentences"], r["num_clusters"], r["cluster_sizes"]) == (6, 3, [2, 3, 1])
+    r4 = cluster_report(labels_N, domains_N, ["a", "b"], num_clusters=4)
+    assert r4["table"][3] == [0, 0] and r4["pur"] == r["pur"] and r4["nmi"] == r["nmi"]
+
+
+# --------------------------------------------------------------------------------- errors
+def one_line(exc: pytest.ExceptionInfo) -> str:
+    msg = str(exc.value)
+    assert "\n" not in msg
+    return msg
+
+
+def test_unknown_method(data):
+    with pytest.raises(ConfigError) as exc:
+        fit_clusterer(data["x"], C, method="dbscan")
+    msg = one_line(exc)
+    assert msg.startswith("moa.clusterer:") and "'dbscan'" in msg and "birch, gmm, kmeans" in msg
+
+
+def test_more_clusters_than_sentences(data):
+    with pytest.raises(ConfigError) as exc:
+        fit_clusterer(data["x"][:4], 5)
+    msg = one_line(exc)
+    assert msg.startswith("moa.num_clusters:") and "expected at most the N=4 sampled" in msg
+
+
+@pytest.mark.parametrize("k", [1, 0, -3, 2.5, True])
+def test_too_few_clusters(data, k):
+    with pytest.raises(ConfigError, match=r"^moa\.num_clusters: expected an integer >= 2"):
+        fit_clusterer(data["x"], k)
+
+
+def test_bad_pca_dim(data):
+    with pytest.raises(ConfigError, match=r"^moa\.pca_dim: expected a positive integer, got 0"):
+        fit_clusterer(data["x"], C, pca_dim=0)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_non_finite_features(data, fitted, bad):
+    x = data["x"].copy()
+    x[7, 3] = bad
+    with pytest.raises(DataError) as exc:
+        fit_clusterer(x, C)
+    assert "1 of 500 sentences have non-finite values" in one_line(exc) and "row 7" in str(
+        exc.value)
+    with pytest.raises(DataError, match="row 7"):
+        fitted["kmeans"].predict(x)
+
+
+def test_predict_wrong_feature_dim(fitted):
+    with pytest.raises(DataError, match=r"expected dim 32 .* got 16"):
+        fitted["gmm"].predict(np.zeros((3, 16)))
+
+
+def test_gmm_fit_failure_is_a_data_error():
+    # 40 points in 32 dims at scale 1e8: singleton components, reg_covar=1e-6 is negligible
+    x_ND = np.random.default_rng(0).normal(size=(40, 32)) * 1e8
+    with pytest.raises(DataError) as exc:
+        fit_clusterer(x_ND, 10, method="gmm")
+    msg = one_line(exc)
+    assert "gmm failed on the 40 sampled sentences" in msg and "moa.num_clusters" in msg
+
+
+def test_report_domain_out_of_range():
+    with pytest.raises(DataError, match=r"domain ids span \[0, 2\] but 2 domain names"):
+        cluster_report(np.array([0, 1]), np.array([0, 2]), ["a", "b"])
+
+
+def test_load_missing_and_corrupt(tmp_path, fitted):
+    missing = tmp_path / "nope.pkl"
+    with pytest.raises(DataError) as exc:
+        load_clusterer(missing)
+    assert one_line(exc).startswith(f"{missing}: clusterer file not found")
+
+    good = tmp_path / "good.pkl"
+    fitted["kmeans"].save(good)
+    blob = good.read_bytes()
+    cases = {"garbage.pkl": b"not a pickle at all",
+             "truncated.pkl": blob[: len(blob) // 2],
+             "empty.pkl": b"",
+             "foreign.pkl": pickle.dumps([1, 2, 3]),
+             "future.pkl": pickle.dumps({"format_version": 99}),
+             "partial.pkl": pickle.dumps({"format_version": 1, "method": "gmm"})}
+    for name, content in cases.items():
+        (tmp_path / name).write_bytes(content)
+        with pytest.raises(DataError) as exc:
+            load_clusterer(tmp_path / name)
+        assert one_line(exc).startswith(f"{tmp_path / name}: "), name
