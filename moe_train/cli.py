@@ -64,12 +64,18 @@ def _add_decode_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-sentences", type=int, help="sentences per batch")
 
 
+def _add_raw_labels(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--src-lang", help="source language of raw text (task routing by pair)")
+    p.add_argument("--domain", help="domain of raw text (models routed by domain, e.g. ADPT)")
+
+
 def _add_translate(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("translate", help="translate text (files or stdin/stdout)")
     _add_decode_args(p)
     p.add_argument("--input", default="-", help="source file, - for stdin")
     p.add_argument("--output", default="-", help="output file, - for stdout")
     p.add_argument("--tgt-lang", help="target language (multilingual models with <2xx> tags)")
+    _add_raw_labels(p)
 
 
 def _add_evaluate(sub: argparse._SubParsersAction) -> None:
@@ -80,6 +86,7 @@ def _add_evaluate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--src", help="raw source file (instead of a prepared split)")
     p.add_argument("--ref", help="raw reference file (with --src)")
     p.add_argument("--tgt-lang", help="target language for --src (multilingual models)")
+    _add_raw_labels(p)
     p.add_argument("--hyps", help="write hypotheses here")
     p.add_argument("--json", help="also write the metrics JSON here")
 

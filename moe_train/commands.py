@@ -104,6 +104,33 @@ def _lang_tag_id(inf, tgt_lang: str | None) -> int | None:
     return inf.vocab.lang_tag_id(tgt_lang)
 
 
+def _raw_text_labels(inf, args: argparse.Namespace):
+    """Language and domain ids for raw-text input: from --src-lang / --tgt-lang / --domain, or
+    the model's only choice when its data had one."""
+    from moe_train.eval.decode import RawTextLabels
+
+    manifest = inf.manifest
+    corpora = manifest["corpora"]
+
+    def pick(flag: str, given: str | None, known: list[str], used: set[str]) -> int | None:
+        if given is None:
+            return known.index(next(iter(used))) if len(used) == 1 else None
+        if given not in known:
+            raise ConfigError(f"--{flag}: {given!r} is not one of the model's "
+                              f"({', '.join(known)})")
+        return known.index(given)
+
+    langs, domains = manifest["langs"], manifest["domains"]
+    return RawTextLabels(
+        src_lang=pick("src-lang", getattr(args, "src_lang", None), langs,
+                      {c["src_lang"] for c in corpora}),
+        tgt_lang=pick("tgt-lang", getattr(args, "tgt_lang", None), langs,
+                      {c["tgt_lang"] for c in corpora}),
+        domain=pick("domain", getattr(args, "domain", None), domains,
+                    {c["domain"] for c in corpora}),
+        num_langs=len(langs))
+
+
 def _read_lines(path: str) -> list[str]:
     if path == "-":
         return [line.rstrip("\n") for line in sys.stdin]
@@ -128,7 +155,7 @@ def cmd_translate(args: argparse.Namespace) -> int:
     inf = load_for_inference(args.checkpoint, device)
     lines = _read_lines(args.input)
     hyps = translate_lines(inf.model, inf.vocab, lines, _eval_config(args, inf.cfg.eval), device,
-                           _lang_tag_id(inf, args.tgt_lang))
+                           _lang_tag_id(inf, args.tgt_lang), labels=_raw_text_labels(inf, args))
     text = "".join(h + "\n" for h in hyps)
     if args.output == "-":
         sys.stdout.write(text)
@@ -193,7 +220,8 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
         if len(src) != len(refs):
             raise DataError(f"{args.src}: {len(src)} lines but {args.ref} has {len(refs)}")
         hyps = translate_lines(inf.model, inf.vocab, src, ecfg, rt.device,
-                               _lang_tag_id(inf, args.tgt_lang))
+                               _lang_tag_id(inf, args.tgt_lang),
+                               labels=_raw_text_labels(inf, args))
         metrics = {"all": corpus_metrics(hyps, refs), "domains": {}, "pairs": {}}
         ordered = hyps
     else:

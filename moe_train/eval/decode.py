@@ -6,6 +6,8 @@ collectives inside the model (expert parallelism) stay in lockstep.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -19,6 +21,30 @@ from moe_train.models.context import ForwardContext
 from moe_train.moe.routing import NUM_LANGS_KEY
 from moe_train.parallel.collectives import all_gather_object, all_ranks_true
 from moe_train.parallel.runtime import ParallelRuntime
+
+
+@dataclass(frozen=True)
+class RawTextLabels:
+    """Ids shared by every line of a raw-text input (None: unknown), and the number of
+    languages (for language-pair task ids)."""
+
+    src_lang: int | None = None
+    tgt_lang: int | None = None
+    domain: int | None = None
+    num_langs: int | None = None
+
+    def context(self, src_BS: torch.Tensor, pad_id: int) -> ForwardContext:
+        """The ForwardContext of a batch of such lines."""
+        B = src_BS.size(0)
+
+        def ids(value: int | None) -> torch.Tensor | None:
+            return None if value is None else torch.full((B,), value, dtype=torch.long,
+                                                         device=src_BS.device)
+
+        extras = {} if self.num_langs is None else {NUM_LANGS_KEY: self.num_langs}
+        return ForwardContext(src_pad_mask_BS=src_BS.eq(pad_id), src_lang_B=ids(self.src_lang),
+                              tgt_lang_B=ids(self.tgt_lang), domain_ids_B=ids(self.domain),
+                              extras=extras)
 
 
 def batch_context(batch: Batch, pad_id: int, num_langs: int | None = None) -> ForwardContext:
@@ -75,8 +101,11 @@ def translate_dataset(model: torch.nn.Module, dataset: Any, vocab: Vocab, rt: Pa
 @torch.no_grad()
 def translate_lines(model: torch.nn.Module, vocab: Vocab, lines: Sequence[str],
                     ecfg: EvalConfig, device: torch.device, lang_tag_id: int | None = None,
-                    beam: int | None = None) -> list[str]:
-    """Translate raw text lines (single process), longest first for tight batches."""
+                    beam: int | None = None, labels: RawTextLabels | None = None) -> list[str]:
+    """Translate raw text lines (single process), longest first for tight batches.
+
+    `labels` gives every line the same language / domain ids, which task routers (by language
+    pair, target language or domain) need."""
     model.eval()
     encoded = vocab.encode_batch(list(lines))
     if lang_tag_id is not None:
@@ -91,7 +120,7 @@ def translate_lines(model: torch.nn.Module, vocab: Vocab, lines: Sequence[str],
             ids = encoded[i] + [vocab.eos_id]
             src_BS[row, :len(ids)] = torch.tensor(ids)
         src_BS = src_BS.to(device)
-        ctx = ForwardContext(src_pad_mask_BS=src_BS.eq(vocab.pad_id))
+        ctx = (labels or RawTextLabels()).context(src_BS, vocab.pad_id)
         for i, ids in zip(chunk, search(model, src_BS, ctx, vocab, ecfg, beam)):
             out[i] = vocab.decode(ids)
     return out

@@ -81,7 +81,9 @@ def _side_of(name: str) -> str:
     return "other"
 
 
-def _moe_count(name: str, layer: MoELayer) -> _MoECount:
+def _moe_count(name: str, layer: MoELayer, seen_routers: set[int]) -> _MoECount:
+    """Counts of one MoE layer; a router shared by several layers (one sentence-level decision
+    for all of them) is counted with the first."""
     experts = layer.experts
     if not isinstance(experts, StackedExperts):
         raise TypeError(f"{name}.experts: expected a StackedExperts module, got "
@@ -92,7 +94,8 @@ def _moe_count(name: str, layer: MoELayer) -> _MoECount:
     k = int(getattr(router, "k", num_experts))
     return _MoECount(side=_side_of(name + "."), num_experts=num_experts,
                      per_expert=expert_numel // num_experts,
-                     router=sum(p.numel() for p in router.parameters()),
+                     router=0 if id(router) in seen_routers else
+                     sum(p.numel() for p in router.parameters()),
                      k=min(k, num_experts),
                      extractable=getattr(router, "name", "") in EXTRACTABLE_ROUTERS)
 
@@ -102,7 +105,12 @@ def count_model(model: nn.Module) -> dict[str, Any]:
     by_part = {"embeddings": 0, "encoder": 0, "decoder": 0, "other": 0}
     for name, p in model.named_parameters():  # shared (tied) tensors are listed once
         by_part[_side_of(name)] += p.numel()
-    moe = [_moe_count(name, m) for name, m in model.named_modules() if isinstance(m, MoELayer)]
+    seen: set[int] = set()
+    moe = []
+    for name, m in model.named_modules(remove_duplicate=False):
+        if isinstance(m, MoELayer):
+            moe.append(_moe_count(name, m, seen))
+            seen.add(id(m.router))
     report: dict[str, Any] = {"total": sum(by_part.values()), **by_part}
     for side in SIDES:
         layers = [c for c in moe if c.side == side]

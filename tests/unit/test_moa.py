@@ -1,0 +1,187 @@
+"""MoA pieces: Gumbel-Max routing, the shared sentence-level decision, adapter initialisation."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from moe_train.config import load_config
+from moe_train.config.moe import RouterConfig
+from moe_train.errors import ConfigError
+from moe_train.models.build import build_model
+from moe_train.models.context import SENTENCE_REPR_KEY, ForwardContext
+from moe_train.moe.adapters import AdapterSlot
+from moe_train.moe.moa_router import GumbelMaxRouter, SharedRouter, gumbel_max_select
+from moe_train.moe.registry import build_router, build_shared_router
+from moe_train.moe.routing import RoutingContext
+from moe_train.stages.adapters import _freeze, _init_adapters
+
+SCORES_E = torch.tensor([2.0, -1.0, 0.5, 1.5, -3.0, 1.0])  # top-4: experts 0, 3, 5, 2
+
+
+def test_gumbel_max_frequencies_match_softmax_of_top_k_over_tau() -> None:
+    n, k = 40000, 4
+    for tau in (0.5, 1.0, 2.0):
+        gen = torch.Generator().manual_seed(int(tau * 10))
+        ids = gumbel_max_select(SCORES_E.expand(n, -1), k, tau, generator=gen)
+        top, idx = SCORES_E.topk(k)
+        want = torch.softmax(top / tau, -1)
+        freq = torch.bincount(ids, minlength=6).double() / n
+        for p, e in zip(want.tolist(), idx.tolist()):
+            # 4.5 standard deviations of a binomial proportion: false alarm < 1e-5 per check
+            tol = 4.5 * math.sqrt(p * (1 - p) / n)
+            assert abs(freq[e].item() - p) <= tol, (tau, e, freq[e].item(), p, tol)
+        assert set(ids.unique().tolist()) <= set(idx.tolist())  # only top-k candidates
+
+
+def test_only_top_k_candidates_are_ever_chosen() -> None:
+    gen = torch.Generator().manual_seed(1)
+    scores = torch.randn(500, 12, generator=gen)
+    ids = gumbel_max_select(scores, 3, 10.0, generator=gen)  # hot: near-uniform over the 3
+    top3 = scores.topk(3, -1).indices
+    assert (top3 == ids[:, None]).any(-1).all()
+
+
+def test_k1_and_tau_zero_are_argmax() -> None:
+    scores = torch.randn(64, 8, generator=torch.Generator().manual_seed(2))
+    assert torch.equal(gumbel_max_select(scores, 1, 1.0), scores.argmax(-1))
+    assert torch.equal(gumbel_max_select(scores, 4, 0.0), scores.argmax(-1))
+    # tau -> 0: the sampled distribution collapses onto the best candidate
+    gen = torch.Generator().manual_seed(3)
+    assert torch.equal(gumbel_max_select(scores, 4, 1e-4, generator=gen), scores.argmax(-1))
+
+
+def _rctx(B: int, T: int, repr_BD: torch.Tensor) -> RoutingContext:
+    return RoutingContext.from_batch(B, T, sentence_repr_BD=repr_BD, side="decoder")
+
+
+def test_gumbel_router_trains_by_sampling_and_infers_top1_per_sentence() -> None:
+    torch.manual_seed(0)
+    router = GumbelMaxRouter(8, 6, RouterConfig(k=4, tau=1.0))
+    repr_BD = torch.randn(50, 8)
+    router.eval()
+    r = router.route(torch.randn(50 * 3, 8), _rctx(50, 3, repr_BD))
+    top1 = router.gate(repr_BD).argmax(-1)
+    assert torch.equal(r.expert_ids_TK.view(50, 3), top1[:, None].expand(50, 3))
+    assert torch.all(r.weights_TK == 1) and not r.aux_losses
+    router.train()
+    ids = router.route(torch.randn(50 * 3, 8), _rctx(50, 3, repr_BD)).expert_ids_TK.view(50, 3)
+    assert torch.all(ids == ids[:, :1])  # one adapter per sentence
+    top4 = router.gate(repr_BD).topk(4, -1).indices
+    assert (top4 == ids[:, :1]).any(-1).all()
+
+
+def test_gumbel_router_on_the_decoder_needs_the_sentence_representation() -> None:
+    router = GumbelMaxRouter(8, 4, RouterConfig(k=2))
+    rctx = RoutingContext.from_batch(2, 3, side="decoder")
+    with pytest.raises(ConfigError, match="sentence_repr_BD"):
+        router.route(torch.randn(6, 8), rctx)
+
+
+def test_shared_router_makes_one_decision_per_forward() -> None:
+    torch.manual_seed(0)
+    shared = build_shared_router("gumbel", 8, 6, RouterConfig(k=4, tau=5.0)).train()
+    repr_BD = torch.randn(40, 8)
+    first = shared.route(torch.randn(80, 8), _rctx(40, 2, repr_BD))
+    again = shared.route(torch.randn(80, 8), _rctx(40, 2, repr_BD))  # next layer, same pass
+    assert torch.equal(first.expert_ids_TK, again.expert_ids_TK)
+    fresh = shared.route(torch.randn(80, 8), _rctx(40, 2, repr_BD.clone()))  # next batch
+    assert not torch.equal(first.expert_ids_TK, fresh.expert_ids_TK)  # resampled (tau 5)
+    # aux losses of a learned sentence gate are counted once per pass
+    sl = build_shared_router("sentence", 8, 6, RouterConfig(k=1, aux_loss_coef=0.01))
+    assert sl.route(torch.randn(80, 8), _rctx(40, 2, repr_BD)).aux_losses
+    assert not sl.route(torch.randn(80, 8), _rctx(40, 2, repr_BD)).aux_losses
+    with pytest.raises(ConfigError, match="routes tokens"):
+        build_shared_router("topk", 8, 6, RouterConfig(k=2))
+
+
+def _moa_cfg(*extra: str):
+    return load_config(None, ["model.d_model=16", "model.n_heads=2", "model.ffn_dim=32",
+                              "model.encoder_layers=2", "model.decoder_layers=3",
+                              "adapters.dim=4", *extra])
+
+
+MANIFEST = {"vocab_size": 30, "pad_id": 0}
+
+
+def test_model_routes_every_decoder_adapter_layer_with_one_sentence_decision() -> None:
+    torch.manual_seed(0)
+    cfg = _moa_cfg("adapters.num_experts=5", "adapters.router=gumbel", "adapters.tau=3.0")
+    model = build_model(cfg, MANIFEST).train()
+    slots = [layer.adapter for layer in model.decoder_layers]
+    assert all(isinstance(s, AdapterSlot) for s in slots)
+    assert all(s.moe.router is slots[0].moe.router for s in slots)  # one router, shared
+    assert model.encoder_layers[0].adapter is None  # sides: decoder
+    seen = []
+    hooks = [s.moe.register_forward_hook(lambda m, a, o: seen.append(
+        m.tokens_per_expert_E.clone())) for s in slots]
+    src = torch.randint(1, 30, (6, 7))
+    tgt = torch.randint(1, 30, (6, 5))
+    model(src, tgt, ForwardContext())
+    for h in hooks:
+        h.remove()
+    assert len(seen) == 3 and all(torch.equal(seen[0], s) for s in seen)
+
+
+def test_encoder_output_is_the_decoder_sentence_representation() -> None:
+    torch.manual_seed(0)
+    model = build_model(_moa_cfg(), MANIFEST).eval()
+    src = torch.tensor([[5, 6, 7, 0], [8, 9, 0, 0]])
+    enc = model.encode(src)
+    want = torch.stack([enc.states_BSD[0, :3].mean(0), enc.states_BSD[1, :2].mean(0)])
+    torch.testing.assert_close(enc.sentence_repr_BD, want)
+    captured = {}
+
+    class Probe(torch.nn.Module):
+        def forward(self, x, ctx):
+            captured[ctx.side] = ctx.extras[SENTENCE_REPR_KEY]
+            return x * 0, {}
+
+    model.decoder_layers[0].ffn = Probe()
+    model.encoder_layers[0].ffn = Probe()
+    model(src, torch.tensor([[2, 5], [2, 6]]))
+    torch.testing.assert_close(captured["decoder"], model.encode(src).sentence_repr_BD)
+    emb = model.embed_tokens(src) * model.embed_scale
+    torch.testing.assert_close(captured["encoder"][1], emb[1, :2].mean(0))
+
+
+def test_k_adapters_start_equal_to_the_pre_injected_one_and_freezing() -> None:
+    torch.manual_seed(0)
+    backbone = build_model(_moa_cfg("adapters.num_experts=1"), MANIFEST)
+    for p in backbone.parameters():
+        torch.nn.init.normal_(p)
+    state = backbone.state_dict()
+    cfg = _moa_cfg("adapters.num_experts=4", "adapters.router=gumbel")
+    model = build_model(cfg, MANIFEST)
+    assert _init_adapters(model, state, pre_inject=True) == 3
+    for i, layer in enumerate(model.decoder_layers):
+        for name, p in layer.adapter.moe.experts.named_parameters():
+            single = state[f"decoder_layers.{i}.adapter.moe.experts.{name}"][0]
+            assert all(torch.equal(p[e], single) for e in range(4))
+    _freeze(model, cfg)
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable and all(".adapter.moe.experts." in n for n in trainable)  # gate frozen
+    unf = _moa_cfg("adapters.num_experts=4", "adapters.router=sentence", "adapters.k=1",
+                   "moa.unfreeze_decoder=true")
+    model = build_model(unf, MANIFEST)
+    _freeze(model, unf)
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert any(".adapter.moe.router." in n for n in trainable)  # learned SL gate trains
+    assert any(n.startswith("decoder_layers.0.self_attn") for n in trainable)  # Unf-D
+    assert not any(n.startswith("encoder") or "embed" in n for n in trainable)
+
+
+def test_adapter_config_errors_are_one_line() -> None:
+    with pytest.raises(ConfigError, match=r"^adapters\.sides: expected one of decoder, both"):
+        _moa_cfg("adapters.sides=encoder")
+    with pytest.raises(ConfigError, match=r"^adapters\.num_experts: expected 0 or 1"):
+        _moa_cfg("adapters.num_experts=3")
+    with pytest.raises(ConfigError, match=r"^adapters\.num_experts: expected a multiple of"):
+        _moa_cfg("adapters.num_experts=3", "adapters.router=gumbel", "moe.ep_size=2")
+    with pytest.raises(ConfigError, match=r"^moa\.clusterer: expected one of gmm, kmeans"):
+        _moa_cfg("moa.clusterer=dbscan")
+    with pytest.raises(ConfigError, match=r"^moe\.k: expected at most"):
+        build_router("gumbel", 8, 3, RouterConfig(k=4))
+    assert isinstance(build_shared_router("single", 8, 1, RouterConfig()), SharedRouter)

@@ -1,0 +1,56 @@
+"""Raw-text translation gives task routers the ids they need (language pair, target, domain)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moe_train.config import load_config
+from moe_train.config.schema import EvalConfig
+from moe_train.errors import ConfigError
+from moe_train.eval.decode import RawTextLabels, translate_lines
+from moe_train.models.build import build_model
+
+
+class FakeVocab:
+    pad_id, unk_id, bos_id, eos_id = 0, 1, 2, 3
+
+    def encode_batch(self, lines):
+        return [[4 + (ord(c) % 20) for c in line] for line in lines]
+
+    def decode(self, ids):
+        return " ".join(map(str, ids))
+
+
+def _model(source: str):
+    cfg = load_config(None, ["model.d_model=16", "model.n_heads=2", "model.ffn_dim=32",
+                             "model.encoder_layers=1", "model.decoder_layers=2",
+                             "moe.num_experts=4", "moe.k=1", "moe.encoder_router=dense",
+                             "moe.decoder_router=task", f"moe.decoder_task_source={source}",
+                             "moe.num_tasks=4"])
+    torch.manual_seed(0)
+    return build_model(cfg, {"vocab_size": 30, "pad_id": 0}).eval()
+
+
+@pytest.mark.parametrize("source, labels", [
+    ("tgt_lang", RawTextLabels(tgt_lang=1)),
+    ("lang_pair", RawTextLabels(src_lang=0, tgt_lang=1, num_langs=2)),
+    ("domain", RawTextLabels(domain=3)),
+])
+def test_task_routers_translate_raw_text_with_labels(source, labels):
+    model = _model(source)
+    ecfg = EvalConfig(beam=2, max_len_a=0.0, max_len_b=4)
+    lines = ["abc", "hello there"]
+    with pytest.raises(ConfigError, match="needs task ids"):
+        translate_lines(model, FakeVocab(), lines, ecfg, torch.device("cpu"))
+    out = translate_lines(model, FakeVocab(), lines, ecfg, torch.device("cpu"), labels=labels)
+    assert len(out) == 2
+
+
+def test_labels_fill_every_row_of_the_context():
+    src = torch.tensor([[5, 6, 0], [7, 0, 0]])
+    ctx = RawTextLabels(src_lang=2, tgt_lang=0, domain=1, num_langs=3).context(src, 0)
+    assert ctx.src_lang_B.tolist() == [2, 2] and ctx.tgt_lang_B.tolist() == [0, 0]
+    assert ctx.domain_ids_B.tolist() == [1, 1] and ctx.extras["num_langs"] == 3
+    assert ctx.src_pad_mask_BS.tolist() == [[False, False, True], [False, True, True]]
+    assert RawTextLabels().context(src, 0).tgt_lang_B is None
