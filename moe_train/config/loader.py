@@ -121,8 +121,12 @@ def config_from_dict(data: dict[str, Any]) -> ExperimentConfig:
     return _build(ExperimentConfig, data)
 
 
-def read_yaml(path: str | Path) -> dict[str, Any]:
-    """Read a YAML mapping; errors name the file (and line for syntax errors)."""
+def read_yaml(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """Read a YAML mapping; errors name the file (and line for syntax errors).
+
+    A top-level ``extends: other.yaml`` (relative to this file) reads that config first and
+    merges this one over it, so a variant states only what it changes.
+    """
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"{path}: config file not found")
@@ -137,7 +141,15 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"{path}: expected UTF-8 text") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping at the top level")
-    return data
+    parent = data.pop("extends", None)
+    if parent is None:
+        return data
+    if not isinstance(parent, str):
+        raise ConfigError(f"{path}: extends: expected a YAML file name, got {parent!r}")
+    parent_path = (path.parent / parent).resolve()
+    if parent_path in _seen or parent_path == path.resolve():
+        raise ConfigError(f"{path}: extends: {parent} leads back to itself")
+    return merge(read_yaml(parent_path, (*_seen, path.resolve())), data)
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None,

@@ -74,3 +74,17 @@ def test_to_dict_round_trips():
     cfg = load_config(ROOT / "configs" / "transformer-base.yaml", ["deepspeed.steps_per_print=7"])
     again = config_from_dict(cfg.to_dict())
     assert again == cfg
+
+
+def test_extends_merges_over_the_parent_and_refuses_cycles(tmp_path) -> None:
+    (tmp_path / "base.yaml").write_text("model:\n  d_model: 64\n  n_heads: 4\ntrain:\n  max_steps: 7\n")
+    (tmp_path / "child.yaml").write_text("extends: base.yaml\nmodel:\n  d_model: 32\n")
+    cfg = load_config(tmp_path / "child.yaml")
+    assert (cfg.model.d_model, cfg.model.n_heads, cfg.train.max_steps) == (32, 4, 7)
+    (tmp_path / "a.yaml").write_text("extends: b.yaml\n")
+    (tmp_path / "b.yaml").write_text("extends: a.yaml\n")
+    with pytest.raises(ConfigError, match=r"extends: a.yaml leads back to itself"):
+        load_config(tmp_path / "a.yaml")
+    (tmp_path / "c.yaml").write_text("extends: missing.yaml\n")
+    with pytest.raises(ConfigError, match=r"missing.yaml: config file not found"):
+        load_config(tmp_path / "c.yaml")
