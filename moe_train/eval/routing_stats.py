@@ -103,12 +103,26 @@ class RoutingRecorder:
         self._counts: dict[str, LayerCounts] = {}
         self._labels: Any = _UNSET
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
+        self._current = ""
+        """The MoE layer whose router is running."""
 
     def __enter__(self) -> RoutingRecorder:
+        # A router may serve several layers (one sentence-level decision for all): hook each
+        # router once, and let each layer announce itself before its router runs.
+        hooked: set[int] = set()
         for name, layer in self.layers:
-            self._handles.append(
-                layer.router.register_forward_hook(self._hook(name), with_kwargs=True))
+            self._handles.append(layer.register_forward_pre_hook(self._enter_layer(name)))
+            if id(layer.router) not in hooked:
+                hooked.add(id(layer.router))
+                self._handles.append(
+                    layer.router.register_forward_hook(self._hook(), with_kwargs=True))
         return self
+
+    def _enter_layer(self, name: str) -> Callable[..., None]:
+        def pre_hook(module: nn.Module, args: tuple) -> None:
+            self._current = name
+
+        return pre_hook
 
     def __exit__(self, *exc: Any) -> None:
         for handle in self._handles:
@@ -145,8 +159,9 @@ class RoutingRecorder:
                 layer.router.num_experts, self.num_domains, self.num_langs)
         return out
 
-    def _hook(self, name: str) -> Callable[..., None]:
+    def _hook(self) -> Callable[..., None]:
         def hook(module: nn.Module, args: tuple, kwargs: dict, routing: Routing) -> None:
+            name = self._current
             if self._labels is _UNSET:
                 raise RuntimeError("RoutingRecorder: call set_batch(ctx) before each forward "
                                    "(set_batch(None) to run one without counting it)")
@@ -407,9 +422,9 @@ def table_csv(table_EC: np.ndarray, columns: list[str]) -> str:
 
 
 def plot_heatmap(table_EC: np.ndarray, columns: list[str], title: str, column_kind: str,
-                 path: str | Path) -> None:
+                 path: str | Path, row_kind: str = "expert", unit: str = "token slots") -> None:
     """PNG heatmap of an (experts x columns) count table, each column normalised to sum 1
-    (the share of that domain's / task's slots per expert); cells show the raw counts."""
+    (the share of that domain's / task's `unit` per row); cells show the raw counts."""
     from matplotlib import colormaps
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -432,10 +447,10 @@ def plot_heatmap(table_EC: np.ndarray, columns: list[str], title: str, column_ki
                   ha="right" if rotate else "center")
     ax.set_yticks(range(E), labels=[str(e) for e in range(E)])
     ax.set_xlabel(column_kind)
-    ax.set_ylabel("expert")
+    ax.set_ylabel(row_kind)
     ax.set_title(title, fontsize=10)
     colorbar = fig.colorbar(image, ax=ax)
-    colorbar.set_label(f"share of the {column_kind}'s token slots")
+    colorbar.set_label(f"share of the {column_kind}'s {unit}")
     if E * C <= 600:
         for e in range(E):
             for c in range(C):

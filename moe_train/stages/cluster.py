@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from moe_train.data.shards import read_manifest
+from moe_train.errors import ConfigError
 from moe_train.parallel.collectives import broadcast_object
 from moe_train.stages.cluster_core import (FittedClusterer, cluster_report, fit_clusterer,
                                            load_clusterer)
@@ -22,6 +23,10 @@ from moe_train.utils.atomic import atomic_path
 
 STAGE = "cluster"
 CLUSTERER, LABELS = "clusterer.pkl", "labels.npy"
+BIRCH_MAX_SENTENCES = 20000
+"""Birch's final step clusters its subclusters with an N x N distance matrix when (as with
+default settings on unit-scale features) every sentence is its own subcluster: about 10 GB at
+50k sentences. Larger samples are refused rather than run out of memory."""
 
 
 def run(ctx: StageContext) -> dict[str, Any]:
@@ -30,6 +35,10 @@ def run(ctx: StageContext) -> dict[str, Any]:
         return done
     moa = ctx.cfg.moa
     features_ND, meta = load_features(ctx, STAGE)
+    if moa.clusterer == "birch" and len(features_ND) > BIRCH_MAX_SENTENCES:
+        raise ConfigError(f"moa.sample_size: Birch needs at most {BIRCH_MAX_SENTENCES} "
+                          f"sentences (its last step is quadratic in memory), the features "
+                          f"have {len(features_ND)}; lower moa.sample_size or use gmm / kmeans")
     out = ctx.stage_dir(STAGE)
     summary: dict[str, Any] | None = None
     if ctx.rt.is_main:

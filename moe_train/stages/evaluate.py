@@ -92,7 +92,8 @@ def _write_table(out: Path, name: str, report: dict[str, Any]) -> None:
     table = np.asarray(report["table"])
     write_text(out / f"{name}.csv", table_csv(table, report["domains"]))
     plot_heatmap(table, report["domains"], f"{name}: PUR {report['pur']:.3f}, "
-                 f"NMI {report['nmi']:.3f}", "domain", out / f"{name}.png")
+                 f"NMI {report['nmi']:.3f}", "domain", out / f"{name}.png",
+                 row_kind="cluster" if name == "clusterer" else "expert", unit="test sentences")
 
 
 def run(ctx: StageContext) -> dict[str, Any]:

@@ -185,3 +185,24 @@ def test_adapter_config_errors_are_one_line() -> None:
     with pytest.raises(ConfigError, match=r"^moe\.k: expected at most"):
         build_router("gumbel", 8, 3, RouterConfig(k=4))
     assert isinstance(build_shared_router("single", 8, 1, RouterConfig()), SharedRouter)
+
+
+def test_routing_recorder_counts_each_layer_of_a_shared_router_once() -> None:
+    from moe_train.eval.routing_stats import RoutingRecorder
+
+    torch.manual_seed(0)
+    model = build_model(_moa_cfg("adapters.num_experts=5", "adapters.router=gumbel"),
+                        MANIFEST).eval()
+    src = torch.randint(1, 30, (4, 6))
+    tgt = torch.randint(1, 30, (4, 5))
+    tgt[0, 3:] = 0  # two padding positions
+    ctx = ForwardContext(domain_ids_B=torch.tensor([0, 1, 1, 0]), src_lang_B=torch.zeros(4),
+                         tgt_lang_B=torch.ones(4))
+    with RoutingRecorder(model, num_domains=2, num_langs=2) as rec:
+        rec.set_batch(ctx)
+        model(src, tgt, ctx)
+    tables = rec.tables()
+    assert len(tables) == 3
+    for counts in tables.values():
+        assert int(counts.expert_domain_EN.sum()) == 4 * 5 - 2
+        assert torch.equal(counts.expert_domain_EN, tables[next(iter(tables))].expert_domain_EN)
