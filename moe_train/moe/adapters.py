@@ -44,11 +44,13 @@ class AdapterExperts(StackedExperts):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        """LayerNorm at identity, xavier-uniform projections per expert, zero biases."""
+        """LayerNorm at identity, xavier-uniform down projections, zero up projections and
+        biases: a fresh adapter adds nothing, so inserting it into a trained (frozen) network
+        starts from that network's function (near-identity adapter initialisation)."""
         nn.init.ones_(self.ln_weight_ED)
         nn.init.zeros_(self.ln_bias_ED)
         _xavier_uniform_stacked_(self.w_down_EDR.data)
-        _xavier_uniform_stacked_(self.w_up_ERD.data)
+        nn.init.zeros_(self.w_up_ERD)
         nn.init.zeros_(self.b_down_ER)
         nn.init.zeros_(self.b_up_ED)
 
