@@ -22,7 +22,7 @@ from torch import nn
 from moe_train.config.schema import ExperimentConfig
 from moe_train.errors import CheckpointError
 from moe_train.moe.adapters import AdapterSlot
-from moe_train.stages.common import StageContext, stage_config
+from moe_train.stages.common import StageContext, stage_config, training_summary
 from moe_train.stages.distill import load_gate
 from moe_train.train.checkpoint import latest_tag
 from moe_train.train.export import EXPORT_WEIGHTS
@@ -119,8 +119,6 @@ def run(ctx: StageContext) -> dict[str, Any]:
     trainer = Trainer(cfg, ctx.rt, resume=resume, init_model=init_model)
     trainable = sum(p.numel() for p in trainer.engine.module.parameters() if p.requires_grad)
     summary = trainer.fit()
-    keep = ("step", "train_seconds", "train_tokens_per_s", "export", "dev_loss", "dev_bleu",
-            "dev_chrf")
-    return ctx.finish(STAGE, {k: summary[k] for k in keep if k in summary}
+    return ctx.finish(STAGE, training_summary(summary)
                       | {"router": cfg.adapters.router, "num_adapters": cfg.adapters.num_experts,
                          "trainable_parameters_local": trainable})

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from moe_train.stages.common import StageContext, stage_config
+from moe_train.stages.common import StageContext, stage_config, training_summary
 from moe_train.train.checkpoint import latest_tag
 from moe_train.train.trainer import Trainer
 
@@ -33,7 +33,5 @@ def run(ctx: StageContext) -> dict[str, Any]:
     cfg = backbone_config(ctx)
     resume = latest_tag(cfg.checkpoint.dir) is not None
     summary = Trainer(cfg, ctx.rt, resume=resume).fit()
-    keep = ("step", "train_seconds", "train_tokens_per_s", "export", "dev_loss", "dev_bleu",
-            "dev_chrf")
-    return ctx.finish(STAGE, {k: summary[k] for k in keep if k in summary}
+    return ctx.finish(STAGE, training_summary(summary)
                       | {"pre_inject": cfg.moa.pre_inject})

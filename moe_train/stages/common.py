@@ -81,3 +81,10 @@ def stage_config(cfg: ExperimentConfig, stage_dir: Path, **sections: dict[str, A
     for name, fields in sections.items():
         changes[name] = dataclasses.replace(changes.get(name, getattr(cfg, name)), **fields)
     return dataclasses.replace(cfg, **changes)
+
+
+def training_summary(summary: dict[str, Any]) -> dict[str, Any]:
+    """The part of `Trainer.fit`'s summary a training stage records."""
+    keep = ("step", "train_seconds", "train_tokens_per_s", "export", "dev/loss", "dev/ppl",
+            "dev/bleu", "dev/chrf")
+    return {k.replace("/", "_"): summary[k] for k in keep if k in summary}

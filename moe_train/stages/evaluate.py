@@ -16,6 +16,7 @@ Artifact: ``eval.json``, ``routing/<name>.csv`` and ``.png``.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -113,7 +114,13 @@ def run(ctx: StageContext) -> dict[str, Any]:
         models["adapters"] = load_for_inference(
             ctx.stage_dir("adapters") / "checkpoints" / "export", rt.device)
     result: dict[str, Any] = {"test_sentences": int(len(idx)), "beam": moa.eval_beam}
+    # The backbone's scores are cached beside it: recipes sharing a backbone decode it once.
+    cache = ctx.stage_dir("backbone") / (f"eval_test{moa.eval_sentences}_beam{moa.eval_beam}_"
+                                         f"lenpen{ecfg.lenpen}.json")
     for name, inf in models.items():
+        if name == "backbone" and cache.is_file():
+            result[name] = json.loads(cache.read_text())
+            continue
         metrics, _ = evaluate_dataset(inf.model, test, inf.vocab, inf.manifest, rt, ecfg,
                                       cfg.data.max_tokens, indices=idx)
         entry = _scores(metrics)
@@ -126,6 +133,8 @@ def run(ctx: StageContext) -> dict[str, Any]:
             entry["rnd"] = {k: rnd["all"][k] for k in ("bleu", "chrf", "sentences")}
         entry["parameters"] = sum(p.numel() for p in inf.model.parameters())
         result[name] = entry
+        if name == "backbone" and rt.is_main:
+            write_json(cache, entry)
     if "adapters" in result:
         result["extra_parameters"] = result["adapters"]["parameters"] - \
             result["backbone"]["parameters"]
