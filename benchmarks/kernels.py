@@ -7,9 +7,14 @@ Times forward + backward (median of --reps) at D=256, F=1024, K=2, uniform top-2
 path runs (it is the CPU path); with CUDA the Triton path runs beside it. The grouped GEMM is
 compared with its floor ("floor": one plain matmul per expert for forward, dX and dW, no
 autograd) and with the alternatives that were considered for the torch path: torch's own
-grouped_mm, a padded bmm, and the naive autograd loop over w[e] slices. "moe_chain" is
-permute -> Experts (two grouped GEMMs, bias, relu) -> unpermute, against the floor of its four
-per-expert GEMM layers ("floor_2x"): the issue's target is a ratio within 1.15.
+grouped_mm, a padded bmm, and the naive autograd loop over w[e] slices; "torch_reused_grads" is
+ours with the dW storage reused across steps (`GradBuffers`, as `Experts` runs it).
+"moe_chain" is permute -> Experts (on CPU expert by expert: GEMM1, bias, relu, GEMM2) ->
+unpermute, against the floor of its four per-expert GEMM layers ("floor_2x"): the issue's
+target is a ratio within 1.15. "sentence_permute" times the dispatcher's sentence-level fast
+path (rows ordered by sorting B*K sentence slots) against the token sort on the same
+sentence-level routing (sentences of 32 tokens, 10% padding). On CPU the glibc allocator is
+tuned first (`tune_cpu_allocator`, as `init_runtime` does), for every implementation alike.
 """
 
 from __future__ import annotations
@@ -31,10 +36,13 @@ sys.path.insert(0, str(ROOT))
 
 from moe_train.kernels import expert_histogram, grouped_gemm, permute, unpermute  # noqa: E402
 from moe_train.kernels.backend import triton_available  # noqa: E402
+from moe_train.kernels.grad_buffers import GradBuffers  # noqa: E402
 from moe_train.moe.experts import Experts  # noqa: E402
 from moe_train.utils.atomic import write_json  # noqa: E402
+from moe_train.utils.malloc import tune_cpu_allocator  # noqa: E402
 
 D, FFN, K = 256, 1024, 2
+SENT_LEN = 32
 
 
 def timed(fns: dict[str, Callable[[], object]], device: str, reps: int
@@ -74,6 +82,17 @@ def routing(T: int, E: int, device: str) -> torch.Tensor:
     return ids.to(device)
 
 
+def sentence_routing(T: int, E: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids_BK, ids_TK): sentences of SENT_LEN tokens, K distinct uniform experts each, shared
+    by all their tokens; the last 10% of each sentence's positions are padding (-1)."""
+    g = torch.Generator().manual_seed(1)
+    B = T // SENT_LEN
+    ids_BK = torch.rand(B, E, generator=g).topk(K, dim=1).indices
+    ids_TK = ids_BK.repeat_interleave(SENT_LEN, dim=0)
+    ids_TK.view(B, SENT_LEN, K)[:, SENT_LEN - SENT_LEN // 10:] = -1
+    return ids_BK.to(device), ids_TK.to(device)
+
+
 def fwd_bwd(make: Callable[[], torch.Tensor], leaves: list[torch.Tensor]) -> Callable[[], None]:
     """A closure running forward and backward (fresh .grad each time, so no accumulation; the
     output gradient is made once, as the floor's is)."""
@@ -110,6 +129,9 @@ def gemm_impls(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, backends:
     for backend in backends:
         impls[backend] = fwd_bwd(lambda b=backend: grouped_gemm(xl, wl, counts, backend=b),
                                  [xl, wl])
+    bufs = GradBuffers()  # dW storage reused across steps (what Experts passes)
+    impls["torch_reused_grads"] = fwd_bwd(
+        lambda: grouped_gemm(xl, wl, counts, backend="torch", grad_buffers=bufs), [xl, wl])
     offs = counts.cumsum(0).to(torch.int32)
     if hasattr(F, "grouped_mm"):
         impls["grouped_mm"] = fwd_bwd(lambda: F.grouped_mm(xl, wl, offs=offs), [xl, wl])
@@ -153,6 +175,13 @@ def bench_config(E: int, slots: int, device: str, backends: list[str], reps: int
             "unpermute": fwd_bwd(lambda b=b: unpermute(y, row_map, wl, T, backend=b), [y, wl]),
         }, device, reps).items():
             record(op, b, ms)
+    ids_BK, sent_TK = sentence_routing(T, E, device)
+    for impl, ms in timed({  # the dispatcher's sentence fast path vs the token sort
+        "token_sort": fwd_bwd(lambda: permute(xl, sent_TK, E).x_ND, [xl]),
+        "sentence_sort": fwd_bwd(lambda: permute(xl, sent_TK, E, expert_ids_BK=ids_BK).x_ND,
+                                 [xl]),
+    }, device, reps).items():
+        record("sentence_permute", impl, ms)
 
     x_ND, counts = permuted.x_ND, permuted.counts_E
     impls = gemm_impls(x_ND, torch.randn(E, D, FFN, device=device) * 0.05, counts, backends)
@@ -194,6 +223,7 @@ def main() -> None:
     args = ap.parse_args()
     device = args.device
     backends = ["torch", "triton"] if device == "cuda" and triton_available() else ["torch"]
+    allocator = tune_cpu_allocator() if device == "cpu" else None
     out = Path(args.out or ROOT / "benchmarks" / "results" / f"kernels_{device}.json")
     torch.manual_seed(0)
     rows = [r for E in args.experts for s in args.slots
@@ -206,7 +236,7 @@ def main() -> None:
     write_json(out, {
         "device": torch.cuda.get_device_name() if device == "cuda" else cpu_name(),
         "timing": "ms: median, min_ms: minimum over reps; implementations of one op take turns",
-        "torch": torch.__version__, "threads": torch.get_num_threads(),
+        "torch": torch.__version__, "threads": torch.get_num_threads(), "allocator": allocator,
         "shape": {"D": D, "F": FFN, "K": K, "dropped": 0.1, "dtype": "float32"},
         "reps": args.reps, "results": rows,
     })

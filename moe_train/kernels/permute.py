@@ -3,6 +3,8 @@
 `permute` sorts the T*K routed slots by expert (stably: token order within an expert), drops
 slots whose id is -1 and gathers the token rows: N = number of kept slots. `row_map_N` maps each
 sorted row n to its slot as the flat index t*K + k (token t = row_map // K, slot k = row_map % K).
+For sentence-level routing (every token of a sentence has the sentence's experts) the same
+order comes from sorting the B*K sentence slots instead (`sort_sentence_slots`).
 `unpermute` is the combine: y_TD[t] = sum over kept slots k of weights_TK[t, k] * y_ND[row(t, k)];
 its gradient flows to the rows and to the combine weights (the router learns through it).
 
@@ -46,6 +48,46 @@ def sort_slots(expert_ids_TK: Tensor, num_experts: int, *, backend: str = "auto"
     return order[:num_rows], counts_E
 
 
+def sort_sentence_slots(expert_ids_TK: Tensor, expert_ids_BK: Tensor, num_experts: int,
+                        *, backend: str = "auto") -> tuple[Tensor, Tensor] | None:
+    """`sort_slots` for sentence-level routing, sorting the B*K sentence slots, not the T*K.
+
+    When token t of the T = B*L flattened positions has the experts of its sentence t // L
+    (`expert_ids_BK[t // L]`, a slot may be -1: padding), the rows of expert e are the
+    sentences that chose e, in order, each a run of its L tokens: so the sentence slots are
+    sorted (stably) by expert and expanded into their tokens' flat slots t*K + k, leaving out
+    the -1 slots. This is exactly `sort_slots`'s result (expert, then token, then slot order).
+    Returns None, for the caller to take the token path, when the ids are not of that form
+    (checked on the expanded slots), the sizes do not fit, or a sentence names one expert
+    twice (its rows would interleave by token).
+    """
+    T, K = expert_ids_TK.shape
+    B = expert_ids_BK.size(0)
+    if B == 0 or T % B or expert_ids_BK.shape != (B, K) or expert_ids_BK.is_floating_point():
+        return None
+    L = T // B
+    ids_S = expert_ids_BK.reshape(-1).long()
+    keys_S = torch.where(ids_S < 0, num_experts, ids_S)
+    keys_sorted_S, order_S = torch.sort(keys_S, stable=True)
+    # flat token slot (t*K + k) of each sentence slot's L positions, in expert order
+    slot_SL = torch.arange(0, L * K, K, device=ids_S.device) \
+        + (order_S // K * (L * K) + order_S % K)[:, None]
+    ids_SL = expert_ids_TK.reshape(-1).take(slot_SL)
+    keep_SL = ids_SL >= 0
+    kept_S = keep_SL.sum(1)
+    # of the form iff every kept slot names its sentence's expert: count the others
+    bad = kept_S.sum() - (ids_SL == keys_sorted_S[:, None]).sum()
+    if K > 1:  # a sentence naming one expert twice
+        by_row_BK = keys_S.view(B, K).sort(-1).values
+        bad = bad + ((by_row_BK[:, 1:] == by_row_BK[:, :-1])
+                     & (by_row_BK[:, 1:] < num_experts)).sum()
+    if int(bad):  # a host sync (masked_select below is the other)
+        return None
+    counts_E = torch.zeros(num_experts + 1, dtype=torch.long, device=ids_S.device)
+    counts_E.scatter_add_(0, keys_sorted_S, kept_S)
+    return slot_SL.masked_select(keep_SL), counts_E[:num_experts]
+
+
 def inverse_row_map(row_map_N: Tensor, num_slots: int) -> Tensor:
     """pos_S: the row of each flat slot (S = T*K), -1 for dropped slots."""
     pos = torch.full((num_slots,), -1, dtype=torch.long, device=row_map_N.device)
@@ -66,9 +108,26 @@ def scatter_rows_torch(x_ND: Tensor, token_N: Tensor, num_tokens: int) -> Tensor
     return out.index_add_(0, token_N, x_ND)
 
 
+def one_row_per_token(row_map_N: Tensor, num_tokens: int, K: int) -> bool:
+    """True when every token has exactly one row (top-1, nothing dropped): then the rows are a
+    permutation of the tokens, and summing a token's rows is gathering its row."""
+    return K == 1 and row_map_N.numel() == num_tokens
+
+
+def token_rows_torch(x_ND: Tensor, row_map_N: Tensor, num_tokens: int, K: int) -> Tensor:
+    """`scatter_rows_torch` by slot: the sum of each token's rows. With one row per token a
+    gather through the inverse map (no zero fill, no scatter-add; the same values)."""
+    if one_row_per_token(row_map_N, num_tokens, K):
+        return x_ND.index_select(0, inverse_row_map(row_map_N, num_tokens))
+    return scatter_rows_torch(x_ND, row_map_N // K, num_tokens)
+
+
 def unpermute_torch(y_ND: Tensor, row_map_N: Tensor, weights_TK: Tensor) -> Tensor:
     """Reference combine: y_TD[t] = sum_k weights_TK[t, k] * y_ND[row(t, k)]."""
     T, K = weights_TK.shape
+    if one_row_per_token(row_map_N, T, K):  # gather each token's row, then weight it in place
+        y_TD = y_ND.index_select(0, inverse_row_map(row_map_N, T))
+        return y_TD.mul_(weights_TK.to(y_ND.dtype))
     w_N = weights_TK.reshape(-1).index_select(0, row_map_N).to(y_ND.dtype)
     return scatter_rows_torch(y_ND * w_N[:, None], row_map_N // K, T)
 
@@ -85,7 +144,7 @@ def unpermute_backward_torch(grad_TD: Tensor, y_ND: Tensor | None, row_map_N: Te
         grad_w_TK = torch.zeros(T * K, dtype=torch.float32, device=g_ND.device)
         grad_w_TK.index_copy_(0, row_map_N, dots_N)
         grad_w_TK = grad_w_TK.view(T, K).to(weights_TK.dtype)
-    return g_ND * w_N[:, None], grad_w_TK
+    return g_ND.mul_(w_N[:, None]), grad_w_TK  # g_ND is this function's own gather
 
 
 # --- autograd wrappers -----------------------------------------------------------------------
@@ -112,7 +171,7 @@ class _PermuteFn(torch.autograd.Function):
             pos_TK = inverse_row_map(row_map_N, T * K).view(T, K)
             grad_TD = combine_rows_triton(grad_ND.contiguous(), pos_TK, None)
         else:
-            grad_TD = scatter_rows_torch(grad_ND, row_map_N // K, T)
+            grad_TD = token_rows_torch(grad_ND, row_map_N, T, K)
         return grad_TD, None, None, None
 
 
@@ -146,13 +205,23 @@ class _UnpermuteFn(torch.autograd.Function):
 
 # --- public ops ------------------------------------------------------------------------------
 
-def permute(x_TD: Tensor, expert_ids_TK: Tensor, num_experts: int, *, backend: str = "auto"
-            ) -> Permuted:
-    """Group the rows of x_TD by expert: (x_ND, row_map_N, counts_E). Ids of -1 are dropped."""
+def permute(x_TD: Tensor, expert_ids_TK: Tensor, num_experts: int, *, backend: str = "auto",
+            expert_ids_BK: Tensor | None = None) -> Permuted:
+    """Group the rows of x_TD by expert: (x_ND, row_map_N, counts_E). Ids of -1 are dropped.
+
+    `expert_ids_BK` (sentence-level routing: token t of sentence t // (T / B) has its
+    sentence's experts) lets the slots be ordered by sorting B*K sentence slots
+    (`sort_sentence_slots`); the result is the same, and ids of another form fall back to the
+    token sort.
+    """
     if x_TD.dim() != 2 or x_TD.size(0) != expert_ids_TK.size(0):
         raise ValueError(f"permute: x_TD {tuple(x_TD.shape)} does not match expert_ids_TK "
                          f"{tuple(expert_ids_TK.shape)}")
-    row_map_N, counts_E = sort_slots(expert_ids_TK, num_experts, backend=backend)
+    check_expert_ids(expert_ids_TK)
+    sorted_slots = None if expert_ids_BK is None else sort_sentence_slots(
+        expert_ids_TK, expert_ids_BK, num_experts, backend=backend)
+    row_map_N, counts_E = sorted_slots or sort_slots(expert_ids_TK, num_experts,
+                                                     backend=backend)
     triton = use_triton(x_TD, backend)
     x_ND = _PermuteFn.apply(x_TD, row_map_N, expert_ids_TK.size(1), triton)
     return Permuted(x_ND, row_map_N, counts_E)

@@ -74,9 +74,17 @@ class LocalDispatcher:
         return ids_TK, weights_TK, dropped
 
     def dispatch(self, x_TD: Tensor, routing: Routing) -> tuple[Tensor, Tensor, DispatchMeta]:
-        """(x_ND rows grouped by expert, counts_E, meta)."""
+        """(x_ND rows grouped by expert, counts_E, meta).
+
+        Sentence-level routing without a capacity limit takes the sentence fast path: rows are
+        ordered by sorting the B*K sentence slots (`routing.sentence_expert_ids_BK`), not the
+        T*K token slots; same rows, same order. A capacity limit drops slots token by token,
+        so it always takes the token path.
+        """
         ids_TK, weights_TK, dropped = self.route_slots(routing)
-        x_ND, row_map_N, counts_E = permute(x_TD, ids_TK, self.num_experts)
+        ids_BK = routing.sentence_expert_ids_BK if self.capacity_factor <= 0 else None
+        x_ND, row_map_N, counts_E = permute(x_TD, ids_TK, self.num_experts,
+                                            expert_ids_BK=ids_BK)
         return x_ND, counts_E, DispatchMeta(row_map_N, weights_TK, x_TD.size(0), dropped)
 
     def combine(self, y_ND: Tensor, meta: DispatchMeta) -> Tensor:

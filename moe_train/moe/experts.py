@@ -24,7 +24,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from moe_train.errors import ConfigError
-from moe_train.kernels import grouped_gemm
+from moe_train.kernels import grouped_gemm, use_triton
+from moe_train.kernels.expert_ffn import expert_ffn
+from moe_train.kernels.grad_buffers import GradBuffers
 
 
 def rows_expert(counts_E: Tensor, num_rows: int) -> Tensor:
@@ -59,6 +61,13 @@ class Experts(StackedExperts):
 
     Like `models.layers.FeedForward` per expert (xavier-uniform weights, zero biases) but
     without the residual-branch dropout, which the MoE layer applies after the combine.
+
+    Two paths, same numbers: on the torch backend (CPU) `kernels.expert_ffn` runs GEMM1,
+    activation and GEMM2 one expert at a time (no N x F hidden block, the expert's rows stay in
+    cache); with Triton (GPU), or with activation dropout in training (one mask over all hidden
+    rows), two grouped GEMMs with the activation between. On the torch backend the weight
+    gradients are written into `grad_buffers`, reused from step to step (see
+    kernels/grad_buffers.py); `grad_buffers.clear()` gives that memory back.
     """
 
     def __init__(self, num_experts: int, d_model: int, ffn_dim: int, activation: str = "relu",
@@ -67,9 +76,11 @@ class Experts(StackedExperts):
         if activation not in ("relu", "gelu"):
             raise ConfigError(f"model.activation: expected one of relu, gelu, got {activation!r}")
         self.num_experts = num_experts
+        self.activation_name = activation
         self.activation = F.relu if activation == "relu" else F.gelu
         self.activation_dropout = activation_dropout
         self.backend = backend
+        self.grad_buffers = GradBuffers()
         self.w1_EDF = nn.Parameter(torch.empty(num_experts, d_model, ffn_dim))
         self.b1_EF = nn.Parameter(torch.empty(num_experts, ffn_dim))
         self.w2_EFD = nn.Parameter(torch.empty(num_experts, ffn_dim, d_model))
@@ -85,8 +96,15 @@ class Experts(StackedExperts):
 
     def forward(self, x_ND: Tensor, counts_E: Tensor) -> Tensor:
         self._check_rows(x_ND, counts_E)
+        dropout = self.activation_dropout if self.training else 0.0
+        bufs = self.grad_buffers
+        if not use_triton(x_ND, self.backend) and dropout == 0:
+            return expert_ffn(x_ND, self.w1_EDF, self.b1_EF, self.w2_EFD, self.b2_ED, counts_E,
+                              self.activation_name, bufs)
         h_NF = self.activation(grouped_gemm(x_ND, self.w1_EDF, counts_E, self.b1_EF,
-                                            backend=self.backend))
-        if self.activation_dropout > 0:
-            h_NF = F.dropout(h_NF, self.activation_dropout, self.training)
-        return grouped_gemm(h_NF, self.w2_EFD, counts_E, self.b2_ED, backend=self.backend)
+                                            backend=self.backend, grad_buffers=bufs,
+                                            grad_names=("w1_EDF", "b1_EF")))
+        if dropout > 0:
+            h_NF = F.dropout(h_NF, dropout, self.training)
+        return grouped_gemm(h_NF, self.w2_EFD, counts_E, self.b2_ED, backend=self.backend,
+                            grad_buffers=bufs, grad_names=("w2_EFD", "b2_ED"))

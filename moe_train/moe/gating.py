@@ -39,9 +39,29 @@ def _check_k(k: int, num_experts: int, fixed_by: str | None = None) -> None:
 # Selection rules (pure functions)
 
 
+def top_k_ids(probs_TE: Tensor, k: int) -> Tensor:
+    """Ids of the k largest entries per row, in decreasing order; ties go to the lower id.
+
+    k rounds of argmax, masking each pick: on CPU several times faster than `topk` for the
+    small k of routing (whose order among equal values is unspecified), no gradient.
+    """
+    with torch.no_grad():
+        scores_TE = probs_TE.detach()
+        picks = [scores_TE.argmax(-1, keepdim=True)]
+        for _ in range(k - 1):
+            if len(picks) == 1:
+                scores_TE = scores_TE.scatter(-1, picks[-1], float("-inf"))
+            else:
+                scores_TE.scatter_(-1, picks[-1], float("-inf"))
+            picks.append(scores_TE.argmax(-1, keepdim=True))
+        return picks[0] if k == 1 else torch.cat(picks, -1)
+
+
 def top_k_select(probs_TE: Tensor, k: int, renormalize: bool) -> tuple[Tensor, Tensor]:
-    """The k most probable experts per row and their weights (renormalised to sum 1, or raw)."""
-    weights_TK, expert_ids_TK = probs_TE.topk(k, dim=-1)
+    """The k most probable experts per row (ties to the lower id) and their weights
+    (renormalised to sum 1, or raw); the weights are differentiable in probs_TE."""
+    expert_ids_TK = top_k_ids(probs_TE, k)
+    weights_TK = probs_TE.gather(-1, expert_ids_TK)
     if renormalize:
         weights_TK = weights_TK / weights_TK.sum(-1, keepdim=True)
     return expert_ids_TK, weights_TK
@@ -98,24 +118,182 @@ class LinearGate(nn.Module):
         return clean_TE, clean_TE + torch.randn_like(clean_TE) * std_TE
 
 
+def expert_counts(expert_ids_TK: Tensor, num_experts: int,
+                  pad_mask_T: Tensor | None = None) -> Tensor:
+    """`losses.tokens_per_expert` without a host sync: a scatter-add into E + 1 bins (bin E
+    takes unused slots and padding), where `bincount` on a GPU reads its maximum first."""
+    valid_TK = expert_ids_TK >= 0
+    if pad_mask_T is not None:
+        valid_TK = valid_TK & ~pad_mask_T[:, None]
+    bins_S = torch.where(valid_TK, expert_ids_TK, num_experts).reshape(-1)
+    counts = torch.zeros(num_experts + 1, dtype=torch.long, device=bins_S.device)
+    return counts.scatter_add_(0, bins_S, torch.ones_like(bins_S))[:num_experts]
+
+
+def _real_mean_TE(probs_TE: Tensor, pad_mask_T: Tensor | None) -> Tensor:
+    """P_E: the mean of probs_TE over the real tokens, in one pass (no T x E temporary)."""
+    p32_TE = probs_TE.float()
+    if pad_mask_T is None:
+        return p32_TE.sum(0) / max(p32_TE.size(0), 1)
+    keep_T = (~pad_mask_T).to(torch.float32)
+    return (keep_T @ p32_TE) / keep_T.sum().clamp_min(1.0)
+
+
+def _real_mean_T(value_T: Tensor, pad_mask_T: Tensor | None) -> Tensor:
+    """Mean of a per-token value over the real tokens (`losses._masked_mean`)."""
+    if pad_mask_T is None:
+        return value_T.float().sum() / max(value_T.size(0), 1)
+    keep_T = (~pad_mask_T).to(torch.float32)
+    return (value_T.float() * keep_T).sum() / keep_T.sum().clamp_min(1.0)
+
+
 def _gate_losses(cfg: RouterConfig, probs_TE: Tensor, expert_ids_TK: Tensor,
-                 logits_TE: Tensor, pad_mask_T: Tensor | None) -> dict[str, Tensor]:
-    """Load-balance and z losses (weighted), skipping those whose coefficient is 0."""
+                 logits_TE: Tensor, pad_mask_T: Tensor | None, *,
+                 counts_E: Tensor | None = None, lse_T: Tensor | None = None
+                 ) -> dict[str, Tensor]:
+    """Load-balance and z losses (weighted), skipping those whose coefficient is 0.
+
+    The values of `losses.load_balance_loss` and `losses.z_loss`, with fewer passes over the
+    T x E tensors: `counts_E` (`expert_counts` of the routed ids) and `lse_T` (logsumexp of
+    `logits_TE`) are reused when the caller has them, and P_E is one reduction.
+    """
     aux: dict[str, Tensor] = {}
     if cfg.aux_loss_coef > 0:
-        aux["load_balance"] = cfg.aux_loss_coef * losses.load_balance_loss(
-            probs_TE, expert_ids_TK, pad_mask_T)
+        E = probs_TE.size(1)
+        if counts_E is None:
+            counts_E = expert_counts(expert_ids_TK, E, pad_mask_T)
+        counts32_E = counts_E.to(torch.float32)
+        f_E = counts32_E / counts32_E.sum().clamp_min(1.0)
+        P_E = _real_mean_TE(probs_TE, pad_mask_T)
+        aux["load_balance"] = cfg.aux_loss_coef * (E * (f_E * P_E).sum())
     if cfg.z_loss_coef > 0:
-        aux["z_loss"] = cfg.z_loss_coef * losses.z_loss(logits_TE, pad_mask_T)
+        if lse_T is None:
+            lse_T = torch.logsumexp(logits_TE.float(), dim=-1)
+        aux["z_loss"] = cfg.z_loss_coef * _real_mean_T(lse_T.square(), pad_mask_T)
     return aux
 
 
+class _TopKGateFn(torch.autograd.Function):
+    """The token top-k gate after the logits, as one autograd node: softmax, top-k, combine
+    weights, load-balance and z losses.
+
+    The forward runs the same ops as `top_k_select` + `_gate_losses` (same values). The
+    backward is written out, so that the gradients of the weights, of both losses and of
+    probs_TE reach the logits in about five passes over T x E instead of the ~15 of the
+    composed ops (topk/gather scatter, broadcast, adds, softmax and logsumexp backwards):
+        dprobs = scatter(d raw weights) + g_lb * coef * E * f_E * keep_t / n   (+ g_probs)
+        dlogits = probs * (dprobs - <probs, dprobs>_t) + g_z * zcoef * 2 lse_t keep_t / n
+                  * softmax(clean)          (softmax(clean) = probs without noise)
+    Outputs: probs_TE, weights_TK, load-balance loss, z loss (0 when their coefficient is 0),
+    and, without gradient, expert_ids_TK, counts_E (routed real slots per expert) and lse_T
+    (logsumexp of the clean logits; empty without a z loss).
+    """
+
+    @staticmethod
+    def forward(ctx, routed_TE: Tensor, clean_TE: Tensor, k: int, renormalize: bool,
+                aux_coef: float, z_coef: float, pad_mask_T: Tensor | None):
+        T, E = routed_TE.shape
+        probs_TE = routed_TE.softmax(-1)
+        ids_TK = top_k_ids(probs_TE, k)
+        raw_TK = probs_TE.gather(-1, ids_TK)
+        sum_T1 = raw_TK.sum(-1, keepdim=True)
+        weights_TK = raw_TK / sum_T1 if renormalize else raw_TK
+        counts_E = expert_counts(ids_TK, E, pad_mask_T)
+        keep_T = None if pad_mask_T is None else (~pad_mask_T).to(torch.float32)
+        n_real = max(T, 1) if keep_T is None else keep_T.sum().clamp_min(1.0)
+        lb, z = probs_TE.new_zeros(()), probs_TE.new_zeros(())
+        counts32_E = counts_E.to(torch.float32)
+        f_E = counts32_E / counts32_E.sum().clamp_min(1.0)
+        if aux_coef > 0:
+            lb = aux_coef * (E * (f_E * _real_mean_TE(probs_TE, pad_mask_T)).sum())
+        lse_T = probs_TE.new_empty(0)
+        if z_coef > 0:
+            lse_T = torch.logsumexp(clean_TE, dim=-1)
+            z = z_coef * _real_mean_T(lse_T.square(), pad_mask_T)
+        same = routed_TE is clean_TE
+        ctx.save_for_backward(probs_TE, ids_TK, raw_TK, sum_T1, weights_TK, f_E, lse_T,
+                              keep_T, None if same else clean_TE)
+        ctx.consts = (renormalize, aux_coef, z_coef, n_real, same)
+        ctx.mark_non_differentiable(ids_TK, counts_E, lse_T)
+        return probs_TE, weights_TK, lb, z, ids_TK, counts_E, lse_T
+
+    @staticmethod
+    def backward(ctx, g_probs, g_w, g_lb, g_z, *_):
+        probs_TE, ids_TK, raw_TK, sum_T1, weights_TK, f_E, lse_T, keep_T, clean_TE = \
+            ctx.saved_tensors
+        renormalize, aux_coef, z_coef, n_real, same = ctx.consts
+        T, E = probs_TE.shape
+        col_T = probs_TE.new_zeros(T)  # per-token terms of dlogits / probs
+        row_E = None  # the load-balance gradient on probs, per expert (times keep_t)
+        if g_lb is not None and aux_coef > 0:
+            row_E = (g_lb * (aux_coef * E) / n_real) * f_E
+            dot_T = probs_TE @ row_E
+            col_T -= dot_T if keep_T is None else dot_T * keep_T
+        d_raw_TK = None
+        if g_w is not None:
+            d_raw_TK = g_w
+            if renormalize:
+                d_raw_TK = (g_w - (g_w * weights_TK).sum(-1, keepdim=True)) / sum_T1
+            col_T -= (raw_TK * d_raw_TK).sum(-1)
+        if g_probs is not None:
+            col_T -= (probs_TE * g_probs).sum(-1)
+        z_T = None
+        if g_z is not None and z_coef > 0:
+            z_T = (g_z * (2.0 * z_coef) / n_real) * lse_T
+            if keep_T is not None:
+                z_T = z_T * keep_T
+            if same:  # d lse / d logits = probs: fold into the per-token term
+                col_T += z_T
+        if row_E is None:
+            base_TE = col_T[:, None].expand(T, E).clone()
+        elif keep_T is None:
+            base_TE = row_E[None, :] + col_T[:, None]
+        else:
+            base_TE = torch.addcmul(col_T[:, None], keep_T[:, None], row_E[None, :])
+        if g_probs is not None:
+            base_TE += g_probs
+        d_routed_TE = base_TE.mul_(probs_TE)
+        if d_raw_TK is not None:
+            d_routed_TE.scatter_add_(-1, ids_TK, raw_TK * d_raw_TK)
+        d_clean_TE = None
+        if z_T is not None and not same:
+            d_clean_TE = clean_TE.softmax(-1).mul_(z_T[:, None])
+        return d_routed_TE, d_clean_TE, None, None, None, None, None
+
+
+def top_k_gate(routed_TE: Tensor, clean_TE: Tensor, k: int, renormalize: bool,
+               cfg: RouterConfig, pad_mask_T: Tensor | None
+               ) -> tuple[Tensor, Tensor, Tensor, dict[str, Tensor], Tensor, Tensor | None]:
+    """Token top-k gating on float32 logits (`_TopKGateFn`): (probs_TE, expert_ids_TK,
+    weights_TK, weighted aux losses, counts_E, lse_T of the clean logits or None)."""
+    probs_TE, weights_TK, lb, z, ids_TK, counts_E, lse_T = _TopKGateFn.apply(
+        routed_TE, clean_TE, k, renormalize, cfg.aux_loss_coef, cfg.z_loss_coef, pad_mask_T)
+    aux = {}
+    if cfg.aux_loss_coef > 0:
+        aux["load_balance"] = lb
+    if cfg.z_loss_coef > 0:
+        aux["z_loss"] = z
+    return probs_TE, ids_TK, weights_TK, aux, counts_E, lse_T if cfg.z_loss_coef > 0 else None
+
+
 def _token_stats(expert_ids_TK: Tensor, num_experts: int, pad_mask_T: Tensor | None,
-                 probs_TE: Tensor | None) -> dict[str, Tensor]:
-    stats = {"tokens_per_expert": losses.tokens_per_expert(
-        expert_ids_TK.detach(), num_experts, pad_mask_T)}
+                 probs_TE: Tensor | None, *, counts_E: Tensor | None = None,
+                 logits_TE: Tensor | None = None, lse_T: Tensor | None = None
+                 ) -> dict[str, Tensor]:
+    """Detached statistics: tokens per expert (`counts_E` if given) and the mean routing
+    entropy of probs_TE. Given the logits of probs_TE and their logsumexp, the entropy is
+    lse - sum_e p_e l_e (two passes over T x E instead of `losses.routing_entropy`'s four)."""
+    if counts_E is None:
+        counts_E = expert_counts(expert_ids_TK.detach(), num_experts, pad_mask_T)
+    stats = {"tokens_per_expert": counts_E}
     if probs_TE is not None:
-        stats["routing_entropy"] = losses.routing_entropy(probs_TE, pad_mask_T)
+        if logits_TE is not None and lse_T is not None:
+            with torch.no_grad():
+                p32_TE, l32_TE = probs_TE.detach().float(), logits_TE.detach().float()
+                entropy_T = lse_T.detach() - (p32_TE * l32_TE).sum(-1)
+                stats["routing_entropy"] = _real_mean_T(entropy_T, pad_mask_T)
+        else:
+            stats["routing_entropy"] = losses.routing_entropy(probs_TE, pad_mask_T)
     return stats
 
 

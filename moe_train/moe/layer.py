@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from moe_train.kernels.histogram import expert_histogram
 from moe_train.models.context import ForwardContext
 from moe_train.moe.routing import Routing, RoutingContext
 
@@ -65,8 +66,11 @@ class MoELayer(nn.Module):
 
     @torch.no_grad()
     def _record(self, routing: Routing, meta: Any) -> None:
-        ids = routing.expert_ids_TK
-        counts = torch.bincount(ids[ids >= 0].reshape(-1), minlength=routing.num_experts)
+        """Logging buffers: routed slots per expert (the router's count of real tokens when it
+        has one, else a histogram of the ids, padding already -1), dropped slots, entropy."""
+        counts = routing.stats.get("tokens_per_expert")
+        if counts is None or counts.shape != self.tokens_per_expert_E.shape:
+            counts = expert_histogram(routing.expert_ids_TK, routing.num_experts)
         self.tokens_per_expert_E.copy_(counts)
         self.dropped_slots.copy_(meta.dropped)
         entropy = routing.stats.get("routing_entropy")

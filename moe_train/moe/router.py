@@ -36,6 +36,8 @@ from moe_train.moe.gating import (  # noqa: F401  (re-exported: the routers' bui
     _expect,
     _gate_losses,
     _token_stats,
+    expert_counts,
+    top_k_gate,
     top_k_select,
     top_p_select,
 )
@@ -60,15 +62,20 @@ class TopKRouter(Router):
         return cfg.k, True
 
     def forward(self, x_TD: Tensor, rctx: RoutingContext | None = None) -> Routing:
+        """Gate, then softmax, top-k, weights and losses in one autograd node (`top_k_gate`:
+        one expert histogram, no host sync); the entropy statistic reuses the z-loss's
+        logsumexp when the logits carry no noise."""
         pad_mask_T = None if rctx is None else rctx.pad_mask_T
         clean_TE, logits_TE = self.gate(x_TD)
-        probs_TE = logits_TE.softmax(-1)
-        expert_ids_TK, weights_TK = top_k_select(probs_TE, self.k, self.renormalize)
+        probs_TE, expert_ids_TK, weights_TK, aux, counts_E, lse_T = top_k_gate(
+            logits_TE, clean_TE, self.k, self.renormalize, self.cfg, pad_mask_T)
+        same = logits_TE is clean_TE and lse_T is not None  # no noise: one set of logits
         return Routing(
             expert_ids_TK=expert_ids_TK, weights_TK=weights_TK.to(x_TD.dtype), probs_TE=probs_TE,
-            num_experts=self.num_experts,
-            aux_losses=_gate_losses(self.cfg, probs_TE, expert_ids_TK, clean_TE, pad_mask_T),
-            stats=_token_stats(expert_ids_TK, self.num_experts, pad_mask_T, probs_TE))
+            num_experts=self.num_experts, aux_losses=aux,
+            stats=_token_stats(expert_ids_TK, self.num_experts, pad_mask_T, probs_TE,
+                               counts_E=counts_E, logits_TE=logits_TE if same else None,
+                               lse_T=lse_T if same else None))
 
 
 class SwitchRouter(TopKRouter):

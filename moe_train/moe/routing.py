@@ -48,6 +48,11 @@ class Routing:
     """Auxiliary losses already multiplied by their coefficients: add them to the training loss."""
     stats: dict[str, Tensor] = field(default_factory=dict)
     """Detached statistics for logging (routing entropy, tokens per expert, ...)."""
+    sentence_expert_ids_BK: Tensor | None = None
+    """Sentence- and task-level routers: the experts of each of the B sentences, when token t
+    of the T = B*L flattened positions has the slots of sentence t // L (a slot may since have
+    become -1: padding). Dispatchers may then order rows by sorting these B*K slots instead of
+    the T*K (`kernels.permute.sort_sentence_slots` checks the form). None otherwise."""
 
     def __post_init__(self) -> None:
         if self.expert_ids_TK.dim() != 2 or self.expert_ids_TK.shape != self.weights_TK.shape:

@@ -75,7 +75,7 @@ class SentenceRouter(Router):
         stats["routing_entropy"] = losses.routing_entropy(probs_BE, empty_B)
         return Routing(expert_ids_TK=expert_ids_TK, weights_TK=weights_BK[sid_T].to(x_TD.dtype),
                        probs_TE=probs_BE[sid_T], num_experts=self.num_experts, aux_losses=aux,
-                       stats=stats)
+                       stats=stats, sentence_expert_ids_BK=ids_BK)
 
 
 class TaskRouter(Router):
@@ -136,13 +136,15 @@ class TaskRouter(Router):
         task_ids_B = self._task_ids(rctx).to(x_TD.device)
         sid_T = rctx.sentence_ids_T
         if self.assignment_NK is not None:
-            expert_ids_TK = self.assignment_NK[task_ids_B][sid_T]
+            ids_BK = self.assignment_NK[task_ids_B]
+            expert_ids_TK = ids_BK[sid_T]
             weights_TK = torch.full(expert_ids_TK.shape, 1.0 / self.k, dtype=x_TD.dtype,
                                     device=x_TD.device)
             return Routing(expert_ids_TK=expert_ids_TK, weights_TK=weights_TK, probs_TE=None,
                            num_experts=self.num_experts,
                            stats=_token_stats(expert_ids_TK, self.num_experts,
-                                              rctx.pad_mask_T, None))
+                                              rctx.pad_mask_T, None),
+                           sentence_expert_ids_BK=ids_BK)
         logits_BE = self.gate(self.embed(task_ids_B)).float()
         probs_BE = logits_BE.softmax(-1)
         ids_BK, weights_BK = top_k_select(probs_BE, self.k, renormalize=self.k > 1)
@@ -151,4 +153,5 @@ class TaskRouter(Router):
         return Routing(expert_ids_TK=expert_ids_TK, weights_TK=weights_BK[sid_T].to(x_TD.dtype),
                        probs_TE=probs_TE, num_experts=self.num_experts, aux_losses=aux,
                        stats=_token_stats(expert_ids_TK, self.num_experts, rctx.pad_mask_T,
-                                          probs_TE))
+                                          probs_TE),
+                       sentence_expert_ids_BK=ids_BK)

@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from moe_train.utils.malloc import tune_cpu_allocator
+
 _MPI_SIZE_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "MPI_LOCALNRANKS")
 
 
@@ -97,8 +99,14 @@ class ParallelRuntime:
         return self.world_size
 
 
-def init_runtime(backend: str | None = None, timeout_s: int = 1800) -> ParallelRuntime:
-    """Discover the launch mode, initialise torch.distributed via DeepSpeed, pick the device."""
+def init_runtime(backend: str | None = None, timeout_s: int = 1800,
+                 tune_allocator: bool = True) -> ParallelRuntime:
+    """Discover the launch mode, initialise torch.distributed via DeepSpeed, pick the device.
+
+    On CPU, `tune_allocator` applies `moe_train.utils.malloc.tune_cpu_allocator` (glibc keeps
+    large freed blocks for reuse instead of mapping and zeroing them anew every step); pass
+    False to keep the C library's defaults.
+    """
     import deepspeed
     import torch.distributed as dist
 
@@ -122,6 +130,8 @@ def init_runtime(backend: str | None = None, timeout_s: int = 1800) -> ParallelR
     else:
         device = torch.device("cpu")
         backend = backend or "gloo"
+        if tune_allocator:
+            tune_cpu_allocator()
     if not dist.is_initialized():
         deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False,
                                    timeout=datetime.timedelta(seconds=timeout_s))

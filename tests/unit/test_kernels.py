@@ -23,6 +23,8 @@ if str(ROOT) not in sys.path:  # when run as a script (the interpreted-Triton ch
     sys.path.insert(0, str(ROOT))
 
 from moe_train.kernels import expert_histogram, grouped_gemm, permute, unpermute  # noqa: E402
+from moe_train.kernels.expert_ffn import expert_ffn  # noqa: E402
+from moe_train.kernels.grad_buffers import GradBuffers  # noqa: E402
 
 # (T, K, E, D, mode): mode picks the routing pattern of `make_ids`.
 CASES = [
@@ -240,6 +242,114 @@ def test_grouped_gemm_transposed_weight_and_bad_counts():
         grouped_gemm(x, w_EFD.transpose(1, 2), torch.tensor([2, 0, 2]), backend="torch")
     with pytest.raises(ValueError, match="backend"):
         grouped_gemm(x, w_EFD.transpose(1, 2), counts, backend="cuda")
+
+
+# --- reused gradient storage and the expert-by-expert FFN -----------------------------------------
+
+def _gemm_step(x, w, b, counts, g, bufs):
+    grouped_gemm(x, w, counts, b, backend="torch", grad_buffers=bufs).backward(g)
+
+
+@pytest.mark.parametrize("reset", ["set_to_none", "zero", "accumulate"])
+def test_grad_buffers_two_steps_equal_reference(reset):
+    """Two fwd+bwd steps through grouped_gemm with a GradBuffers give the reference gradients
+    whether .grad is dropped, zeroed in place or accumulated between them; with .grad dropped
+    the second step reuses the first step's storage (no new allocation)."""
+    counts = torch.tensor([3, 0, 4])
+    gen = torch.Generator().manual_seed(5)
+    x, g = torch.randn(7, 4, generator=gen), torch.randn(7, 5, generator=gen)
+    w, b = _leaf(torch.randn(3, 4, 5, generator=gen)), _leaf(torch.randn(3, 5, generator=gen))
+    w_ref, b_ref = _leaf(w), _leaf(b)
+    expert_N = torch.repeat_interleave(torch.arange(3), counts)
+    (ref_grouped_gemm(x, w_ref, counts.tolist()) + b_ref[expert_N]).backward(g)
+    bufs = GradBuffers()
+    _gemm_step(x, w, b, counts, g, bufs)
+    first_ptr = w.grad.data_ptr()
+    torch.testing.assert_close(w.grad, w_ref.grad)
+    if reset == "set_to_none":
+        w.grad = b.grad = None
+    elif reset == "zero":
+        w.grad.zero_(), b.grad.zero_()
+    _gemm_step(x, w, b, counts, g, bufs)
+    scale = 2.0 if reset == "accumulate" else 1.0
+    torch.testing.assert_close(w.grad, scale * w_ref.grad)
+    torch.testing.assert_close(b.grad, scale * b_ref.grad)
+    assert torch.all(w.grad[1] == 0) and torch.all(b.grad[1] == 0)
+    assert w.grad.data_ptr() == first_ptr  # the buffer adopted as .grad, or added into
+    assert bufs.nbytes() == (1 if reset == "set_to_none" else 2) * (w.numel() + b.numel()) * 4
+
+
+def test_grad_buffers_never_overwrite_a_live_gradient():
+    """A gradient kept past `.grad = None` keeps its values: the next backward takes other
+    storage; hooks on the parameter see every step's gradient."""
+    counts = torch.tensor([2, 3])
+    gen = torch.Generator().manual_seed(6)
+    x, g = torch.randn(5, 3, generator=gen), torch.randn(5, 4, generator=gen)
+    w = _leaf(torch.randn(2, 3, 4, generator=gen))
+    seen = []
+    w.register_post_accumulate_grad_hook(lambda p: seen.append(p.grad.clone()))
+    bufs = GradBuffers()
+    _gemm_step(x, w, None, counts, g, bufs)
+    kept, kept_values = w.grad, w.grad.clone()
+    w.grad = None
+    _gemm_step(x, w, None, counts, 2 * g, bufs)
+    assert torch.equal(kept, kept_values)
+    assert kept.data_ptr() != w.grad.data_ptr()
+    torch.testing.assert_close(w.grad, 2 * kept_values)
+    del kept
+    w.grad = None
+    _gemm_step(x, w, None, counts, g, bufs)  # both buffers are free again: no third one
+    assert bufs.nbytes() == 2 * w.numel() * 4 and len(seen) == 3
+    torch.testing.assert_close(seen[1], 2 * seen[0])
+
+
+@pytest.mark.parametrize("activation", ["relu", "gelu"])
+@pytest.mark.parametrize("counts", [[3, 0, 5, 1], [0, 0, 0, 0], [0, 6, 0, 0]])
+def test_expert_ffn_equals_grouped_chain(activation, counts):
+    """The expert-by-expert Function computes what grouped GEMM -> activation -> grouped GEMM
+    computes, outputs and every gradient, over two steps with reused gradient storage."""
+    E, D, F = 4, 6, 10
+    gen = torch.Generator().manual_seed(7)
+    params = [torch.randn(E, D, F, generator=gen), torch.randn(E, F, generator=gen),
+              torch.randn(E, F, D, generator=gen), torch.randn(E, D, generator=gen)]
+    x = torch.randn(sum(counts), D, generator=gen, dtype=torch.float64)
+    g = torch.randn(sum(counts), D, generator=gen, dtype=torch.float64)
+    act = torch.relu if activation == "relu" else torch.nn.functional.gelu
+    c = torch.tensor(counts)
+    ref = [_leaf(p.double()) for p in params]
+    x_ref = _leaf(x)
+    h = act(grouped_gemm(x_ref, ref[0], c, ref[1], backend="torch"))
+    y_ref = grouped_gemm(h, ref[2], c, ref[3], backend="torch")
+    y_ref.backward(g)
+    got, bufs = [_leaf(p.double()) for p in params], GradBuffers()
+    for _ in range(2):
+        x_got = _leaf(x)
+        for p in got:
+            p.grad = None
+        y = expert_ffn(x_got, *got, c, activation, bufs)
+        y.backward(g)
+        torch.testing.assert_close(y, y_ref, rtol=0, atol=1e-12)
+        torch.testing.assert_close(x_got.grad, x_ref.grad, rtol=0, atol=1e-12)
+        for p, p_ref in zip(got, ref):
+            torch.testing.assert_close(p.grad, p_ref.grad, rtol=0, atol=1e-12)
+    with pytest.raises(ValueError, match="activation"):
+        expert_ffn(x, *got, c, "swish")
+
+
+def test_expert_ffn_partial_gradients():
+    """Only the inputs that require grad get one (frozen first layer, input without grad)."""
+    E, D, F, counts = 3, 4, 6, torch.tensor([2, 0, 3])
+    gen = torch.Generator().manual_seed(8)
+    w1, b1 = torch.randn(E, D, F, generator=gen), torch.randn(E, F, generator=gen)
+    w2, b2 = _leaf(torch.randn(E, F, D, generator=gen)), _leaf(torch.randn(E, D, generator=gen))
+    x, g = torch.randn(5, D, generator=gen), torch.randn(5, D, generator=gen)
+    expert_ffn(x, w1, b1, w2, b2, counts).backward(g)
+    w2_ref, b2_ref = _leaf(w2), _leaf(b2)
+    h = torch.relu(grouped_gemm(x, w1, counts, b1, backend="torch"))
+    grouped_gemm(h, w2_ref, counts, b2_ref, backend="torch").backward(g)
+    assert w1.grad is None and b1.grad is None and x.grad is None
+    torch.testing.assert_close(w2.grad, w2_ref.grad)
+    torch.testing.assert_close(b2.grad, b2_ref.grad)
 
 
 def test_auto_backend_uses_torch_on_cpu_without_importing_triton():

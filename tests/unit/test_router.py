@@ -326,3 +326,69 @@ def test_routing_rejects_mismatched_shapes() -> None:
     with pytest.raises(ValueError, match="probs_TE"):
         Routing(expert_ids_TK=torch.zeros(3, 1, dtype=torch.long), weights_TK=torch.zeros(3, 1),
                 probs_TE=torch.zeros(3, 5), num_experts=4)
+
+
+@pytest.mark.parametrize("name,k", [("topk", 1), ("topk", 2), ("switch", 1), ("topk", 3)])
+@pytest.mark.parametrize("padded", [False, True])
+@pytest.mark.parametrize("noisy", [False, True])
+def test_topk_gate_equals_composed_ops(name: str, k: int, padded: bool, noisy: bool) -> None:
+    """The fused top-k gate (one autograd node, hand-written backward) gives the values of
+    softmax -> topk -> renormalise and of moe.losses' definitions, and the same gradients to
+    the gate (through the weights, both losses and probs_TE), with and without padding and
+    noise."""
+    from moe_train.moe import losses
+
+    torch.manual_seed(3)
+    T, D, num_experts = 12, 6, 5
+    router = build_router(name, D, num_experts,
+                          RouterConfig(k=k, aux_loss_coef=0.3, z_loss_coef=0.2,
+                                       noisy_gating=noisy)).train()
+    x_TD = torch.randn(T, D)
+    pad_T = (torch.arange(T) % 5 == 4) if padded else None
+    rctx = RoutingContext.from_batch(1, T, pad_mask_BT=None if pad_T is None else pad_T[None])
+    g_TK, g_TE = torch.randn(T, router.k), torch.randn(T, num_experts)
+
+    def loss(w_TK, probs_TE, aux):
+        return (w_TK * g_TK).sum() + (probs_TE * g_TE).sum() + sum(aux.values())
+
+    torch.manual_seed(9)
+    out = router.route(x_TD, rctx)
+    loss(out.weights_TK, out.probs_TE, out.aux_losses).backward()
+    got = [p.grad.clone() for p in router.parameters()]
+    router.zero_grad()
+    torch.manual_seed(9)  # the same noise draw
+    clean_TE, logits_TE = router.gate(x_TD)
+    probs_TE = logits_TE.softmax(-1)
+    w_TK, ids_TK = probs_TE.topk(router.k, dim=-1)
+    if router.renormalize:
+        w_TK = w_TK / w_TK.sum(-1, keepdim=True)
+    aux = {"load_balance": 0.3 * losses.load_balance_loss(probs_TE, ids_TK, pad_T),
+           "z_loss": 0.2 * losses.z_loss(clean_TE, pad_T)}
+    loss(w_TK, probs_TE, aux).backward()
+    assert torch.equal(out.expert_ids_TK, ids_TK)
+    torch.testing.assert_close(out.weights_TK, w_TK)
+    torch.testing.assert_close(out.probs_TE, probs_TE)
+    for key in aux:
+        assert out.aux_losses[key].item() == pytest.approx(aux[key].item(), rel=1e-6)
+    for p, want in zip(router.parameters(), got):
+        if p.grad is not None:
+            torch.testing.assert_close(want, p.grad)
+    assert torch.equal(out.stats["tokens_per_expert"],
+                       losses.tokens_per_expert(ids_TK, num_experts, pad_T))
+    assert out.stats["routing_entropy"].item() == pytest.approx(
+        losses.routing_entropy(probs_TE, pad_T).item(), rel=1e-5)
+
+
+def test_topk_gate_without_aux_losses_and_weights_only() -> None:
+    """Coefficients 0: no losses, and the weights' gradient alone matches the composed ops."""
+    torch.manual_seed(4)
+    router = build_router("topk", 6, 5, RouterConfig(k=2, aux_loss_coef=0.0, z_loss_coef=0.0))
+    x_TD = torch.randn(9, 6)
+    out = router.route(x_TD)
+    assert out.aux_losses == {}
+    out.weights_TK.pow(2).sum().backward()
+    got = router.gate.weight.weight.grad.clone()
+    router.zero_grad()
+    w_TK = router.gate(x_TD)[1].softmax(-1).topk(2, dim=-1).values
+    (w_TK / w_TK.sum(-1, keepdim=True)).pow(2).sum().backward()
+    torch.testing.assert_close(got, router.gate.weight.weight.grad)
