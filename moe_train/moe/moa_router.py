@@ -98,7 +98,8 @@ class GumbelMaxRouter(Router):
                                              device=x_TD.device),
                        probs_TE=probs_TE, num_experts=self.num_experts,
                        stats=_token_stats(expert_ids_TK, self.num_experts, rctx.pad_mask_T,
-                                          probs_TE.detach()))
+                                          probs_TE.detach()),
+                       sentence_expert_ids_BK=ids_B[:, None])
 
 
 class SingleRouter(Router):

@@ -29,18 +29,8 @@ from torch import Tensor
 
 from moe_train.config.moe import RouterConfig
 from moe_train.moe import losses
-from moe_train.moe.gating import (  # noqa: F401  (re-exported: the routers' building blocks)
-    LinearGate,
-    Router,
-    _check_k,
-    _expect,
-    _gate_losses,
-    _token_stats,
-    expert_counts,
-    top_k_gate,
-    top_k_select,
-    top_p_select,
-)
+from moe_train.moe.gating import LinearGate, Router, _check_k, _gate_losses, _token_stats
+from moe_train.moe.gating import top_k_gate, top_p_select
 from moe_train.moe.routing import Routing, RoutingContext
 
 

@@ -6,7 +6,6 @@ ep_size=2) reuse its backbone."""
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 from pathlib import Path

@@ -66,7 +66,6 @@ def test_capacity_drops_overflow_in_token_order():
 def test_dropless_never_drops_under_total_imbalance():
     torch.manual_seed(0)
     E, D, T = 8, 6, 64
-    experts = Experts(E, D, 12)
     routing = _routing([[3]] * T, [[1.0]] * T, E)
     x_ND, counts_E, meta = LocalDispatcher(E).dispatch(torch.randn(T, D), routing)
     assert counts_E.tolist() == [0, 0, 0, T, 0, 0, 0, 0] and int(meta.dropped) == 0

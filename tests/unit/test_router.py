@@ -18,7 +18,7 @@ from moe_train.config.moe import RouterConfig
 from moe_train.errors import ConfigError
 from moe_train.models.context import ForwardContext
 from moe_train.moe.registry import ROUTERS, build_router
-from moe_train.moe.router import top_p_select
+from moe_train.moe.gating import top_p_select
 from moe_train.moe.routing import Routing, RoutingContext, sentence_mean
 
 E = 4
