@@ -81,11 +81,3 @@ class AdapterSlot(nn.Module):
     def forward(self, x_BTD: Tensor, ctx: ForwardContext) -> tuple[Tensor, dict[str, Tensor]]:
         y_BTD, aux = self.moe(x_BTD, ctx)
         return x_BTD + y_BTD, aux
-
-    @torch.no_grad()
-    def replicate_expert(self, source: int = 0) -> None:
-        """Copy adapter `source` into every other adapter (MoA: K adapters from the
-        pre-injected one). Local experts only: call before expert-parallel sharding."""
-        experts = self.moe.experts
-        for _, p in experts.expert_parameters():
-            p.copy_(p[source:source + 1].expand_as(p))

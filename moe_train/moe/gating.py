@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from moe_train.config.moe import RouterConfig
 from moe_train.errors import ConfigError
 from moe_train.moe import losses
-from moe_train.moe.routing import Routing, RoutingContext
+from moe_train.moe.routing import Routing, RoutingContext, sentence_mean
 
 
 def _expect(cond: bool, path: str, expected: str, got: object) -> None:
@@ -118,58 +118,18 @@ class LinearGate(nn.Module):
         return clean_TE, clean_TE + torch.randn_like(clean_TE) * std_TE
 
 
-def expert_counts(expert_ids_TK: Tensor, num_experts: int,
-                  pad_mask_T: Tensor | None = None) -> Tensor:
-    """`losses.tokens_per_expert` without a host sync: a scatter-add into E + 1 bins (bin E
-    takes unused slots and padding), where `bincount` on a GPU reads its maximum first."""
-    valid_TK = expert_ids_TK >= 0
-    if pad_mask_T is not None:
-        valid_TK = valid_TK & ~pad_mask_T[:, None]
-    bins_S = torch.where(valid_TK, expert_ids_TK, num_experts).reshape(-1)
-    counts = torch.zeros(num_experts + 1, dtype=torch.long, device=bins_S.device)
-    return counts.scatter_add_(0, bins_S, torch.ones_like(bins_S))[:num_experts]
-
-
-def _real_mean_TE(probs_TE: Tensor, pad_mask_T: Tensor | None) -> Tensor:
-    """P_E: the mean of probs_TE over the real tokens, in one pass (no T x E temporary)."""
-    p32_TE = probs_TE.float()
-    if pad_mask_T is None:
-        return p32_TE.sum(0) / max(p32_TE.size(0), 1)
-    keep_T = (~pad_mask_T).to(torch.float32)
-    return (keep_T @ p32_TE) / keep_T.sum().clamp_min(1.0)
-
-
-def _real_mean_T(value_T: Tensor, pad_mask_T: Tensor | None) -> Tensor:
-    """Mean of a per-token value over the real tokens (`losses._masked_mean`)."""
-    if pad_mask_T is None:
-        return value_T.float().sum() / max(value_T.size(0), 1)
-    keep_T = (~pad_mask_T).to(torch.float32)
-    return (value_T.float() * keep_T).sum() / keep_T.sum().clamp_min(1.0)
-
-
 def _gate_losses(cfg: RouterConfig, probs_TE: Tensor, expert_ids_TK: Tensor,
                  logits_TE: Tensor, pad_mask_T: Tensor | None, *,
                  counts_E: Tensor | None = None, lse_T: Tensor | None = None
                  ) -> dict[str, Tensor]:
-    """Load-balance and z losses (weighted), skipping those whose coefficient is 0.
-
-    The values of `losses.load_balance_loss` and `losses.z_loss`, with fewer passes over the
-    T x E tensors: `counts_E` (`expert_counts` of the routed ids) and `lse_T` (logsumexp of
-    `logits_TE`) are reused when the caller has them, and P_E is one reduction.
-    """
+    """Load-balance and z losses (weighted), skipping those whose coefficient is 0; `counts_E`
+    and `lse_T` are reused when the caller has them."""
     aux: dict[str, Tensor] = {}
     if cfg.aux_loss_coef > 0:
-        E = probs_TE.size(1)
-        if counts_E is None:
-            counts_E = expert_counts(expert_ids_TK, E, pad_mask_T)
-        counts32_E = counts_E.to(torch.float32)
-        f_E = counts32_E / counts32_E.sum().clamp_min(1.0)
-        P_E = _real_mean_TE(probs_TE, pad_mask_T)
-        aux["load_balance"] = cfg.aux_loss_coef * (E * (f_E * P_E).sum())
+        aux["load_balance"] = cfg.aux_loss_coef * losses.load_balance_loss(
+            probs_TE, expert_ids_TK, pad_mask_T, counts_E)
     if cfg.z_loss_coef > 0:
-        if lse_T is None:
-            lse_T = torch.logsumexp(logits_TE.float(), dim=-1)
-        aux["z_loss"] = cfg.z_loss_coef * _real_mean_T(lse_T.square(), pad_mask_T)
+        aux["z_loss"] = cfg.z_loss_coef * losses.z_loss(logits_TE, pad_mask_T, lse_T)
     return aux
 
 
@@ -198,18 +158,17 @@ class _TopKGateFn(torch.autograd.Function):
         raw_TK = probs_TE.gather(-1, ids_TK)
         sum_T1 = raw_TK.sum(-1, keepdim=True)
         weights_TK = raw_TK / sum_T1 if renormalize else raw_TK
-        counts_E = expert_counts(ids_TK, E, pad_mask_T)
+        counts_E = losses.tokens_per_expert(ids_TK, E, pad_mask_T)
         keep_T = None if pad_mask_T is None else (~pad_mask_T).to(torch.float32)
         n_real = max(T, 1) if keep_T is None else keep_T.sum().clamp_min(1.0)
         lb, z = probs_TE.new_zeros(()), probs_TE.new_zeros(())
-        counts32_E = counts_E.to(torch.float32)
-        f_E = counts32_E / counts32_E.sum().clamp_min(1.0)
+        f_E = losses.assignment_fractions(counts_E)
         if aux_coef > 0:
-            lb = aux_coef * (E * (f_E * _real_mean_TE(probs_TE, pad_mask_T)).sum())
+            lb = aux_coef * (E * (f_E * losses.mean_probs(probs_TE, pad_mask_T)).sum())
         lse_T = probs_TE.new_empty(0)
         if z_coef > 0:
             lse_T = torch.logsumexp(clean_TE, dim=-1)
-            z = z_coef * _real_mean_T(lse_T.square(), pad_mask_T)
+            z = z_coef * losses.z_loss(clean_TE, pad_mask_T, lse_T)
         same = routed_TE is clean_TE
         ctx.save_for_backward(probs_TE, ids_TK, raw_TK, sum_T1, weights_TK, f_E, lse_T,
                               keep_T, None if same else clean_TE)
@@ -284,14 +243,14 @@ def _token_stats(expert_ids_TK: Tensor, num_experts: int, pad_mask_T: Tensor | N
     entropy of probs_TE. Given the logits of probs_TE and their logsumexp, the entropy is
     lse - sum_e p_e l_e (two passes over T x E instead of `losses.routing_entropy`'s four)."""
     if counts_E is None:
-        counts_E = expert_counts(expert_ids_TK.detach(), num_experts, pad_mask_T)
+        counts_E = losses.tokens_per_expert(expert_ids_TK.detach(), num_experts, pad_mask_T)
     stats = {"tokens_per_expert": counts_E}
     if probs_TE is not None:
         if logits_TE is not None and lse_T is not None:
             with torch.no_grad():
                 p32_TE, l32_TE = probs_TE.detach().float(), logits_TE.detach().float()
                 entropy_T = lse_T.detach() - (p32_TE * l32_TE).sum(-1)
-                stats["routing_entropy"] = _real_mean_T(entropy_T, pad_mask_T)
+                stats["routing_entropy"] = losses.masked_mean(entropy_T, pad_mask_T)
         else:
             stats["routing_entropy"] = losses.routing_entropy(probs_TE, pad_mask_T)
     return stats
@@ -302,6 +261,18 @@ def _require_sentences(rctx: RoutingContext | None, router: str) -> RoutingConte
         raise ValueError(f"the {router} router needs RoutingContext.sentence_ids_T "
                          "(build it with RoutingContext.from_forward / from_batch)")
     return rctx
+
+
+def sentence_repr(x_TD: Tensor, rctx: RoutingContext, router: str) -> Tensor:
+    """What a sentence-level router decides from, (B, D): the stack's sentence representation
+    when given, else (encoder only) the mean of the sentence's non-pad token states here."""
+    if rctx.sentence_repr_BD is not None:
+        return rctx.sentence_repr_BD.to(x_TD.dtype)
+    if rctx.side == "decoder":
+        raise ConfigError(f"moe.router: the {router} router on the decoder side needs the "
+                          "encoder's sentence representation in ForwardContext.extras"
+                          "['sentence_repr_BD'] (pooling decoder states sees future tokens)")
+    return sentence_mean(x_TD, rctx.sentence_ids_T, rctx.num_sentences, rctx.pad_mask_T)
 
 
 def _sentence_pad_mask(rctx: RoutingContext) -> Tensor:

@@ -20,50 +20,73 @@ def _keep(pad_mask_T: Tensor | None, like_T: Tensor) -> Tensor:
     return (~pad_mask_T).to(torch.float32)
 
 
-def _masked_mean(value_T: Tensor, pad_mask_T: Tensor | None) -> Tensor:
-    keep_T = _keep(pad_mask_T, value_T)
+def masked_mean(value_T: Tensor, pad_mask_T: Tensor | None) -> Tensor:
+    """Mean of a per-token value over the real tokens, in float32 (0 without any)."""
+    if pad_mask_T is None:
+        return value_T.float().sum() / max(value_T.size(0), 1)
+    keep_T = (~pad_mask_T).to(torch.float32)
     return (value_T.float() * keep_T).sum() / keep_T.sum().clamp_min(1.0)
+
+
+def mean_probs(probs_TE: Tensor, pad_mask_T: Tensor | None) -> Tensor:
+    """P_E: the mean of probs_TE over the real tokens, in one pass (no T x E temporary)."""
+    p32_TE = probs_TE.float()
+    if pad_mask_T is None:
+        return p32_TE.sum(0) / max(p32_TE.size(0), 1)
+    keep_T = (~pad_mask_T).to(torch.float32)
+    return (keep_T @ p32_TE) / keep_T.sum().clamp_min(1.0)
 
 
 def tokens_per_expert(expert_ids_TK: Tensor, num_experts: int,
                       pad_mask_T: Tensor | None = None) -> Tensor:
     """Assignments per expert (long, E): count_e = #{(t, k) : expert_ids[t, k] = e, t real}.
 
-    Unused slots (id -1) and padding are not counted.
+    Unused slots (id -1) and padding are not counted. A scatter-add into E + 1 bins (bin E takes
+    the uncounted slots): no boolean indexing and no host sync (`bincount` on a GPU reads its
+    maximum first).
     """
     valid_TK = expert_ids_TK >= 0
     if pad_mask_T is not None:
         valid_TK = valid_TK & ~pad_mask_T[:, None]
-    # Invalid slots go to an overflow bin E that is cut off (no boolean indexing, no sync).
-    ids_N = torch.where(valid_TK, expert_ids_TK, num_experts).flatten()
-    return torch.bincount(ids_N, minlength=num_experts + 1)[:num_experts]
+    bins_S = torch.where(valid_TK, expert_ids_TK, num_experts).reshape(-1)
+    counts = torch.zeros(num_experts + 1, dtype=torch.long, device=bins_S.device)
+    return counts.scatter_add_(0, bins_S, torch.ones_like(bins_S))[:num_experts]
+
+
+def assignment_fractions(counts_E: Tensor) -> Tensor:
+    """f_E = count_e / sum_e' count_e' (float32; zeros when nothing was routed)."""
+    counts32_E = counts_E.to(torch.float32)
+    return counts32_E / counts32_E.sum().clamp_min(1.0)
 
 
 def load_balance_loss(probs_TE: Tensor, expert_ids_TK: Tensor,
-                      pad_mask_T: Tensor | None = None) -> Tensor:
+                      pad_mask_T: Tensor | None = None, counts_E: Tensor | None = None
+                      ) -> Tensor:
     """Switch Transformer load-balancing loss: E * sum_e f_e * P_e.
 
     f_e = count_e / sum_e' count_e' is the fraction of (real-token) assignments that went to
     expert e (for k > 1 or top-p, every slot counts, so sum_e f_e = 1 for any k) and
     P_e = mean over real tokens of probs[t, e]. It equals 1 when the assignments are uniform
     (f_e = 1/E) whatever the probabilities, and grows up to E as routing collapses. Gradients
-    flow through P only (f comes from an argmax).
+    flow through P only (f comes from an argmax). `counts_E` (`tokens_per_expert` of the ids)
+    is reused when the caller already has it.
     """
     E = probs_TE.size(1)
-    counts_E = tokens_per_expert(expert_ids_TK, E, pad_mask_T).to(torch.float32)
-    f_E = counts_E / counts_E.sum().clamp_min(1.0)
-    keep_T = _keep(pad_mask_T, probs_TE)
-    P_E = (probs_TE.float() * keep_T[:, None]).sum(0) / keep_T.sum().clamp_min(1.0)
-    return E * (f_E * P_E).sum()
+    if counts_E is None:
+        counts_E = tokens_per_expert(expert_ids_TK, E, pad_mask_T)
+    return E * (assignment_fractions(counts_E) * mean_probs(probs_TE, pad_mask_T)).sum()
 
 
-def z_loss(logits_TE: Tensor, pad_mask_T: Tensor | None = None) -> Tensor:
+def z_loss(logits_TE: Tensor, pad_mask_T: Tensor | None = None, lse_T: Tensor | None = None
+           ) -> Tensor:
     """Router z-loss (ST-MoE): mean over real tokens of (log sum_e exp(logits[t, e]))^2.
 
     Keeps the router logits small, which keeps the softmax numerically stable in low precision.
+    `lse_T` (the logsumexp of the logits) is reused when the caller already has it.
     """
-    lse_T = torch.logsumexp(logits_TE.float(), dim=-1)
-    return _masked_mean(lse_T.square(), pad_mask_T)
+    if lse_T is None:
+        lse_T = torch.logsumexp(logits_TE.float(), dim=-1)
+    return masked_mean(lse_T.square(), pad_mask_T)
 
 
 def entropy_loss(probs_TE: Tensor, pad_mask_T: Tensor | None = None) -> Tensor:
@@ -76,7 +99,7 @@ def entropy_loss(probs_TE: Tensor, pad_mask_T: Tensor | None = None) -> Tensor:
     p32_TE = probs_TE.float()
     tiny = torch.finfo(torch.float32).tiny
     entropy_T = -(p32_TE * p32_TE.clamp_min(tiny).log()).sum(-1)
-    return _masked_mean(entropy_T, pad_mask_T)
+    return masked_mean(entropy_T, pad_mask_T)
 
 
 @torch.no_grad()

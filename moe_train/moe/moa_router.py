@@ -18,8 +18,8 @@ from torch import Tensor, nn
 from moe_train.config.moe import RouterConfig
 from moe_train.errors import ConfigError
 from moe_train.moe import losses
-from moe_train.moe.gating import Router, _check_k, _require_sentences, _token_stats
-from moe_train.moe.routing import Routing, RoutingContext, sentence_mean
+from moe_train.moe.gating import Router, _check_k, _require_sentences, _token_stats, sentence_repr
+from moe_train.moe.routing import Routing, RoutingContext
 
 
 class MoAGate(nn.Module):
@@ -57,16 +57,6 @@ def gumbel_max_select(scores_BE: Tensor, k: int, tau: float,
     return idx_BK.gather(1, pick_B1).squeeze(1)
 
 
-def _sentence_repr(x_TD: Tensor, rctx: RoutingContext, router: str) -> Tensor:
-    if rctx.sentence_repr_BD is not None:
-        return rctx.sentence_repr_BD.to(x_TD.dtype)
-    if rctx.side == "decoder":
-        raise ConfigError(f"moe.router: the {router} router on the decoder side needs the "
-                          "encoder's sentence representation in ForwardContext.extras"
-                          "['sentence_repr_BD'] (pooling decoder states sees future tokens)")
-    return sentence_mean(x_TD, rctx.sentence_ids_T, rctx.num_sentences, rctx.pad_mask_T)
-
-
 class GumbelMaxRouter(Router):
     """MoA's sentence-level adapter routing over a (frozen, distilled) `MoAGate`.
 
@@ -85,7 +75,7 @@ class GumbelMaxRouter(Router):
 
     def forward(self, x_TD: Tensor, rctx: RoutingContext | None = None) -> Routing:
         rctx = _require_sentences(rctx, self.name)
-        scores_BE = self.gate(_sentence_repr(x_TD, rctx, self.name))
+        scores_BE = self.gate(sentence_repr(x_TD, rctx, self.name))
         if self.training:
             ids_B = gumbel_max_select(scores_BE.detach(), self.k, self.tau)
         else:

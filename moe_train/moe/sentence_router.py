@@ -26,9 +26,10 @@ from moe_train.moe.gating import (
     _require_sentences,
     _sentence_pad_mask,
     _token_stats,
+    sentence_repr,
     top_k_select,
 )
-from moe_train.moe.routing import Routing, RoutingContext, sentence_mean
+from moe_train.moe.routing import Routing, RoutingContext
 
 
 class SentenceRouter(Router):
@@ -55,16 +56,7 @@ class SentenceRouter(Router):
 
     def forward(self, x_TD: Tensor, rctx: RoutingContext | None = None) -> Routing:
         rctx = _require_sentences(rctx, "sentence")
-        if rctx.sentence_repr_BD is not None:
-            repr_BD = rctx.sentence_repr_BD.to(x_TD.dtype)
-        elif rctx.side == "decoder":
-            raise ConfigError("moe.router: the sentence router on the decoder side needs the "
-                              "encoder's sentence representation in ForwardContext.extras"
-                              "['sentence_repr_BD'] (pooling decoder states sees future tokens)")
-        else:
-            repr_BD = sentence_mean(x_TD, rctx.sentence_ids_T, rctx.num_sentences,
-                                    rctx.pad_mask_T)
-        clean_BE, logits_BE = self.gate(repr_BD)
+        clean_BE, logits_BE = self.gate(sentence_repr(x_TD, rctx, self.name))
         probs_BE = logits_BE.softmax(-1)
         ids_BK, weights_BK = top_k_select(probs_BE, self.k, renormalize=self.k > 1)
         empty_B = _sentence_pad_mask(rctx)

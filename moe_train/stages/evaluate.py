@@ -29,6 +29,7 @@ from moe_train.eval.evaluate import evaluate_dataset
 from moe_train.eval.routing_stats import plot_heatmap, table_csv
 from moe_train.moe.adapters import AdapterSlot
 from moe_train.moe.moa_router import MoAGate
+from moe_train.moe.routing import RoutingContext
 from moe_train.stages.cluster import load_cluster
 from moe_train.stages.cluster_core import cluster_report
 from moe_train.stages.common import StageContext
@@ -74,18 +75,16 @@ def _uses_domain_labels(inf: InferenceModel) -> bool:
 
 @torch.no_grad()
 def sentence_router_labels(inf: InferenceModel, features_ND: np.ndarray) -> np.ndarray | None:
-    """Top-1 expert per sentence of the adapter model's decoder-side sentence router, from the
-    mean-pooled encoder states (the router's own input); None for other routers."""
+    """Top-1 expert per sentence of the adapter model's decoder-side router when it decides
+    from the sentence representation (gumbel, sentence), given the mean-pooled encoder states
+    (its own input); None for other routers."""
     slots = [m for m in inf.model.decoder_layers if isinstance(m.adapter, AdapterSlot)]
-    if not slots:
+    if not slots or slots[0].adapter.moe.router.name not in ("gumbel", "sentence"):
         return None
-    router = slots[0].adapter.moe.router.inner
+    router = slots[0].adapter.moe.router.inner.eval()
     x_ND = torch.from_numpy(features_ND)
-    if router.name == "gumbel":
-        return router.gate(x_ND).argmax(-1).numpy()
-    if router.name == "sentence":
-        return router.gate(x_ND)[1].argmax(-1).numpy()
-    return None
+    rctx = RoutingContext.from_batch(len(x_ND), 1, sentence_repr_BD=x_ND, side="decoder")
+    return router.route(x_ND, rctx).expert_ids_TK[:, 0].numpy()
 
 
 def _write_table(out: Path, name: str, report: dict[str, Any]) -> None:
