@@ -25,11 +25,14 @@ setup(
         "matplotlib>=3.7",
         "openmpi>=5.0",
         "mpi4py>=4.0,<5",
+        "safetensors>=0.4",  # exports: model.safetensors (no pickle)
+        "skops>=0.10",  # scikit-learn models (clusterers, classifiers) without pickle
     ],
     extras_require={
         # triton: the GPU kernels' fast path; on CPU its interpreter runs the equivalence tests
         "gpu": ["triton>=3.0; platform_system == 'Linux'"],
-        "dev": ["pytest>=8", "triton>=3.0; platform_system == 'Linux'"],
+        # megatron-core: the Megatron-style baseline of benchmarks/moe_layer.py
+        "dev": ["pytest>=8", "triton>=3.0; platform_system == 'Linux'", "megatron-core>=0.9"],
     },
     entry_points={"console_scripts": ["moe-train=moe_train.cli:main"]},
 )
