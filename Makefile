@@ -20,7 +20,7 @@ demo: $(STAMP)
 	$(BIN)/moe-train demo --workdir demo-work
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q -rs tests   # -rs: every skipped test says why
 
 clean:
 	rm -rf demo-work .pytest_cache

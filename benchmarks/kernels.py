@@ -1,6 +1,6 @@
 """Dispatch-kernel benchmark: histogram, permute, unpermute, grouped GEMM, experts chain.
 
-    .venv/bin/python benchmarks/kernels.py [--experts 8 32 128] [--slots 4096 8192] [--merge]
+    .venv/bin/python benchmarks/kernels.py [--experts 8 32 128] [--slots 4096 8192] [--quick]
 
 Times forward + backward (median of --reps) at D=256, F=1024, K=2, uniform top-2 routing with
 10% dropped slots, and writes benchmarks/results/kernels_<cpu|cuda>.json. On CPU only the torch
@@ -15,13 +15,13 @@ target is a ratio within 1.15. "sentence_permute" times the dispatcher's sentenc
 path (rows ordered by sorting B*K sentence slots) against the token sort on the same
 sentence-level routing (sentences of 32 tokens, 10% padding). On CPU the glibc allocator is
 tuned first (`tune_cpu_allocator`, as `init_runtime` does), for every implementation alike.
+`--quick` (E=8, 512 slots, 2 reps) checks the script and writes kernels_<device>_quick.json.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import sys
 import time
@@ -40,6 +40,7 @@ from moe_train.kernels.grad_buffers import GradBuffers  # noqa: E402
 from moe_train.moe.experts import Experts  # noqa: E402
 from moe_train.utils.atomic import write_json  # noqa: E402
 from moe_train.utils.malloc import tune_cpu_allocator  # noqa: E402
+from moe_train.utils.provenance import finish, provenance  # noqa: E402
 
 D, FFN, K = 256, 1024, 2
 SENT_LEN = 32
@@ -62,16 +63,6 @@ def timed(fns: dict[str, Callable[[], object]], device: str, reps: int
                 torch.cuda.synchronize()
             times[name].append((time.perf_counter() - start) * 1e3)
     return {name: (statistics.median(t), min(t)) for name, t in times.items()}
-
-
-def cpu_name() -> str:
-    """The CPU model from /proc/cpuinfo where there is one."""
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.is_file():
-        for line in cpuinfo.read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
 
 
 def routing(T: int, E: int, device: str) -> torch.Tensor:
@@ -217,28 +208,29 @@ def main() -> None:
                     help="routed slots T*K (K=2)")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--out", default=None, help="default benchmarks/results/kernels_<device>.json")
-    ap.add_argument("--merge", action="store_true",
-                    help="keep rows of the existing output for configs not run now")
+    ap.add_argument("--quick", action="store_true",
+                    help="E=8, 512 slots, 2 reps: checks the script (writes ..._quick.json)")
+    ap.add_argument("--out", default=None,
+                    help="default benchmarks/results/kernels_<device>[_quick].json")
     args = ap.parse_args()
+    if args.quick:
+        args.experts, args.slots, args.reps = [8], [512], 2
     device = args.device
     backends = ["torch", "triton"] if device == "cuda" and triton_available() else ["torch"]
     allocator = tune_cpu_allocator() if device == "cpu" else None
-    out = Path(args.out or ROOT / "benchmarks" / "results" / f"kernels_{device}.json")
+    prov = provenance()
+    suffix = "_quick" if args.quick else ""
+    out = Path(args.out or ROOT / "benchmarks" / "results" / f"kernels_{device}{suffix}.json")
     torch.manual_seed(0)
     rows = [r for E in args.experts for s in args.slots
             for r in bench_config(E, s, device, backends, args.reps)]
-    if args.merge and out.is_file():
-        done = {(r["experts"], r["slots"]) for r in rows}
-        old = json.loads(out.read_text())["results"]
-        rows = [r for r in old if (r["experts"], r["slots"]) not in done] + rows
     rows.sort(key=lambda r: (r["experts"], r["slots"], r["op"]))
     write_json(out, {
-        "device": torch.cuda.get_device_name() if device == "cuda" else cpu_name(),
+        "config": {"device": device, "backends": backends, "quick": args.quick,
+                   "experts": args.experts, "slots": args.slots, "reps": args.reps,
+                   "shape": {"D": D, "F": FFN, "K": K, "dropped": 0.1, "dtype": "float32"}},
         "timing": "ms: median, min_ms: minimum over reps; implementations of one op take turns",
-        "torch": torch.__version__, "threads": torch.get_num_threads(), "allocator": allocator,
-        "shape": {"D": D, "F": FFN, "K": K, "dropped": 0.1, "dtype": "float32"},
-        "reps": args.reps, "results": rows,
+        "allocator": allocator, "results": rows, "provenance": finish(prov),
     })
     print(f"wrote {out}")
 

@@ -1,30 +1,32 @@
 """Recorded real-data run of the stage-wise MoA recipe: OPUS multi-domain de->en, 7 domains, CPU.
 
-    .venv/bin/python benchmarks/moa_real_data.py [--anchors 50] [--out ...]
+    .venv/bin/python benchmarks/moa_real_data.py --fresh [--minutes 30] [--anchors 50]
+    .venv/bin/python benchmarks/moa_real_data.py --quick --fresh   # checks the script
 
-Reuses the backbone of benchmarks/real_data.py (work/opus-de-en, written there first) as the
-backbone stage of three stage-wise runs, each stage a `python -m moe_train pipeline moa --stage S`
-subprocess:
-- rs: MoA without anchors (configs/moa-opus-de-en.yaml): features, cluster, distill, adapters,
-  evaluate;
+Every stage runs here, from the data preparation and the backbone stage on, each stage a
+`python -m moe_train pipeline moa --stage S` subprocess (work/moa-opus-de-en/):
+- rs: MoA without anchors (configs/moa-opus-de-en.yaml): backbone (trained with the settings of
+  configs/opus-de-en-cpu.yaml for `--minutes`, no pre-injected adapter), features, cluster,
+  distill, adapters, evaluate;
 - di: the same with domain anchors (``moa.anchors_per_domain`` dev sentences per domain, its own
-  workdir): features, cluster, distill, and evaluate (no adapter stage, so evaluate decodes the
-  backbone and reports the test-set routing of clusterer and distilled gate);
-- switch_sl: the learned sentence-gate baseline (configs/moa-opus-de-en-switch-sl.yaml): adapters,
-  evaluate.
-Finished stages (their done.json) are reused, with the wall-clock time recorded when they ran
-(``timings.json`` in each workdir). Writes benchmarks/results/moa_real_data_de_en_cpu.json:
-PUR/NMI of clusterer, distilled gate and Switch-SL gate against the true domains (training
-sample and test set), per-domain BLEU/chrF of backbone, MoA and Switch-SL, RND, extra parameters,
-minutes per stage, CPU cores. A benchmark, not a test: it takes about half an hour on two cores.
+  workdir, rs's backbone): features, cluster, distill, and evaluate (no adapter stage, so
+  evaluate decodes the backbone and reports the test-set routing of clusterer and distilled
+  gate);
+- switch_sl: the learned sentence-gate baseline (configs/moa-opus-de-en-switch-sl.yaml, rs's
+  backbone): adapters, evaluate.
+Finished stages (their done.json) of an interrupted invocation are reused and marked so
+(`stages.<run>.<stage>.reused`, with the commit that stage ran on); `--fresh` starts empty.
+Writes benchmarks/results/moa_real_data_de_en_cpu.json: PUR/NMI of clusterer, distilled gate and
+Switch-SL gate against the true domains (training sample and test set), per-domain BLEU/chrF of
+backbone, MoA and Switch-SL, RND, extra parameters, minutes per stage, provenance. A benchmark,
+not a test: about an hour on two cores (30 minutes of it the backbone).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
+import shutil
 import subprocess
 import sys
 import time
@@ -34,41 +36,36 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from moe_train.utils.atomic import write_json  # noqa: E402
+from real_data import DEFAULT_DATA, QUICK_DATA, QUICK_MODEL  # noqa: E402  (benchmarks/)
 
-BACKBONE = ROOT / "work" / "opus-de-en"
-BACKBONE_RESULT = ROOT / "benchmarks" / "results" / "real_data_de_en_cpu.json"
+from moe_train.utils.atomic import write_json  # noqa: E402
+from moe_train.utils.provenance import finish, provenance  # noqa: E402
+
+DATA_CONFIG = "configs/opus-de-en-cpu.yaml"
 MOA_CONFIG = "configs/moa-opus-de-en.yaml"
 SWITCH_CONFIG = "configs/moa-opus-de-en-switch-sl.yaml"
-WORK = ROOT / "work" / "moa-opus-de-en"
 TIMINGS = "timings.json"
-
-
-def ensure_backbone_record() -> dict[str, Any]:
-    """The backbone stage's done.json in work/opus-de-en, written once from the recorded run."""
-    done = BACKBONE / "done.json"
-    if done.is_file():
-        return json.loads(done.read_text())
-    rec = json.loads(BACKBONE_RESULT.read_text())
-    train = rec["train"]
-    summary = {"step": train["step"], "train_seconds": train["train_seconds"],
-               "train_tokens_per_s": train["train_tokens_per_s"],
-               "export": str(BACKBONE / "checkpoints" / "export"),
-               "dev_loss": train["dev/loss"], "dev_bleu": rec["dev_all"]["bleu"],
-               "dev_chrf": rec["dev_all"]["chrf"], "pre_inject": False,
-               "source": {"record": str(BACKBONE_RESULT.relative_to(ROOT)),
-                          "command": "python benchmarks/real_data.py",
-                          "config": rec["config"]}}
-    write_json(done, summary)
-    return summary
+BACKBONE_TRAIN = ["optim.lr=1e-3", "optim.warmup_steps=800", "train.validate_every=500",
+                  "train.log_every=50", "train.bleu_sentences=350", "checkpoint.save_every=500",
+                  "checkpoint.keep_last=2", "eval.beam=5"]
+"""The backbone stage trains as configs/opus-de-en-cpu.yaml does (benchmarks/real_data.py)."""
+QUICK_STAGES = QUICK_MODEL + [
+    "moa.num_clusters=4", "moa.pca_dim=4", "moa.sample_size=2000", "moa.distill_steps=5",
+    "moa.adapter_steps=2", "moa.eval_sentences=3", "moa.eval_beam=1", "adapters.dim=8",
+    "train.bleu_sentences=7", "train.max_minutes=3"]
+"""--quick: a tiny model and a few steps of every stage."""
+QUICK_BACKBONE = ["train.max_steps=4", "train.validate_every=0", "train.bleu_every=0"]
+QUICK_SWITCH = ["adapters.num_experts=4"]
 
 
 def run_stage(config: str, workdir: Path, stage: str, overrides: list[str]) -> dict[str, Any]:
-    """Run one stage (or reuse it); returns its done.json plus the minutes it took."""
+    """Run one stage (or reuse it when finished); its done.json, the minutes it took and
+    whether it was reused."""
     timings_path = workdir / TIMINGS
     timings = json.loads(timings_path.read_text()) if timings_path.is_file() else {}
     done = workdir / stage / "done.json"
-    if not done.is_file():
+    reused = done.is_file()
+    if not reused:
         cmd = [sys.executable, "-m", "moe_train", "pipeline", "moa", "--config", config,
                "--stage", stage, f"moa.workdir={workdir}", *overrides]
         print(f"== {workdir.name}/{stage}: {' '.join(cmd[1:])}", flush=True)
@@ -87,8 +84,32 @@ def run_stage(config: str, workdir: Path, stage: str, overrides: list[str]) -> d
         write_json(timings_path, timings)
         print(f"   done in {minutes:.2f} min", flush=True)
     else:
-        print(f"== {workdir.name}/{stage}: reused", flush=True)
-    return {"done": json.loads(done.read_text()), "minutes": timings.get(stage)}
+        print(f"== {workdir.name}/{stage}: reused (finished earlier)", flush=True)
+    return {"done": json.loads(done.read_text()), "minutes": timings.get(stage),
+            "reused": reused}
+
+
+def prepare(data: str, prepared: Path, quick: bool) -> bool:
+    """Prepare the de-en data into `prepared` unless done; whether it was reused."""
+    if (prepared / "manifest.json").is_file():
+        return True
+    cmd = [sys.executable, "-m", "moe_train", "prepare", "--data", data, "--out", str(prepared),
+           "--config", DATA_CONFIG, *(QUICK_DATA if quick else [])]
+    proc = subprocess.run(cmd, cwd=ROOT, text=True, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT)
+    if proc.returncode != 0:
+        sys.stdout.write(proc.stdout[-6000:])
+        raise SystemExit(f"prepare failed with status {proc.returncode}")
+    return False
+
+
+def stage_record(stage: dict[str, Any]) -> dict[str, Any]:
+    """How one stage ran: minutes, reused or not, and the commit and threads it ran with."""
+    prov = stage["done"].get("provenance") or {}
+    git, machine = prov.get("git") or {}, prov.get("machine") or {}
+    return {"minutes": stage["minutes"], "reused": stage["reused"],
+            "commit": git.get("commit"), "dirty": git.get("dirty"),
+            "torch_threads": machine.get("torch_threads"), "finished_at": prov.get("started_at")}
 
 
 def _pur_nmi(report: dict[str, Any]) -> dict[str, float]:
@@ -102,7 +123,8 @@ def _scores(entry: dict[str, Any]) -> dict[str, Any]:
             "chrf": {d: m["chrf"] for d, m in entry["domains"].items()} | {
                 "all": entry["all"]["chrf"]},
             "rnd": {"bleu": entry["rnd"]["bleu"], "chrf": entry["rnd"]["chrf"]},
-            "parameters": entry["parameters"]}
+            "parameters": entry["parameters"]} | (
+                {"cached": entry["cached"]} if "cached" in entry else {})
 
 
 def routing_record(stages: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -124,42 +146,68 @@ def routing_record(stages: dict[str, dict[str, Any]]) -> dict[str, Any]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--data", default=str(DEFAULT_DATA))
+    ap.add_argument("--minutes", type=float, default=30.0, help="backbone training budget")
     ap.add_argument("--anchors", type=int, default=50, help="dev anchors per domain for di")
-    ap.add_argument("--runs", default="rs,di,switch_sl", help="comma-separated subset")
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" /
-                                         "moa_real_data_de_en_cpu.json"))
+    ap.add_argument("--runs", default="rs,di,switch_sl", help="comma-separated subset (di and "
+                    "switch_sl use rs's backbone stage, which runs first)")
+    ap.add_argument("--fresh", action="store_true", help="delete the work directory first")
+    ap.add_argument("--quick", action="store_true",
+                    help="tiny model, a few steps per stage, small splits: checks the script")
+    ap.add_argument("--out", default=None,
+                    help="default benchmarks/results/moa_real_data_de_en_cpu[_quick].json")
     args = ap.parse_args()
-    if not (BACKBONE / "checkpoints" / "export" / "config.json").is_file():
-        print(f"skipped: {BACKBONE}/checkpoints/export not found (run benchmarks/real_data.py)")
+    if not Path(args.data).is_dir():
+        print(f"skipped: {args.data} not found (the OPUS multi-domain data lives in ../shared)")
         return
-    backbone = ensure_backbone_record()
+    prov = provenance()
+    suffix = "_quick" if args.quick else ""
+    work = ROOT / "work" / f"moa-opus-de-en{suffix.replace('_', '-')}"
+    out = Path(args.out or ROOT / "benchmarks" / "results" /
+               f"moa_real_data_de_en_cpu{suffix}.json")
+    if args.fresh and work.exists():
+        shutil.rmtree(work)
+    anchors = 2 if args.quick else args.anchors
+    reused_prepared = prepare(args.data, work / "prepared", args.quick)
+    common = [f"data.prepared_dir={work / 'prepared'}", *(QUICK_STAGES if args.quick else [])]
+    shared_backbone = [f"moa.backbone_dir={work / 'rs' / 'backbone'}"]
+    backbone = run_stage(MOA_CONFIG, work / "rs", "backbone", [
+        *common, "moa.backbone_dir=", "moa.pre_inject=false", *BACKBONE_TRAIN,
+        f"train.max_minutes={args.minutes}", *(QUICK_BACKBONE if args.quick else [])])
     plan = {
-        "rs": (MOA_CONFIG, WORK / "rs", [],
+        "rs": (MOA_CONFIG, work / "rs", shared_backbone,
                ["features", "cluster", "distill", "adapters", "evaluate"]),
-        "di": (MOA_CONFIG, WORK / "di", [f"moa.anchors_per_domain={args.anchors}"],
+        "di": (MOA_CONFIG, work / "di", [*shared_backbone, f"moa.anchors_per_domain={anchors}"],
                ["features", "cluster", "distill", "evaluate"]),
-        "switch_sl": (SWITCH_CONFIG, WORK / "switch-sl", [], ["adapters", "evaluate"]),
+        "switch_sl": (SWITCH_CONFIG, work / "switch-sl",
+                      [*shared_backbone, *(QUICK_SWITCH if args.quick else [])],
+                      ["adapters", "evaluate"]),
     }
     wanted = [r for r in args.runs.split(",") if r]
-    t0 = time.time()
+    unknown = sorted(set(wanted) - set(plan))
+    if unknown:
+        raise SystemExit(f"--runs: unknown {', '.join(unknown)} (known: {', '.join(plan)})")
     runs: dict[str, dict[str, dict[str, Any]]] = {}
     for name in wanted:
         config, workdir, overrides, stages = plan[name]
-        runs[name] = {s: run_stage(config, workdir, s, overrides) for s in stages}
+        runs[name] = {s: run_stage(config, workdir, s, [*common, *overrides]) for s in stages}
 
+    bdone = backbone["done"]
     record: dict[str, Any] = {
-        "benchmark": "moa_real_data_de_en_cpu",
-        "data": "OPUS multi-domain de->en, 7 domains x 5000 pairs; dev/test carved, 200/domain",
-        "configs": {"moa": MOA_CONFIG, "switch_sl": SWITCH_CONFIG},
-        "backbone": {"dir": str(BACKBONE.relative_to(ROOT)), "steps": backbone["step"],
-                     "source": backbone.get("source")},
-        "anchors_per_domain_di": args.anchors,
-        "cpu": {"cores": os.cpu_count(), "machine": platform.processor() or platform.machine(),
-                "processes": 1, "torch_threads": "all cores, one process per stage"},
+        "benchmark": f"moa_real_data_de_en_cpu{suffix}",
+        "config": {"moa": MOA_CONFIG, "switch_sl": SWITCH_CONFIG, "data": args.data,
+                   "backbone_overrides": BACKBONE_TRAIN, "backbone_minutes": args.minutes,
+                   "anchors_per_domain_di": anchors, "quick": args.quick,
+                   "quick_overrides": QUICK_STAGES if args.quick else []},
+        "reused": {"prepared": reused_prepared},
+        "backbone": {k: bdone[k] for k in ("step", "train_seconds", "train_tokens_per_s",
+                                           "dev_loss", "dev_bleu", "dev_chrf", "pre_inject")
+                     if k in bdone},
         "routing_vs_domains": {name: routing_record(st) for name, st in runs.items()},
-        "minutes_per_stage": {name: {s: v["minutes"] for s, v in st.items()}
-                              for name, st in runs.items()},
+        "stages": {name: {s: stage_record(v) for s, v in st.items()}
+                   for name, st in runs.items()},
     }
+    record["stages"]["rs"] = {"backbone": stage_record(backbone)} | record["stages"].get("rs", {})
     translation: dict[str, Any] = {}
     for name, st in runs.items():
         if "evaluate" not in st:
@@ -178,11 +226,12 @@ def main() -> None:
     record["adapter_training"] = {
         name: {k: st["adapters"]["done"][k] for k in keep if k in st["adapters"]["done"]}
         for name, st in runs.items() if "adapters" in st}
-    record["total_stage_minutes"] = round(sum(
-        v["minutes"] or 0.0 for st in runs.values() for v in st.values()), 2)
-    record["wall_minutes_this_invocation"] = round((time.time() - t0) / 60, 2)
-    write_json(args.out, record)
+    every = [backbone, *(v for st in runs.values() for v in st.values())]
+    record["total_stage_minutes"] = round(sum(v["minutes"] or 0.0 for v in every), 2)
+    record["provenance"] = finish(prov)
+    write_json(out, record)
     print(json.dumps(record, indent=2))
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

@@ -24,7 +24,6 @@ import dataclasses
 import gc
 import json
 import os
-import platform
 import re
 import resource
 import statistics
@@ -52,6 +51,7 @@ from moe_train.moe.registry import build_router  # noqa: E402
 from moe_train.parallel.runtime import free_port, init_runtime  # noqa: E402
 from moe_train.utils.atomic import write_json  # noqa: E402
 from moe_train.utils.malloc import tune_cpu_allocator  # noqa: E402
+from moe_train.utils.provenance import finish, provenance  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)
@@ -445,9 +445,27 @@ def memory_flat_in_E(rows: list[dict[str, Any]]) -> dict[str, Any]:
             "ours_peak_minus_grad_max_over_smallest_E": ratios}
 
 
+def megatron_status() -> dict[str, Any]:
+    """Megatron-core's MoE utilities imported here, and whether apex / Transformer Engine (its
+    fused paths) are installed: without them it falls back to the unfused torch path."""
+    import importlib.util
+
+    try:
+        import deepspeed.moe.layer  # noqa: F401
+        import megatron.core.transformer.moe.moe_utils  # noqa: F401
+    except ImportError as err:
+        raise SystemExit(f"error: benchmarks/moe_layer.py needs deepspeed and megatron-core "
+                         f"(`make setup` installs them: .[dev]); {err}") from None
+    return {"apex_installed": importlib.util.find_spec("apex") is not None,
+            "transformer_engine_installed":
+                importlib.util.find_spec("transformer_engine") is not None}
+
+
 ALLOCATORS = ("tuned", "default")
 METHOD = {
     "fields": "benchmarks/README.md defines every implementation and field",
+    "megatron": "megatron.core.transformer.moe.moe_utils permute/unpermute around a per-expert "
+                "loop (the unfused path)",
     "ep2_min": "min_bytes_routed_rows = 4 x (routed slots whose expert is on the other rank) x "
                "D x element bytes, over both ranks: each such row goes out and its output comes "
                "back in forward, and its gradient makes the same two trips in backward",
@@ -482,9 +500,9 @@ def main() -> None:
         allocator.update(tune_cpu_allocator())
     init_runtime(tune_allocator=False)  # one process (gloo on CPU): DeepSpeed's MoE wants one
     torch.set_num_threads(args.threads)
-    import deepspeed
-    import megatron.core
-    load_start, equivalence, rows = os.getloadavg(), equivalence_check(), []
+    megatron = megatron_status()
+    prov = provenance()  # after set_num_threads: records the threads every timing uses
+    equivalence, rows = equivalence_check(), []
     for E in shape.experts:
         for k in shape.ks:
             rows.append(row := bench_config(E, k, shape, args))
@@ -494,14 +512,8 @@ def main() -> None:
         ("" if args.allocator == "tuned" else f"_alloc-{args.allocator}")
     out = Path(args.out or ROOT / "benchmarks" / "results" / f"moe_layer_{device}{suffix}.json")
     write_json(out, {
-        "device": torch.cuda.get_device_name() if device == "cuda"
-        else platform.processor() or platform.machine(),
-        "cpu_count": os.cpu_count(), "threads": torch.get_num_threads(), "quick": args.quick,
-        "allocator": allocator,
-        "loadavg_1_5_15min": {"start": load_start, "end": os.getloadavg()},
-        "torch": torch.__version__, "deepspeed": deepspeed.__version__,
-        "megatron_core": {"version": megatron.core.__version__, "imports_without_apex_te": True,
-                          "path": "megatron.core.transformer.moe.moe_utils, unfused"},
+        "config": {"device": device, "threads": args.threads, "quick": args.quick},
+        "allocator": allocator, "megatron_core": megatron,
         "shape": {"D": shape.D, "F": shape.F, "T": shape.T, "dtype": str(shape.dtype),
                   "reps": shape.reps, "warmup": shape.warmup},
         "method": METHOD, "equivalence_check": equivalence, "results": rows,
@@ -509,6 +521,7 @@ def main() -> None:
                                    if r["acceptance"][key] is not None)
                           for key in rows[0]["acceptance"]},
                        **memory_flat_in_E(rows)},
+        "provenance": finish(prov),
     })
     print(f"wrote {out}")
 

@@ -93,7 +93,8 @@ def ep_bytes(build: Build, E: int, k: int, shape: Any) -> dict[str, Any]:
                for p in ("forward", "backward") for kind in ("tokens", "counts")}
     minimum = sum(4 * r["remote_rows"] * r["row_bytes"] for r in ranks)
     minimum_dedup = sum(4 * r["remote_tokens"] * r["row_bytes"] for r in ranks)
-    return {"tokens_per_rank": shape.T_ep, "element_bytes": 4, "calls": len(log),
+    return {"tokens_per_rank": shape.T_ep, "element_bytes": ranks[0]["row_bytes"] // shape.D,
+            "calls": len(log),
             "bytes_sent_remote": sent, **by_kind,
             "bytes_incl_self": sum(e["bytes_total"] for e in log),
             "min_bytes_routed_rows": minimum, "ratio_to_min": round(sent / minimum, 4),

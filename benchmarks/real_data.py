@@ -1,26 +1,43 @@
 """Recorded real-data run: OPUS multi-domain de->en (7 domains), CPU-sized Transformer.
 
     .venv/bin/python benchmarks/real_data.py [--minutes 30] [--data ../shared/data/opus-multidomain]
+    .venv/bin/python benchmarks/real_data.py --quick   # checks the script (tiny model, minutes)
 
 Prepares the de-en part (dev/test carved per domain), trains for a fixed wall-clock budget,
 then scores the dev and test sets with beam search per domain, and writes
-benchmarks/results/real_data_de_en_cpu.json (per-domain BLEU/chrF, training tokens/s, budget).
-A benchmark, not a test: it needs ../shared and takes as long as its budget.
+benchmarks/results/real_data_de_en_cpu.json (per-domain BLEU/chrF, training tokens/s, budget,
+provenance). A recorded run starts from an empty work directory (`--fresh`); a reused prepared
+directory or a resumed training is recorded as such (`reused`). A benchmark, not a test: it
+needs ../shared and takes as long as its budget.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
+import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from moe_train.utils.atomic import write_json  # noqa: E402
+from moe_train.utils.provenance import finish, provenance  # noqa: E402
+
 DEFAULT_DATA = ROOT.parent / "shared" / "data" / "opus-multidomain"
+CONFIG = ROOT / "configs" / "opus-de-en-cpu.yaml"
+QUICK_DATA = ["data.dev_per_domain=10", "data.test_per_domain=10", "data.vocab_size=1000",
+              "data.spm_max_sentences=20000"]
+"""--quick: small dev/test splits and vocabulary (prepare)."""
+QUICK_MODEL = ["model.d_model=64", "model.n_heads=2", "model.ffn_dim=128",
+               "model.encoder_layers=1", "model.decoder_layers=1"]
+"""--quick: a tiny model."""
+QUICK_TRAIN = QUICK_MODEL + ["train.max_steps=4", "train.validate_every=0", "train.bleu_every=0",
+                             "checkpoint.save_every=1000"]
+"""--quick: the tiny model trained for a few steps (train)."""
 
 
 def run(args: list[str]) -> str:
@@ -40,44 +57,53 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--data", default=str(DEFAULT_DATA))
     ap.add_argument("--minutes", type=float, default=30.0)
-    ap.add_argument("--work", default=str(ROOT / "work" / "opus-de-en"))
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" /
-                                         "real_data_de_en_cpu.json"))
+    ap.add_argument("--work", default=None, help="default work/opus-de-en[-quick]")
+    ap.add_argument("--out", default=None,
+                    help="default benchmarks/results/real_data_de_en_cpu[_quick].json")
     ap.add_argument("--beam", type=int, default=5)
+    ap.add_argument("--fresh", action="store_true",
+                    help="delete the work directory first (a recorded run starts empty)")
+    ap.add_argument("--quick", action="store_true",
+                    help="tiny model, a few steps, small dev/test: checks the script")
     args = ap.parse_args()
     if not Path(args.data).is_dir():
         print(f"skipped: {args.data} not found (the OPUS multi-domain data lives in ../shared)")
         return
-    config = ROOT / "configs" / "opus-de-en-cpu.yaml"
-    work = Path(args.work)
+    prov = provenance()
+    suffix = "_quick" if args.quick else ""
+    work = Path(args.work or ROOT / "work" / f"opus-de-en{suffix.replace('_', '-')}")
+    out = Path(args.out or ROOT / "benchmarks" / "results" / f"real_data_de_en_cpu{suffix}.json")
+    if args.fresh and work.exists():
+        shutil.rmtree(work)
+    beam = 1 if args.quick else args.beam
     paths = [f"data.prepared_dir={work / 'prepared'}", f"checkpoint.dir={work / 'checkpoints'}",
              f"logging.tensorboard_dir={work / 'tensorboard'}"]
     t0 = time.time()
-    if not (work / "prepared" / "manifest.json").is_file():
+    reused_prepared = (work / "prepared" / "manifest.json").is_file()
+    if not reused_prepared:
         run(["prepare", "--data", args.data, "--out", str(work / "prepared"), "--config",
-             str(config), *paths[:1]])
+             str(CONFIG), *paths[:1], *(QUICK_DATA if args.quick else [])])
     t_prep = time.time() - t0
-    resume = ["--resume"] if (work / "checkpoints" / "latest").is_file() else []
-    summary = last_json(run(["train", "--config", str(config), *resume, *paths,
-                             f"train.max_minutes={args.minutes}", "train.progress_bar=false"]))
+    resumed = (work / "checkpoints" / "latest").is_file()
+    summary = last_json(run(["train", "--config", str(CONFIG), *(["--resume"] if resumed else []),
+                             *paths, f"train.max_minutes={args.minutes}",
+                             "train.progress_bar=false", *(QUICK_TRAIN if args.quick else [])]))
     t_train = time.time() - t0 - t_prep
     results = {}
     for split in ("dev", "test"):
-        out = run(["evaluate", "--checkpoint", str(work / "checkpoints" / "export"), "--split",
-                   split, "--beam", str(args.beam), "--prepared", str(work / "prepared")])
-        results[split] = last_json(out)
+        text = run(["evaluate", "--checkpoint", str(work / "checkpoints" / "export"), "--split",
+                    split, "--beam", str(beam), "--prepared", str(work / "prepared")])
+        results[split] = last_json(text)
     manifest = json.loads((work / "prepared" / "manifest.json").read_text())
     record = {
-        "benchmark": "real_data_de_en_cpu",
-        "data": "OPUS multi-domain de->en, 7 domains, 5000 pairs each; dev/test carved per domain",
+        "benchmark": f"real_data_de_en_cpu{suffix}",
+        "config": {"file": str(CONFIG.relative_to(ROOT)), "data": args.data,
+                   "train_minutes": args.minutes, "beam": beam, "quick": args.quick,
+                   "overrides": (QUICK_DATA + QUICK_TRAIN) if args.quick else []},
+        "reused": {"prepared": reused_prepared, "training_resumed": resumed},
         "splits": {k: v["sentences"] for k, v in manifest["splits"].items()},
-        "config": str(config.relative_to(ROOT)),
-        "cpu_budget": {"train_minutes": args.minutes, "cores": os.cpu_count(),
-                       "machine": platform.processor() or platform.machine(),
-                       "torch_threads": "all cores, one process"},
         "train": {k: summary[k] for k in ("step", "train_seconds", "train_tokens_per_s",
-                                          "dev/loss", "dev/ppl")},
-        "beam": args.beam,
+                                          "dev/loss", "dev/ppl") if k in summary},
         "dev_bleu_per_domain": {d: m["bleu"] for d, m in results["dev"]["domains"].items()},
         "dev_chrf_per_domain": {d: m["chrf"] for d, m in results["dev"]["domains"].items()},
         "dev_all": {k: results["dev"]["all"][k] for k in ("bleu", "chrf", "sentences")},
@@ -87,10 +113,10 @@ def main() -> None:
         "wall_seconds": {"prepare": round(t_prep, 1), "train": round(t_train, 1),
                          "total": round(time.time() - t0, 1)},
     }
-    from moe_train.utils.atomic import write_json
-
-    write_json(args.out, record)
+    record["provenance"] = finish(prov)
+    write_json(out, record)
     print(json.dumps(record, indent=2))
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

@@ -9,10 +9,35 @@ from __future__ import annotations
 import argparse
 import re
 import sys
+from typing import Callable
 
 from moe_train.errors import MoeTrainError
 
 _LOCAL_RANK_RE = re.compile(r"^--local[_-]rank(=\d+)?$")
+
+
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line, ``error: ...`` (exit status 2), like
+    every other user error; ``--help`` shows the usage."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"error: {self.prog}: {message} (see {self.prog} --help)\n")
+
+
+def _int_at_least(low: int) -> Callable[[str], int]:
+    """An argparse type: an integer >= `low`, with a one-line complaint otherwise."""
+    what = "a positive integer" if low == 1 else f"an integer >= {low}"
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
+        return value
+
+    return parse
 
 
 def _strip_launcher_args(argv: list[str]) -> list[str]:
@@ -59,9 +84,15 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
 def _add_decode_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint", required=True,
                    help="export dir, training checkpoint dir (uses latest) or step dir")
-    p.add_argument("--beam", type=int, help="beam size (default: the checkpoint's eval.beam)")
+    p.add_argument("--beam", type=_int_at_least(1),
+                   help="beam size, 1 for greedy (default: the checkpoint's eval.beam)")
     p.add_argument("--lenpen", type=float, help="length penalty")
-    p.add_argument("--max-sentences", type=int, help="sentences per batch")
+    p.add_argument("--max-sentences", type=_int_at_least(1), help="sentences per batch")
+    p.add_argument("--long-lines", choices=("error", "truncate"), default="error",
+                   help="a raw-text line longer than the model's model.max_positions (in "
+                   "subword tokens): error (default) refuses the whole input before anything is "
+                   "translated or written, naming the line and the limit (exit status 2); "
+                   "truncate translates its first tokens only and warns on stderr")
 
 
 def _add_raw_labels(p: argparse.ArgumentParser) -> None:
@@ -70,9 +101,15 @@ def _add_raw_labels(p: argparse.ArgumentParser) -> None:
 
 
 def _add_translate(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("translate", help="translate text (files or stdin/stdout)")
+    p = sub.add_parser("translate", help="translate text (files or stdin/stdout)",
+                       description="Translate one sentence per line. The whole input is read "
+                       "and checked first (UTF-8, not empty, every line within the model's "
+                       "model.max_positions unless --long-lines truncate); a bad input is "
+                       "refused with one line naming the line, and nothing is written. The "
+                       "output, one line per input line, is written when all are translated "
+                       "(--output atomically).")
     _add_decode_args(p)
-    p.add_argument("--input", default="-", help="source file, - for stdin")
+    p.add_argument("--input", default="-", help="source file, - for stdin (UTF-8)")
     p.add_argument("--output", default="-", help="output file, - for stdout")
     p.add_argument("--tgt-lang", help="target language (multilingual models with <2xx> tags)")
     _add_raw_labels(p)
@@ -117,7 +154,8 @@ def _add_routing_stats(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prepared", help="prepared data dir (default: the one the model trained on)")
     p.add_argument("--split", default="dev", help="prepared split (default dev)")
     p.add_argument("--out", required=True, help="output directory")
-    p.add_argument("--max-batches", type=int, help="at most this many batches per rank")
+    p.add_argument("--max-batches", type=_int_at_least(0),
+                   help="at most this many batches per rank")
 
 
 def _add_pipeline(sub: argparse._SubParsersAction) -> None:
@@ -133,7 +171,7 @@ def _add_pipeline(sub: argparse._SubParsersAction) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="moe-train", description=__doc__.splitlines()[0])
+    parser = _Parser(prog="moe-train", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     for add in (_add_prepare, _add_train, _add_translate, _add_evaluate, _add_demo, _add_params,
                 _add_routing_stats, _add_pipeline):
@@ -143,7 +181,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = _strip_launcher_args(sys.argv[1:] if argv is None else list(argv))
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    # `train --config c.yaml --resume a.b=1`: overrides may come after options as well.
+    if extra and hasattr(args, "overrides") and not any(a.startswith("-") for a in extra):
+        args.overrides = [*args.overrides, *extra]
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     from moe_train import commands
 
     try:

@@ -20,9 +20,9 @@ def _json_line(obj: dict[str, Any]) -> None:
 
 def _runtime():
     """A distributed runtime under a launcher, else a plain single-process one (no process group)."""
-    from moe_train.parallel.runtime import ParallelRuntime, init_runtime
+    from moe_train.parallel.runtime import ParallelRuntime, detect_launch, init_runtime
 
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1 or "OMPI_COMM_WORLD_SIZE" in os.environ:
+    if detect_launch(os.environ).multi_process:
         return init_runtime()
     return ParallelRuntime()
 
@@ -54,6 +54,10 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 
 def run_training(cfg, resume: bool) -> dict[str, Any]:
     """Train under whatever launcher started this process; returns the run summary."""
+    from moe_train.data.prepare import check_fits_model
+
+    # Before DeepSpeed starts: missing or too long data fails fast.
+    check_fits_model(cfg.data.prepared_dir, cfg.model.max_positions)
     from moe_train.parallel.runtime import init_runtime, shutdown
     from moe_train.train.checkpoint import latest_tag
     from moe_train.train.trainer import Trainer
@@ -131,20 +135,15 @@ def _raw_text_labels(inf, args: argparse.Namespace):
         num_langs=len(langs))
 
 
-def _read_lines(path: str) -> list[str]:
-    if path == "-":
-        return [line.rstrip("\n") for line in sys.stdin]
-    p = Path(path)
-    if not p.is_file():
-        raise DataError(f"{p}: file not found")
-    try:
-        return p.read_text(encoding="utf-8").splitlines()
-    except UnicodeDecodeError as exc:
-        line = p.read_bytes()[:exc.start].count(b"\n") + 1
-        raise DataError(f"{p}:{line}: not valid UTF-8") from None
+def _warn(message: str) -> None:
+    print(f"warning: {message}", file=sys.stderr, flush=True)
 
 
 def cmd_translate(args: argparse.Namespace) -> int:
+    """Read and check the whole input, translate it all, then write (nothing on any error)."""
+    from moe_train.data.corpus import read_text_input
+
+    source, lines = read_text_input(args.input)  # before the model: bad input fails fast
     import torch
 
     from moe_train.eval.decode import translate_lines
@@ -153,9 +152,9 @@ def cmd_translate(args: argparse.Namespace) -> int:
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     inf = load_for_inference(args.checkpoint, device)
-    lines = _read_lines(args.input)
     hyps = translate_lines(inf.model, inf.vocab, lines, _eval_config(args, inf.cfg.eval), device,
-                           _lang_tag_id(inf, args.tgt_lang), labels=_raw_text_labels(inf, args))
+                           _lang_tag_id(inf, args.tgt_lang), labels=_raw_text_labels(inf, args),
+                           source=source, long_lines=args.long_lines, warn=_warn)
     text = "".join(h + "\n" for h in hyps)
     if args.output == "-":
         sys.stdout.write(text)
@@ -177,9 +176,9 @@ def _prepared_split(inf, prepared_arg: str | None, split: str):
 
 
 def cmd_params(args: argparse.Namespace) -> int:
+    cfg = load_config(args.config, args.overrides)  # before torch: config errors fail fast
     from moe_train.eval.params import count_parameters, format_params
 
-    cfg = load_config(args.config, args.overrides)
     report = count_parameters(cfg, cfg.data.vocab_size)
     print(format_params(report))
     _json_line(report)
@@ -187,9 +186,11 @@ def cmd_params(args: argparse.Namespace) -> int:
 
 
 def cmd_routing_stats(args: argparse.Namespace) -> int:
-    from moe_train.eval.routing_stats import collect_routing_stats, write_routing_stats
+    from moe_train.eval.routing_stats import check_out_dir, collect_routing_stats, \
+        write_routing_stats
     from moe_train.train.export import load_for_inference
 
+    check_out_dir(args.out)
     rt = _runtime()
     inf = load_for_inference(args.checkpoint, rt.device)
     dataset = _prepared_split(inf, args.prepared, args.split)
@@ -204,6 +205,14 @@ def cmd_routing_stats(args: argparse.Namespace) -> int:
 
 
 def cmd_evaluate(args: argparse.Namespace) -> int:
+    from moe_train.data.corpus import read_text_input
+
+    if args.src or args.ref:  # raw text is checked before the model loads
+        if not (args.src and args.ref):
+            raise ConfigError("evaluate: --src and --ref go together")
+        (source, src), (_, refs) = read_text_input(args.src), read_text_input(args.ref)
+        if len(src) != len(refs):
+            raise DataError(f"{args.src}: {len(src)} lines but {args.ref} has {len(refs)}")
     from moe_train.eval.decode import translate_lines
     from moe_train.eval.evaluate import evaluate_dataset, format_table
     from moe_train.eval.metrics import corpus_metrics
@@ -213,15 +222,11 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     rt = _runtime()
     inf = load_for_inference(args.checkpoint, rt.device)
     ecfg = _eval_config(args, inf.cfg.eval)
-    if args.src or args.ref:
-        if not (args.src and args.ref):
-            raise ConfigError("evaluate: --src and --ref go together")
-        src, refs = _read_lines(args.src), _read_lines(args.ref)
-        if len(src) != len(refs):
-            raise DataError(f"{args.src}: {len(src)} lines but {args.ref} has {len(refs)}")
+    if args.src:
         hyps = translate_lines(inf.model, inf.vocab, src, ecfg, rt.device,
                                _lang_tag_id(inf, args.tgt_lang),
-                               labels=_raw_text_labels(inf, args))
+                               labels=_raw_text_labels(inf, args), source=source,
+                               long_lines=args.long_lines, warn=_warn)
         metrics = {"all": corpus_metrics(hyps, refs), "domains": {}, "pairs": {}}
         ordered = hyps
     else:
@@ -249,11 +254,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_pipeline(args: argparse.Namespace) -> int:
+    cfg = load_config(args.config, args.overrides)  # before the stages' imports: fails fast
     from moe_train.parallel.runtime import init_runtime, shutdown
     from moe_train.stages.common import StageContext
-    from moe_train.stages.pipeline import run_pipeline
+    from moe_train.stages.pipeline import check_request, run_pipeline
 
-    cfg = load_config(args.config, args.overrides)
+    check_request(args.recipe, args.stage)
     rt = init_runtime()
     try:
         summary = run_pipeline(StageContext(cfg, rt), args.recipe, args.stage)

@@ -163,6 +163,19 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     try:
         return config_from_dict(data)
     except ConfigError as exc:
+        item = _override_of(str(exc), overrides or [])
+        if item is not None:  # name where the bad value came from: the command line
+            raise ConfigError(f"override {item}: {exc}") from None
         if path is not None:
             raise ConfigError(f"{path}: {exc}") from None
         raise
+
+
+def _override_of(message: str, overrides: list[str]) -> str | None:
+    """The last override that set the field a config error names (``field: ...``), if any."""
+    field = message.split(":", 1)[0]
+    for item in reversed(overrides):
+        key = item.split("=", 1)[0]
+        if field == key or field.startswith((f"{key}.", f"{key}[")):
+            return item
+    return None

@@ -19,6 +19,10 @@ explicit task ids supplied with the batch."""
 
 LAYER_PATTERNS = ("every_other", "all")
 
+ROUTER_NAMES = ("gshard", "gumbel", "sentence", "single", "switch", "task", "topk", "topp")
+"""The names moe_train.moe.registry.ROUTERS registers (kept equal by a test); checked here so
+a misspelt router fails when the config is read, naming its field."""
+
 
 def _expect(cond: bool, path: str, expected: str, got: object) -> None:
     if not cond:
@@ -129,6 +133,9 @@ class MoEConfig(RouterConfig):
             _expect(self.num_experts % self.ep_size == 0, "moe.num_experts",
                     f"a multiple of moe.ep_size ({self.ep_size})", self.num_experts)
         for side in ("encoder", "decoder"):
+            name = f"{side}_router"
+            _expect(getattr(self, name) in ("dense", *ROUTER_NAMES), f"moe.{name}",
+                    f"dense or one of {', '.join(ROUTER_NAMES)}", getattr(self, name))
             name = f"{side}_task_source"
             _expect(getattr(self, name) in TASK_SOURCES, f"moe.{name}",
                     f"one of {', '.join(TASK_SOURCES)}", getattr(self, name))

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from moe_train.config.adapters import AdapterConfig, MoAConfig
-from moe_train.config.moe import MoEConfig
+from moe_train.config.moe import ROUTER_NAMES, MoEConfig
 from moe_train.errors import ConfigError
 
 
@@ -143,10 +143,13 @@ class OptimConfig:
     """DeepSpeed ZeRO stage: 0, 1 or 2."""
     precision: str = "auto"
     """fp32, bf16, fp16, or auto (fp32 on CPU, bf16 on GPUs that support it, else fp16)."""
+    max_nonfinite_steps: int = 10
+    """Consecutive steps with a non-finite loss or gradient norm (each skipped: no update on
+    any rank) after which the run stops, naming the last good checkpoint."""
 
     def __post_init__(self) -> None:
         self.betas = tuple(self.betas)  # YAML gives a list
-        _positive(self, "optim", "lr", "eps", "grad_accum")
+        _positive(self, "optim", "lr", "eps", "grad_accum", "max_nonfinite_steps")
         _check(len(self.betas) == 2 and all(0.0 <= b < 1.0 for b in self.betas), "optim.betas",
                "two numbers in [0, 1)", self.betas)
         _check(self.warmup_steps >= 0, "optim.warmup_steps", "a non-negative integer",
@@ -255,6 +258,8 @@ class ExperimentConfig:
 
     def __post_init__(self) -> None:
         _check(isinstance(self.deepspeed, dict), "deepspeed", "a mapping", self.deepspeed)
+        _check(self.adapters.router in ROUTER_NAMES, "adapters.router",
+               f"one of {', '.join(ROUTER_NAMES)}", self.adapters.router)
         if self.adapters.enabled:
             _check(self.adapters.num_experts % self.moe.ep_size == 0, "adapters.num_experts",
                    f"a multiple of moe.ep_size ({self.moe.ep_size})", self.adapters.num_experts)

@@ -14,6 +14,7 @@ message is a single line naming ``file:line`` and what was expected.
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
@@ -139,26 +140,53 @@ def plain_corpus(src: str | os.PathLike, tgt: str | os.PathLike, domain: str = "
     return CorpusFiles(domain, src_lang, tgt_lang, split, Path(src), Path(tgt))
 
 
-def _read_lines(path: Path, max_chars: int) -> list[str]:
-    """Decode, split and validate one side; return its lines with whitespace normalised."""
-    if not path.is_file():
-        raise DataError(f"{path}: file not found")
-    data = path.read_bytes()
+def _decode_lines(data: bytes, name: str | Path) -> list[str]:
+    """UTF-8 bytes -> lines (a final newline ends the last line; ``\\r\\n`` is one newline);
+    invalid UTF-8 is a DataError naming ``name:line`` and the column."""
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as err:
         line_start = data.rfind(b"\n", 0, err.start) + 1
         line_no = data.count(b"\n", 0, err.start) + 1
         column = len(data[line_start:err.start].decode("utf-8")) + 1
-        raise DataError(f"{path}:{line_no}: not valid UTF-8 (byte 0x{data[err.start]:02x} at "
+        raise DataError(f"{name}:{line_no}: not valid UTF-8 (byte 0x{data[err.start]:02x} at "
                         f"column {column})") from None
     text = text.removeprefix("\ufeff")  # a UTF-8 byte-order mark is not part of line 1
     raw = text.split("\n")
     if raw and raw[-1] == "":
         raw.pop()  # the final newline ends the last line; it does not start a new one
+    return [line.removesuffix("\r") for line in raw]
+
+
+STDIN = "-"
+STDIN_NAME = "<stdin>"
+"""How errors name standard input."""
+
+
+def read_text_input(path: str | os.PathLike) -> tuple[str, list[str]]:
+    """The lines of a raw-text input file (``-``: standard input) to translate or score, and
+    the name errors use for it. Lines are kept as they are (a blank line stays a line); the input
+    must be UTF-8 and hold at least one line."""
+    if str(path) == STDIN:
+        name, data = STDIN_NAME, sys.stdin.buffer.read()
+    else:
+        name = str(path)
+        if not Path(path).is_file():
+            raise DataError(f"{name}: file not found")
+        data = Path(path).read_bytes()
+    lines = _decode_lines(data, name)
+    if not lines:
+        raise DataError(f"{name}: empty input (expected one sentence per line)")
+    return name, lines
+
+
+def _read_lines(path: Path, max_chars: int) -> list[str]:
+    """Decode, split and validate one side; return its lines with whitespace normalised."""
+    if not path.is_file():
+        raise DataError(f"{path}: file not found")
+    raw = _decode_lines(path.read_bytes(), path)
     lines: list[str] = []
     for line_no, line in enumerate(raw, start=1):
-        line = line.removesuffix("\r")
         if len(line) > max_chars:
             raise DataError(f"{path}:{line_no}: {len(line)} characters, longer than "
                             f"data.max_chars={max_chars}")

@@ -30,10 +30,10 @@ import numpy as np
 
 from moe_train.config.schema import DataConfig
 from moe_train.data.corpus import SPLITS, CorpusFiles, read_pairs
-from moe_train.data.shards import MANIFEST, read_manifest, write_shard
+from moe_train.data.shards import MANIFEST, ShardedDataset, read_manifest, write_shard
 from moe_train.data.vocab import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Vocab, lang_tag, \
     train_sentencepiece
-from moe_train.errors import DataError
+from moe_train.errors import ConfigError, DataError
 from moe_train.utils.atomic import atomic_dir, write_json
 
 MANIFEST_VERSION = 1
@@ -52,6 +52,23 @@ def load_manifest(prepared_dir: str | os.PathLike) -> dict[str, Any]:
                         f"{manifest.get('version')!r}, expected {MANIFEST_VERSION}; "
                         "run `moe-train prepare` again")
     return manifest
+
+
+def check_fits_model(prepared_dir: str | os.PathLike, max_positions: int,
+                     splits: tuple[str, ...] = ("train", "dev")) -> None:
+    """Refuse to train a model whose positions (model.max_positions) are too few for the
+    longest sentence of the training or validation split (+1 for the end-of-sentence token),
+    before anything starts, rather than at the first batch or validation that meets it."""
+    have = load_manifest(prepared_dir)["splits"]
+    for split in (s for s in splits if s in have):
+        data = ShardedDataset(prepared_dir, split)
+        for side, lengths in (("source", data.src_lengths), ("target", data.tgt_lengths)):
+            longest = int(lengths.max()) + 1 if len(lengths) else 0
+            if longest > max_positions:
+                raise ConfigError(
+                    f"model.max_positions: expected at least {longest}, got {max_positions} "
+                    f"(the {split} split of {prepared_dir} has {side} sentences of "
+                    f"{longest - 1} tokens plus end-of-sentence)")
 
 
 def load_vocab(prepared_dir: str | os.PathLike) -> Vocab:

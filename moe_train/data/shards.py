@@ -115,9 +115,12 @@ class ShardedDataset:
         self.manifest = read_manifest(self.prepared_dir)
         splits = self.manifest.get("splits", {})
         split_dir = self.prepared_dir / split
-        if split not in splits or not split_dir.is_dir():
-            raise DataError(f"{split_dir}: no such split (have: {', '.join(splits)}); "
-                            "run `moe-train prepare` first")
+        if split not in splits:
+            raise DataError(f"{split_dir}: no such split (expected one of "
+                            f"{', '.join(splits)}; run `moe-train prepare` first for others)")
+        if not split_dir.is_dir():
+            raise DataError(f"{split_dir}: missing, though {MANIFEST} lists it (incomplete "
+                            "data); run `moe-train prepare` again")
         corpora = self.manifest.get("corpora", [])
         if not corpora:
             raise DataError(f"{self.prepared_dir / MANIFEST}: lists no corpora (corrupt); "

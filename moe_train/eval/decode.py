@@ -16,6 +16,7 @@ import torch
 from moe_train.config.schema import EvalConfig
 from moe_train.data.batching import Batch, eval_batches
 from moe_train.data.vocab import Vocab
+from moe_train.errors import DataError
 from moe_train.eval.search import beam_search, greedy_search
 from moe_train.models.context import ForwardContext
 from moe_train.moe.routing import NUM_LANGS_KEY
@@ -76,6 +77,8 @@ def translate_dataset(model: torch.nn.Module, dataset: Any, vocab: Vocab, rt: Pa
                       ecfg: EvalConfig, max_tokens: int, indices: Sequence[int] | None = None,
                       beam: int | None = None) -> dict[int, str]:
     """Translate dataset sentences (all, or `indices`); every rank returns {index: text}."""
+    check_dataset_lengths(dataset, max_source_tokens(model),
+                          None if indices is None else np.asarray(indices))
     was_training = model.training
     model.eval()
     batches = eval_batches(dataset, max_tokens, vocab.pad_id, vocab.bos_id, vocab.eos_id,
@@ -98,18 +101,78 @@ def translate_dataset(model: torch.nn.Module, dataset: Any, vocab: Vocab, rt: Pa
     return merged
 
 
-@torch.no_grad()
-def translate_lines(model: torch.nn.Module, vocab: Vocab, lines: Sequence[str],
-                    ecfg: EvalConfig, device: torch.device, lang_tag_id: int | None = None,
-                    beam: int | None = None, labels: RawTextLabels | None = None) -> list[str]:
-    """Translate raw text lines (single process), longest first for tight batches.
+LONG_LINES = ("error", "truncate")
+"""What `encode_lines` does with a line longer than the model takes: refuse the whole input
+(nothing is translated) or cut the line to the limit and warn."""
 
-    `labels` gives every line the same language / domain ids, which task routers (by language
-    pair, target language or domain) need."""
-    model.eval()
+
+def max_source_tokens(model: torch.nn.Module) -> int | None:
+    """Most source tokens (end-of-sentence and language tag included) the model's positions
+    cover; None when the model has no limit."""
+    return getattr(model, "max_positions", None)
+
+
+def encode_lines(vocab: Vocab, lines: Sequence[str], limit: int | None, source: str = "input",
+                 lang_tag_id: int | None = None, long_lines: str = "error",
+                 warn: Callable[[str], None] | None = None) -> list[list[int]]:
+    """Encode raw lines (tag first when given, end-of-sentence not included) and check them
+    against `limit` (model.max_positions) before anything is translated.
+
+    A line that does not fit is a DataError naming ``source:line`` and the limit, unless
+    `long_lines` is ``truncate``: then its tokens are cut to fit and `warn` hears about it.
+    """
+    if long_lines not in LONG_LINES:
+        raise ValueError(f"long_lines: expected one of {', '.join(LONG_LINES)}, got {long_lines!r}")
     encoded = vocab.encode_batch(list(lines))
     if lang_tag_id is not None:
         encoded = [[lang_tag_id] + ids for ids in encoded]
+    if limit is None:
+        return encoded
+    room = limit - 1  # the end-of-sentence token takes one position
+    for line_no, ids in enumerate(encoded, start=1):
+        if len(ids) <= room:
+            continue
+        where = (f"{source}:{line_no}: {len(ids) + 1} source tokens (end-of-sentence "
+                 f"included), more than the model's model.max_positions={limit}")
+        if long_lines == "error":
+            raise DataError(f"{where}; nothing was translated (shorten or split the line, or "
+                            "pass --long-lines truncate)")
+        del ids[room:]
+        if warn is not None:
+            warn(f"{where}; translating its first {room} tokens only")
+    return encoded
+
+
+def check_dataset_lengths(dataset: Any, limit: int | None, indices: np.ndarray | None) -> None:
+    """Refuse a prepared split with a source longer than the model's positions (before any
+    sentence is decoded), naming the split, the sentence and the limit."""
+    if limit is None:
+        return
+    lengths = dataset.src_lengths if indices is None else dataset.src_lengths[indices]
+    if len(lengths) and int(lengths.max()) + 1 > limit:  # + 1: the end-of-sentence token
+        i = int(np.argmax(lengths))
+        index = i if indices is None else int(indices[i])
+        raise DataError(f"{dataset.prepared_dir}/{dataset.split}: sentence {index} (0-based) "
+                        f"has {int(lengths[i]) + 1} source tokens (end-of-sentence included), "
+                        "more than the model's "
+                        f"model.max_positions={limit}; prepare the data with a smaller "
+                        "data.max_len or train with a larger model.max_positions")
+
+
+@torch.no_grad()
+def translate_lines(model: torch.nn.Module, vocab: Vocab, lines: Sequence[str],
+                    ecfg: EvalConfig, device: torch.device, lang_tag_id: int | None = None,
+                    beam: int | None = None, labels: RawTextLabels | None = None,
+                    source: str = "input", long_lines: str = "error",
+                    warn: Callable[[str], None] | None = None) -> list[str]:
+    """Translate raw text lines (single process), longest first for tight batches.
+
+    `labels` gives every line the same language / domain ids, which task routers (by language
+    pair, target language or domain) need. Every line is encoded and checked against the
+    model's positions before the first is translated (see `encode_lines`)."""
+    model.eval()
+    encoded = encode_lines(vocab, lines, max_source_tokens(model), source, lang_tag_id,
+                           long_lines, warn)
     order = sorted(range(len(encoded)), key=lambda i: -len(encoded[i]))
     out: list[str] = [""] * len(encoded)
     for start in range(0, len(order), ecfg.max_sentences):

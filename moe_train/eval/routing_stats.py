@@ -37,7 +37,7 @@ from moe_train.models.context import ForwardContext
 from moe_train.moe.routing import Routing, RoutingContext
 from moe_train.parallel.collectives import all_reduce_sum
 from moe_train.parallel.runtime import ParallelRuntime
-from moe_train.utils.atomic import atomic_path, write_json, write_text
+from moe_train.utils.atomic import atomic_dir, atomic_path, write_json, write_text
 
 SUMMARY_FILE = "summary.json"
 ALL_LAYERS_FILE = "all_layers.csv"
@@ -461,11 +461,28 @@ def plot_heatmap(table_EC: np.ndarray, columns: list[str], title: str, column_ki
         fig.savefig(tmp, format="png")
 
 
+def check_out_dir(out_dir: str | Path) -> Path:
+    """`out_dir` if routing-stats may write it: new, empty, or an earlier routing-stats output."""
+    out_dir = Path(out_dir)
+    if out_dir.exists() and not (out_dir / SUMMARY_FILE).is_file() and \
+            (not out_dir.is_dir() or any(out_dir.iterdir())):
+        raise DataError(f"--out {out_dir}: exists and holds no {SUMMARY_FILE} of an earlier "
+                        "routing-stats run; refusing to replace it (choose a new directory)")
+    return out_dir
+
+
 def write_routing_stats(stats: RoutingStats, out_dir: str | Path) -> list[Path]:
     """Write per-layer CSV tables and PNG heatmaps, `all_layers.csv` and `summary.json` into
-    `out_dir` (each file atomically); returns the paths written."""
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    `out_dir`; returns the paths written. The directory appears complete or not at all: it is
+    built under a temporary name and renamed, replacing an earlier routing-stats output but
+    never a directory of other files."""
+    out_dir = check_out_dir(out_dir)
+    with atomic_dir(out_dir, overwrite=True) as tmp:
+        written = _write_files(stats, tmp)
+    return [out_dir / p.name for p in written]
+
+
+def _write_files(stats: RoutingStats, out_dir: Path) -> list[Path]:
     column_kinds = {"expert_domain": "domain", "expert_task": "language pair",
                     "expert_tgt_lang": "target language"}
     written: list[Path] = []

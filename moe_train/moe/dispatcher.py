@@ -4,7 +4,10 @@
 dispatcher (moe_train.parallel.expert_parallel) is tested against. Dropless by default; with a
 capacity factor c, expert e keeps at most ceil(c * routed_slots / E) copies (first come, first
 served in token order) and the overflow is dropped and counted: a dropped copy contributes
-nothing to its token's output (the residual carries the token on).
+nothing to its token's output (the residual carries the token on). The limit applies while
+training only (`drop=True`, what MoELayer passes in train mode): evaluation and decoding are
+dropless, so a token's output never depends on what else is in the batch and incremental
+decoding equals full decoding.
 
 Shape legend: T tokens, K slots per token, E experts, N kept (routed) rows, D model dim.
 """
@@ -63,17 +66,22 @@ class LocalDispatcher:
         self.num_experts = num_experts
         self.capacity_factor = capacity_factor
 
-    def route_slots(self, routing: Routing) -> tuple[Tensor, Tensor, Tensor]:
+    def capped(self, drop: bool) -> bool:
+        """Whether this call applies a capacity limit."""
+        return drop and self.capacity_factor > 0
+
+    def route_slots(self, routing: Routing, drop: bool = True) -> tuple[Tensor, Tensor, Tensor]:
         """(expert_ids_TK, weights_TK, dropped) after the capacity limit, if any."""
         ids_TK, weights_TK = routing.expert_ids_TK, routing.weights_TK
-        if self.capacity_factor > 0:
+        if self.capped(drop):
             ids_TK, dropped = apply_capacity(ids_TK, self.num_experts, self.capacity_factor)
             weights_TK = torch.where(ids_TK >= 0, weights_TK, torch.zeros_like(weights_TK))
         else:
             dropped = torch.zeros((), dtype=torch.long, device=ids_TK.device)
         return ids_TK, weights_TK, dropped
 
-    def dispatch(self, x_TD: Tensor, routing: Routing) -> tuple[Tensor, Tensor, DispatchMeta]:
+    def dispatch(self, x_TD: Tensor, routing: Routing, drop: bool = True
+                 ) -> tuple[Tensor, Tensor, DispatchMeta]:
         """(x_ND rows grouped by expert, counts_E, meta).
 
         Sentence-level routing without a capacity limit takes the sentence fast path: rows are
@@ -81,8 +89,8 @@ class LocalDispatcher:
         T*K token slots; same rows, same order. A capacity limit drops slots token by token,
         so it always takes the token path.
         """
-        ids_TK, weights_TK, dropped = self.route_slots(routing)
-        ids_BK = routing.sentence_expert_ids_BK if self.capacity_factor <= 0 else None
+        ids_TK, weights_TK, dropped = self.route_slots(routing, drop)
+        ids_BK = None if self.capped(drop) else routing.sentence_expert_ids_BK
         x_ND, row_map_N, counts_E = permute(x_TD, ids_TK, self.num_experts,
                                             expert_ids_BK=ids_BK)
         return x_ND, counts_E, DispatchMeta(row_map_N, weights_TK, x_TD.size(0), dropped)

@@ -55,7 +55,7 @@ class MoELayer(nn.Module):
         if rctx.pad_mask_T is not None:  # padding takes no expert capacity and no compute
             ids_TK = routing.expert_ids_TK.masked_fill(rctx.pad_mask_T[:, None], -1)
             routing = dataclasses.replace(routing, expert_ids_TK=ids_TK)
-        x_ND, counts_E, meta = self.dispatcher.dispatch(x_TD, routing)
+        x_ND, counts_E, meta = self.dispatcher.dispatch(x_TD, routing, drop=self.training)
         y_ND = self.experts(x_ND, counts_E)
         y_TD = self.dispatcher.combine(y_ND, meta)
         if self.shared_expert is not None:

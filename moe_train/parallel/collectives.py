@@ -6,6 +6,7 @@ branches for the single-process debug mode.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -66,14 +67,33 @@ def all_ranks_true(rt: ParallelRuntime, flag: bool) -> bool:
     return bool(t.item())
 
 
+def step_is_finite(rt: ParallelRuntime, loss: float, grad_norm: float | None) -> bool:
+    """The one decision, agreed by every rank, whether this optimizer step may be applied.
+
+    False when this step's loss or global gradient norm is NaN or infinite on any rank (one
+    MIN all-reduce of a flag), so either every rank updates or none does.
+    """
+    finite = math.isfinite(loss) and (grad_norm is None or math.isfinite(grad_norm))
+    return all_ranks_true(rt, finite)
+
+
+def parameters_are_finite(rt: ParallelRuntime, model: torch.nn.Module) -> bool:
+    """True when no rank holds a NaN or infinite parameter (experts differ between ranks)."""
+    finite = all(bool(torch.isfinite(p.detach()).all()) for p in model.parameters())
+    return all_ranks_true(rt, finite)
+
+
 def grad_norm_and_clip(model: torch.nn.Module, expert_param_ids: set[int], rt: ParallelRuntime,
-                       max_norm: float) -> float:
+                       max_norm: float, loss_scale: float = 1.0) -> float:
     """Global L2 norm of the (already reduced) gradients, counting every expert once; clips.
 
     Dense gradients are identical on all ranks after the data-parallel reduction; each rank of
     an expert-parallel group holds the gradients of different experts, so their squared norms
-    are summed over that group. With max_norm > 0 all gradients are scaled by
-    min(1, max_norm / norm). Returns the norm before clipping.
+    are summed over that group. The gradients may carry a loss scale (fp16): the norm is that
+    of the unscaled gradients, `||g|| / loss_scale`, and with max_norm > 0 all gradients are
+    multiplied by min(1, max_norm / (norm + 1e-6)), which commutes with the later unscaling.
+    Returns the unscaled norm before clipping (NaN or inf when a gradient is not finite; then
+    nothing is clipped, the step is to be skipped).
     """
     dense_sq = torch.zeros((), dtype=torch.float64, device=rt.device)
     expert_sq = torch.zeros((), dtype=torch.float64, device=rt.device)
@@ -89,9 +109,9 @@ def grad_norm_and_clip(model: torch.nn.Module, expert_param_ids: set[int], rt: P
             dense_sq += sq
     if rt.ep_size > 1:
         dist.all_reduce(expert_sq, op=dist.ReduceOp.SUM, group=rt.ep_group)
-    norm = float((dense_sq + expert_sq).sqrt())
-    if max_norm > 0 and norm > max_norm:
-        scale = max_norm / (norm + 1e-6)
+    norm = float((dense_sq + expert_sq).sqrt()) / loss_scale
+    if max_norm > 0 and math.isfinite(norm) and norm > max_norm:
+        coef = max_norm / (norm + 1e-6)
         for g in grads:
-            g.mul_(scale)
+            g.mul_(coef)
     return norm

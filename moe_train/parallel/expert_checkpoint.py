@@ -3,10 +3,12 @@
 DeepSpeed writes the model states of rank 0 only, which under expert parallelism hold just that
 rank's slice of every stacked expert tensor. So expert tensors are taken out of the module state
 dict (a state-dict hook) and written by the first rank of every expert-data-parallel group to
-``experts_ep{r}of{P}.pt``: its local slice [r*L, (r+1)*L) of each stacked parameter, with the
-Adam moments of those slices when the optimizer keeps them per parameter (ZeRO stage 0). Loading
-assembles the global tensors from all files and cuts the slice the loading rank owns, whatever
-its ep size; inference assembles the full experts.
+``experts_ep{r}of{P}.pt``: its local slice [r*L, (r+1)*L) of each stacked parameter (fp32 master)
+and the Adam moments of those slices, read per parameter under ZeRO 0, 1 and 2
+(parallel/optim_state.py; collective under ZeRO 1/2, so every rank takes part). Concatenated in
+file order they give every tensor under its global expert index. Loading cuts the slice the
+loading rank owns, whatever its ep size; inference assembles the full experts. The files hold
+tensors only and load with ``torch.load(weights_only=True)``.
 """
 
 from __future__ import annotations
@@ -20,8 +22,11 @@ from torch import Tensor, nn
 
 from moe_train.errors import CheckpointError
 from moe_train.moe.experts import StackedExperts
+from moe_train.parallel.optim_state import (adam_step, fp32_param, get_moments, set_moments,
+                                             set_param)
 from moe_train.parallel.runtime import ParallelRuntime
 from moe_train.utils.atomic import atomic_path
+from moe_train.utils.safe_load import load_torch
 
 _FILE_RE = re.compile(r"^experts_ep(\d+)of(\d+)\.pt$")
 
@@ -50,20 +55,20 @@ def _local_tensors(model: nn.Module) -> dict[str, nn.Parameter]:
 
 def save_expert_shards(model: nn.Module, optimizer: Any, rt: ParallelRuntime,
                        tag_dir: Path) -> None:
-    """Write this rank's expert slices (first rank of each expert-data group only)."""
+    """Write this rank's expert slices (first rank of each expert-data group; collective)."""
     params = _local_tensors(model)
-    if not params or rt.rank >= rt.ep_size:
+    if not params:
+        return
+    values = {n: fp32_param(optimizer, p) for n, p in params.items()}  # every rank: collective
+    moments = {}
+    for name, p in params.items():
+        m = get_moments(optimizer, p)
+        if m is not None:
+            moments[name] = m
+    if rt.rank >= rt.ep_size:
         return  # ranks 0..P-1 form the first expert-parallel group (DeepSpeed's layout)
-    moments: dict[str, dict[str, Tensor]] = {}
-    state = getattr(optimizer, "state", None)
-    if isinstance(state, dict):
-        for name, p in params.items():
-            if p in state and "exp_avg" in state[p]:
-                moments[name] = {k: v.detach().cpu().clone() for k, v in state[p].items()
-                                 if torch.is_tensor(v)}
-    payload = {"ep_size": rt.ep_size, "ep_rank": rt.ep_rank,
-               "params": {n: p.detach().cpu().clone() for n, p in params.items()},
-               "moments": moments}
+    payload = {"ep_size": rt.ep_size, "ep_rank": rt.ep_rank, "adam_step": adam_step(optimizer),
+               "params": values, "moments": moments}
     with atomic_path(tag_dir / f"experts_ep{rt.ep_rank}of{rt.ep_size}.pt") as tmp:
         torch.save(payload, tmp)
 
@@ -77,7 +82,7 @@ def _read_shards(tag_dir: Path) -> list[dict[str, Any]]:
     if len(sizes) != 1 or len(files) != sizes.pop():
         raise CheckpointError(f"{tag_dir}: incomplete expert files "
                               f"({', '.join(p.name for p in files)})")
-    return [torch.load(p, map_location="cpu", weights_only=False) for p in files]
+    return [load_torch(p, "expert shard") for p in files]
 
 
 def full_expert_state(tag_dir: Path) -> dict[str, Tensor]:
@@ -99,7 +104,9 @@ def load_expert_shards(model: nn.Module, optimizer: Any, rt: ParallelRuntime,
     if not shards:
         raise CheckpointError(f"{tag_dir}: the model has MoE experts but the checkpoint has "
                               "no experts_ep*.pt files")
-    state = getattr(optimizer, "state", None)
+    step = shards[0].get("adam_step")
+    if step is None:  # files written before adam_step was recorded keep it per moment
+        step = next((float(m["step"]) for m in shards[0]["moments"].values() if "step" in m), 0.0)
     for name, p in params.items():
         if name not in shards[0]["params"]:
             raise CheckpointError(f"{tag_dir}: no expert tensor {name!r} in the checkpoint")
@@ -110,12 +117,8 @@ def load_expert_shards(model: nn.Module, optimizer: Any, rt: ParallelRuntime,
             raise CheckpointError(f"{tag_dir}: expert tensor {name!r} has shape "
                                   f"{tuple(full.shape)}, the model needs slice {lo}:{lo + L} of "
                                   f"shape {tuple(p.shape)}")
-        with torch.no_grad():
-            p.copy_(full[lo:lo + L])
-        if isinstance(state, dict) and all(name in s["moments"] for s in shards):
-            moments = {k: torch.cat([s["moments"][name][k] for s in shards], 0)
+        set_param(optimizer, p, full[lo:lo + L])
+        if all(name in s["moments"] for s in shards):
+            moments = {k: torch.cat([s["moments"][name][k] for s in shards], 0)[lo:lo + L]
                        for k in ("exp_avg", "exp_avg_sq")}
-            slot = state.setdefault(p, {})
-            for k, v in moments.items():
-                slot[k] = v[lo:lo + L].to(p.device, p.dtype).clone()
-            slot.setdefault("step", shards[0]["moments"][name].get("step", torch.tensor(0.0)))
+            set_moments(optimizer, p, moments, step)

@@ -107,8 +107,9 @@ class AllToAllDispatcher:
         self.num_local = num_experts // ep_size
         self.local = LocalDispatcher(num_experts, capacity_factor)
 
-    def dispatch(self, x_TD: Tensor, routing: Routing) -> tuple[Tensor, Tensor, AllToAllMeta]:
-        ids_TK, weights_TK, dropped = self.local.route_slots(routing)
+    def dispatch(self, x_TD: Tensor, routing: Routing, drop: bool = True
+                 ) -> tuple[Tensor, Tensor, AllToAllMeta]:
+        ids_TK, weights_TK, dropped = self.local.route_slots(routing, drop)
         x_ND, row_map_N, counts_E = permute(x_TD, ids_TK, self.num_experts)
         P, L = self.ep_size, self.num_local
         counts_PL = counts_E.view(P, L)

@@ -1,9 +1,13 @@
 """Process-group runtime: discovering ranks, initialising torch.distributed through DeepSpeed.
 
-Launch modes, all ending in the same `ParallelRuntime`:
-- `deepspeed` launcher or `torchrun`: RANK / WORLD_SIZE / LOCAL_RANK / MASTER_* are in the env.
-- `mpirun` (OpenMPI, MPICH, Intel MPI): ranks come from mpi4py; rank 0's host and a free port are
-  broadcast so every rank rendezvouses on them.
+`detect_launch(env)` is the one place that reads a launcher's environment (a pure function, tested
+over fake environments). Launch modes, all ending in the same `ParallelRuntime`:
+- `deepspeed` launcher, `torchrun`: RANK / WORLD_SIZE / LOCAL_RANK / MASTER_* are in the env.
+- `mpirun` of Open MPI (OMPI_COMM_WORLD_*), MPICH or Intel MPI (PMI_RANK / PMI_SIZE, Hydra's
+  MPI_LOCALRANKID / MPI_LOCALNRANKS), PMIx (PMIX_RANK; the size from the launcher's own variables).
+  Without MASTER_ADDR, rank 0's host and a free port are broadcast through mpi4py.
+- `srun` without a launcher: SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID; the master is the first
+  host of the step's node list, the port 20000 + job id % 20000 (as launch/slurm.sbatch).
 - No launcher: one process, world size 1, on a free local port (the debug mode CI runs).
 
 The runtime object is the one container of process-group state: pass it down, never store it in a
@@ -14,15 +18,21 @@ from __future__ import annotations
 
 import datetime
 import os
+import re
+import shutil
 import socket
-from dataclasses import dataclass, field
+import subprocess
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
+from moe_train.errors import ConfigError
 from moe_train.utils.malloc import tune_cpu_allocator
 
-_MPI_SIZE_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "MPI_LOCALNRANKS")
+LAUNCH_FAMILIES = {"deepspeed": "env", "torchrun": "env", "env": "env", "openmpi": "mpi",
+                   "mpich": "mpi", "pmix": "mpi", "slurm": "slurm", "single": "single"}
 
 
 def free_port() -> int:
@@ -32,32 +42,173 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _launched_by_mpi() -> bool:
-    return "RANK" not in os.environ and any(v in os.environ for v in _MPI_SIZE_VARS)
+@dataclass(frozen=True)
+class LaunchInfo:
+    """Where a process sits in its job, as its launcher's environment says."""
+
+    kind: str
+    """deepspeed, torchrun, env (RANK/WORLD_SIZE set otherwise), openmpi, mpich, pmix, slurm,
+    single."""
+    rank: int
+    world_size: int | None
+    """None: the environment does not say (PMIx alone); MPI is asked at start-up."""
+    local_rank: int | None
+    """None: an MPI environment that does not say; counted per host through MPI at start-up."""
+    local_world_size: int | None
+    master_addr: str | None = None
+    """Rendezvous host; None under MPI without MASTER_ADDR (rank 0's host, through mpi4py)."""
+    master_port: int | None = None
+
+    @property
+    def family(self) -> str:
+        """env (deepspeed / torchrun), mpi, slurm or single: what the training log shows."""
+        return LAUNCH_FAMILIES[self.kind]
+
+    @property
+    def multi_process(self) -> bool:
+        """More than one rank (or not known without asking MPI)."""
+        return self.world_size is None or self.world_size > 1
+
+    @property
+    def needs_mpi(self) -> bool:
+        """Something only MPI can tell: the size, local rank or the rendezvous address."""
+        if self.family != "mpi":
+            return False
+        return (self.world_size is None or self.local_rank is None
+                or (self.multi_process and (self.master_addr is None or self.master_port is None)))
 
 
-def _mpi_discovery() -> None:
-    """Fill RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT from mpi4py."""
+def _int(env: Mapping[str, str], *names: str) -> int | None:
+    """The first of `names` set in `env`, as an integer (None when none is set)."""
+    for name in names:
+        value = env.get(name, "").strip()
+        if value:
+            try:
+                return int(value)
+            except ValueError:
+                raise ConfigError(f"environment variable {name}={env[name]!r}: expected an "
+                                  "integer (set by the launcher)") from None
+    return None
+
+
+def parse_first_host(nodelist: str) -> str:
+    """The first host of a SLURM host list: `node[03-05,9],gpu1` -> `node03`, `a,b` -> `a`."""
+    nodelist = nodelist.strip()
+    match = re.match(r"([^,\[]*)\[([^\]]*)\]([^,\[]*)", nodelist)
+    if match:
+        first = re.split(r"[,-]", match.group(2), maxsplit=1)[0]
+        return match.group(1) + first + match.group(3)
+    return nodelist.split(",", 1)[0]
+
+
+def first_host(nodelist: str) -> str:
+    """The first host of a SLURM host list (`scontrol show hostnames` if there, else parsed)."""
+    if shutil.which("scontrol"):
+        try:
+            proc = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True,
+                                  text=True, timeout=30)
+            if proc.returncode == 0 and proc.stdout.split():
+                return proc.stdout.split()[0]
+        except (OSError, subprocess.TimeoutExpired):
+            pass
+    return parse_first_host(nodelist)
+
+
+def _tasks_on_node(tasks_per_node: str, node: int) -> int | None:
+    """Tasks on node `node` from SLURM's `2(x3),1` form (None when it does not parse)."""
+    counts: list[int] = []
+    for part in tasks_per_node.split(","):
+        match = re.fullmatch(r"\s*(\d+)(?:\(x(\d+)\))?\s*", part)
+        if not match:
+            return None
+        counts += [int(match.group(1))] * int(match.group(2) or 1)
+    return counts[node] if 0 <= node < len(counts) else None
+
+
+def _in_slurm_step(env: Mapping[str, str]) -> bool:
+    """Started by `srun` (a job step), not the batch script (which has SLURM_PROCID=0 too)."""
+    return "SLURM_PROCID" in env and ("SLURM_STEP_ID" in env or "SLURM_STEPID" in env)
+
+
+def detect_launch(env: Mapping[str, str],
+                  resolve_host: Callable[[str], str] = first_host) -> LaunchInfo:
+    """Which launcher started this process, and this process's rank, world and local rank/world.
+
+    Checked in order: RANK + WORLD_SIZE (deepspeed, torchrun), Open MPI, MPICH / Intel MPI (PMI),
+    PMIx, a SLURM step, else one process. `resolve_host` turns a SLURM node list into its first
+    host (injectable so that tests need no SLURM).
+    """
+    in_step = _in_slurm_step(env)
+    slurm_local = _int(env, "SLURM_LOCALID") if in_step else None
+    slurm_world = (_int(env, "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS", "SLURM_NPROCS")
+                   if in_step else None)
+    if "RANK" in env and "WORLD_SIZE" in env:
+        if "TORCHELASTIC_RUN_ID" in env or "GROUP_RANK" in env:
+            kind = "torchrun"
+        elif "CROSS_RANK" in env or "LOCAL_SIZE" in env:
+            kind = "deepspeed"
+        else:
+            kind = "env"
+        rank, world = _int(env, "RANK"), _int(env, "WORLD_SIZE")
+        local = _int(env, "LOCAL_RANK") or 0
+        local_world = _int(env, "LOCAL_WORLD_SIZE", "LOCAL_SIZE")
+    elif "OMPI_COMM_WORLD_SIZE" in env:
+        kind = "openmpi"
+        rank, world = _int(env, "OMPI_COMM_WORLD_RANK"), _int(env, "OMPI_COMM_WORLD_SIZE")
+        local = _int(env, "OMPI_COMM_WORLD_LOCAL_RANK")
+        local_world = _int(env, "OMPI_COMM_WORLD_LOCAL_SIZE")
+    elif "PMI_RANK" in env and "PMI_SIZE" in env:  # MPICH / Intel MPI (Hydra), srun --mpi=pmi2
+        kind = "mpich"
+        rank, world = _int(env, "PMI_RANK"), _int(env, "PMI_SIZE")
+        local = _int(env, "MPI_LOCALRANKID")
+        local = slurm_local if local is None else local
+        local_world = _int(env, "MPI_LOCALNRANKS")
+    elif "PMIX_RANK" in env:
+        # PMIx puts no size in the environment (a client asks PMIx_Get(PMIX_JOB_SIZE)): under
+        # srun --mpi=pmix it is the step's task count, otherwise MPI is asked.
+        kind = "pmix"
+        rank, world, local, local_world = _int(env, "PMIX_RANK"), slurm_world, slurm_local, None
+    elif in_step:
+        kind = "slurm"
+        rank, world, local_world = _int(env, "SLURM_PROCID"), slurm_world or 1, None
+        local = slurm_local or 0
+    else:
+        return LaunchInfo("single", 0, 1, 0, 1, env.get("MASTER_ADDR") or "127.0.0.1",
+                          _int(env, "MASTER_PORT"))
+    if rank is None:
+        raise ConfigError(f"launcher environment ({kind}): no rank variable set")
+    if in_step and local_world is None and kind in ("mpich", "pmix", "slurm"):  # a rank per task
+        local_world = _tasks_on_node(env.get("SLURM_STEP_TASKS_PER_NODE",
+                                             env.get("SLURM_TASKS_PER_NODE", "")),
+                                     _int(env, "SLURM_NODEID") or 0)
+    if world is not None and not 0 <= rank < world:
+        raise ConfigError(f"launcher environment ({kind}): rank {rank} outside world size {world}")
+    addr, port = env.get("MASTER_ADDR") or None, _int(env, "MASTER_PORT")
+    if world == 1:  # one process: a local free port, whatever the launcher
+        return LaunchInfo(kind, 0, 1, 0, 1, addr or "127.0.0.1", port)
+    nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") \
+        or env.get("SLURM_NODELIST")
+    if in_step and nodelist:  # every rank derives the same rendezvous, no MPI needed
+        addr = addr or resolve_host(nodelist)
+        job = _int(env, "SLURM_JOB_ID", "SLURM_JOBID")
+        if port is None and job is not None:
+            port = 20000 + job % 20000
+    return LaunchInfo(kind, rank, world, local, local_world, addr, port)
+
+
+def _mpi_complete(info: LaunchInfo) -> LaunchInfo:
+    """Ask MPI (mpi4py) what the environment did not say: size, local rank, rendezvous."""
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD
     rank, world = comm.Get_rank(), comm.Get_size()
-    master = (socket.gethostname(), free_port()) if rank == 0 else None
-    master_addr, master_port = comm.bcast(master, root=0)
     hosts = comm.allgather(MPI.Get_processor_name())
-    local_rank = sum(h == hosts[rank] for h in hosts[:rank])
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(local_rank),
-                      LOCAL_WORLD_SIZE=str(hosts.count(hosts[rank])))
-    os.environ.setdefault("MASTER_ADDR", master_addr)
-    os.environ.setdefault("MASTER_PORT", str(master_port))
-
-
-def _single_process_env() -> None:
-    os.environ.setdefault("RANK", "0")
-    os.environ.setdefault("WORLD_SIZE", "1")
-    os.environ.setdefault("LOCAL_RANK", "0")
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(free_port()))
+    mine = (socket.gethostname(), free_port()) if rank == 0 else None
+    addr, port = comm.bcast(mine, root=0)
+    return replace(info, rank=rank, world_size=world,
+                   local_rank=sum(h == hosts[rank] for h in hosts[:rank]),
+                   local_world_size=hosts.count(hosts[rank]),
+                   master_addr=info.master_addr or addr, master_port=info.master_port or port)
 
 
 @dataclass
@@ -70,7 +221,10 @@ class ParallelRuntime:
     backend: str = "none"
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     launcher: str = "none"
-    """How ranks were discovered: env (deepspeed / torchrun), mpi, single, or none (no dist)."""
+    """How ranks were discovered (`LaunchInfo.family`): env (deepspeed / torchrun), mpi, slurm,
+    single, or none (no process group)."""
+    launch_kind: str = "none"
+    """The launcher itself (`LaunchInfo.kind`): deepspeed, torchrun, openmpi, mpich, pmix, ..."""
     dp_group: Any = None
     """Data-parallel group (None: the world group)."""
     ep_size: int = 1
@@ -110,17 +264,16 @@ def init_runtime(backend: str | None = None, timeout_s: int = 1800,
     import deepspeed
     import torch.distributed as dist
 
-    if _launched_by_mpi():
-        _mpi_discovery()
-        launcher = "mpi"
-    elif "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        launcher = "env"
-    else:
-        _single_process_env()
-        launcher = "single"
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", "1")))
+    info = detect_launch(os.environ)
+    if info.needs_mpi:
+        info = _mpi_complete(info)
+    rank, world, local_rank = info.rank, int(info.world_size), int(info.local_rank)
+    local_world = info.local_world_size or 1
+    # deepspeed.init_distributed (env:// rendezvous) reads these, whatever launcher set the job up.
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(local_rank),
+                      LOCAL_WORLD_SIZE=str(local_world),
+                      MASTER_ADDR=info.master_addr or "127.0.0.1",
+                      MASTER_PORT=str(info.master_port or free_port()))
     if "OMP_NUM_THREADS" not in os.environ:  # share the CPU cores among the ranks of a node
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(local_world, 1)))
     if torch.cuda.is_available():
@@ -136,7 +289,7 @@ def init_runtime(backend: str | None = None, timeout_s: int = 1800,
         deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False,
                                    timeout=datetime.timedelta(seconds=timeout_s))
     return ParallelRuntime(rank=rank, world_size=world, local_rank=local_rank, backend=backend,
-                           device=device, launcher=launcher)
+                           device=device, launcher=info.family, launch_kind=info.kind)
 
 
 def shutdown(runtime: ParallelRuntime) -> None:

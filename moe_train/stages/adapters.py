@@ -25,7 +25,7 @@ from moe_train.moe.adapters import AdapterSlot
 from moe_train.stages.common import StageContext, stage_config, training_summary
 from moe_train.stages.distill import load_gate
 from moe_train.train.checkpoint import latest_tag
-from moe_train.train.export import EXPORT_WEIGHTS
+from moe_train.train.export import load_export_weights
 from moe_train.train.trainer import Trainer
 
 STAGE = "adapters"
@@ -94,7 +94,7 @@ def _freeze(model: nn.Module, cfg: ExperimentConfig) -> None:
 def make_init(ctx: StageContext, cfg: ExperimentConfig):
     """The trainer's `init_model` hook for this stage."""
     export = ctx.require("backbone", STAGE) / "checkpoints" / "export"
-    backbone = torch.load(export / EXPORT_WEIGHTS, map_location="cpu", weights_only=True)
+    backbone = load_export_weights(export)
     gate = load_gate(ctx, STAGE) if cfg.adapters.router == "gumbel" else None
 
     def init_model(model: nn.Module) -> None:

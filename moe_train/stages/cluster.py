@@ -1,7 +1,7 @@
 """Stage `cluster`: PCA then a scikit-learn clusterer into K groups (MoA Sec. 4.2, App. 8.2).
 
 Runs on rank 0 (scikit-learn is single-process); the other ranks wait and read the labels it
-wrote. Artifact: ``clusterer.pkl`` (the fitted PCA + clusterer, reused to label any later set),
+wrote. Artifact: ``clusterer.skops`` (the fitted PCA + clusterer, reused to label any later set),
 ``labels.npy`` (the cluster of every feature row) and, in ``done.json``, PUR and NMI of the
 clusters against the true domains (evaluation only: the clusterer never sees them).
 """
@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from moe_train.data.shards import read_manifest
-from moe_train.errors import ConfigError
+from moe_train.errors import CheckpointError, ConfigError
 from moe_train.parallel.collectives import broadcast_object
 from moe_train.stages.cluster_core import (FittedClusterer, cluster_report, fit_clusterer,
                                            load_clusterer)
@@ -22,7 +22,9 @@ from moe_train.stages.features import load_features
 from moe_train.utils.atomic import atomic_path
 
 STAGE = "cluster"
-CLUSTERER, LABELS = "clusterer.pkl", "labels.npy"
+CLUSTERER, LABELS = "clusterer.skops", "labels.npy"
+LEGACY_CLUSTERER = "clusterer.pkl"
+"""Written by older versions; never read (loading it could run code stored in it)."""
 BIRCH_MAX_SENTENCES = 20000
 """Birch's final step clusters its subclusters with an N x N distance matrix when (as with
 default settings on unit-scale features) every sentence is its own subcluster: about 10 GB at
@@ -67,4 +69,8 @@ def _domain_names(ctx: StageContext) -> list[str]:
 def load_cluster(ctx: StageContext, by: str) -> tuple[FittedClusterer, np.ndarray]:
     """(fitted clusterer, labels of the feature rows) of the finished cluster stage."""
     where = ctx.require(STAGE, by)
+    if not (where / CLUSTERER).is_file() and (where / LEGACY_CLUSTERER).is_file():
+        raise CheckpointError(f"{where / CLUSTERER}: missing (this run has the old, unsafe "
+                              f"{LEGACY_CLUSTERER}, which is not loaded); delete {where} and run "
+                              "the cluster stage again")
     return load_clusterer(where / CLUSTERER), np.load(where / LABELS)

@@ -20,13 +20,19 @@ whatever dtype the caller passes, and GMM's default ``reg_covar=1e-6`` suffices 
 Cholesky factorisation of a nearly singular 64 x 64 covariance can fail at that regulariser).
 The default is kept, as in the papers; a fit that still fails is a DataError with advice.
 
+Files: `FittedClusterer.save` writes a skops file (no arbitrary objects) holding plain values, numpy arrays
+and the fitted PCA / GaussianMixture / KMeans, plus the scikit-learn version; `load_clusterer`
+refuses any type outside skops' defaults and `TRUSTED_TYPES`, and a file from another
+scikit-learn major.minor release (see utils/safe_load.check_sklearn_version). skops cannot store
+Birch's CF tree, so a fitted Birch is kept as what its ``predict`` uses: the subcluster centres
+and their labels (`SubclusterPredictor`, same predictions).
+
 Shape legend: N sentences, D feature dim, P PCA dims (min(pca_dim, D, N)), K clusters,
 C domains.
 """
 
 from __future__ import annotations
 
-import pickle
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -36,14 +42,41 @@ import numpy as np
 import sklearn
 from sklearn.cluster import Birch, KMeans
 from sklearn.decomposition import PCA
+from sklearn.metrics import pairwise_distances_argmin
 from sklearn.mixture import GaussianMixture
 
-from moe_train.errors import ConfigError, DataError
+from moe_train.errors import CheckpointError, ConfigError, DataError
 from moe_train.eval.routing_stats import expert_purity, normalized_mutual_info
-from moe_train.utils.atomic import atomic_path
+from moe_train.utils.safe_load import check_sklearn_version, dump_skops, load_skops
 
-FORMAT_VERSION = 1
-"""Version of the pickled clusterer file; bumped when its fields change."""
+FORMAT_VERSION = 2
+"""Version of the clusterer file (2: skops); bumped when its fields change."""
+TRUSTED_TYPES: tuple[str, ...] = ()
+"""Types a clusterer file may hold beyond skops' defaults (builtins, numpy, scikit-learn
+estimators): none. Anything else makes `load_clusterer` refuse the file before building it."""
+
+
+@dataclass
+class SubclusterPredictor:
+    """A fitted Birch reduced to its ``predict``: the label of the nearest subcluster centre."""
+
+    centers_SP: np.ndarray
+    """Subcluster centres (Birch ``subcluster_centers_``), float64."""
+    labels_S: np.ndarray
+    """Cluster id of each subcluster (Birch ``subcluster_labels_``), int64."""
+
+    @classmethod
+    def from_birch(cls, birch: Birch) -> "SubclusterPredictor":
+        return cls(np.asarray(birch.subcluster_centers_, dtype=np.float64),
+                   np.asarray(birch.subcluster_labels_, dtype=np.int64))
+
+    def predict(self, x_NP: np.ndarray) -> np.ndarray:
+        return self.labels_S[pairwise_distances_argmin(x_NP, self.centers_SP)]
+
+
+MODEL_TYPES: dict[str, type] = {"gmm": GaussianMixture, "kmeans": KMeans,
+                                "birch": SubclusterPredictor}
+"""Clusterer name -> type of `FittedClusterer.model` (checked on load)."""
 
 CLUSTERERS: dict[str, Callable[[int, int], Any]] = {
     # seed 000 app. 8.2: covariance 'full', all other settings default
@@ -65,7 +98,8 @@ class FittedClusterer:
     pca: PCA
     """Fitted on the sample; reduces D -> `dims` dims (no whitening)."""
     model: Any
-    """Fitted sklearn clusterer (GaussianMixture, KMeans or Birch) on the PCA features."""
+    """Fitted clusterer on the PCA features: GaussianMixture, KMeans or (Birch)
+    SubclusterPredictor, as `MODEL_TYPES` says."""
     method: str
     """Key of CLUSTERERS."""
     num_clusters: int
@@ -91,36 +125,45 @@ class FittedClusterer:
         return self.label_map_K[raw_N]
 
     def save(self, path: str | Path) -> None:
-        """Pickle to `path` atomically (a reader never sees a half-written file)."""
+        """Write a skops file to `path` atomically (a reader never sees a half-written file)."""
         state = {f.name: getattr(self, f.name) for f in fields(self)}
+        if isinstance(self.model, SubclusterPredictor):
+            state["model"] = {"centers_SP": self.model.centers_SP,
+                              "labels_S": self.model.labels_S}
         state["format_version"] = FORMAT_VERSION
         state["sklearn_version"] = sklearn.__version__
-        with atomic_path(path) as tmp, open(tmp, "wb") as fh:
-            pickle.dump(state, fh, protocol=pickle.HIGHEST_PROTOCOL)
+        dump_skops(path, state)
 
 
 def load_clusterer(path: str | Path) -> FittedClusterer:
-    """Read a clusterer written by `FittedClusterer.save`; a missing or unreadable file is a
-    one-line DataError naming it. (Pickle: load only files this project wrote.)"""
+    """Read a clusterer written by `FittedClusterer.save` (skops, trusted types only, same
+    scikit-learn minor release); a missing, unreadable, untrusted or malformed file is a one-line
+    CheckpointError naming it."""
     path = Path(path)
     if not path.is_file():
-        raise DataError(f"{path}: clusterer file not found; run the cluster stage first")
-    try:
-        with open(path, "rb") as fh:
-            state = pickle.load(fh)
-    except Exception as exc:  # noqa: BLE001  (pickle raises many types on bad data)
-        raise DataError(f"{path}: not a readable clusterer file "
-                        f"({type(exc).__name__}: {_first_line(exc)}); run the cluster stage "
-                        "again") from None
-    names = [f.name for f in fields(FittedClusterer)]
+        raise CheckpointError(f"{path}: clusterer file not found; run the cluster stage first")
+    state = load_skops(path, TRUSTED_TYPES, "clusterer file (skops)")
     if not isinstance(state, dict) or state.get("format_version") != FORMAT_VERSION:
         found = state.get("format_version") if isinstance(state, dict) else type(state).__name__
-        raise DataError(f"{path}: not a clusterer file of format {FORMAT_VERSION} "
-                        f"(found {found!r}); run the cluster stage again")
+        raise CheckpointError(f"{path}: not a clusterer file of format {FORMAT_VERSION} "
+                              f"(found {found!r}); run the cluster stage again")
+    names = [f.name for f in fields(FittedClusterer)]
     missing = [n for n in names if n not in state]
-    if missing or state["method"] not in CLUSTERERS:
+    if missing or state["method"] not in MODEL_TYPES:
         what = f"missing {', '.join(missing)}" if missing else f"method {state['method']!r}"
-        raise DataError(f"{path}: malformed clusterer file ({what}); run the cluster stage again")
+        raise CheckpointError(f"{path}: malformed clusterer file ({what}); "
+                              "run the cluster stage again")
+    check_sklearn_version(path, state.get("sklearn_version"))
+    if state["method"] == "birch" and isinstance(state["model"], dict) \
+            and set(state["model"]) == {"centers_SP", "labels_S"}:
+        state["model"] = SubclusterPredictor(**state["model"])
+    expected = {"pca": PCA, "model": MODEL_TYPES[state["method"]], "label_map_K": np.ndarray,
+                "fit_sizes_K": np.ndarray}
+    wrong = [f"{k} is a {type(state[k]).__name__}, expected {t.__name__}"
+             for k, t in expected.items() if not isinstance(state[k], t)]
+    if wrong:
+        raise CheckpointError(f"{path}: malformed clusterer file ({'; '.join(wrong)}); "
+                              "run the cluster stage again")
     return FittedClusterer(**{n: state[n] for n in names})
 
 
@@ -152,6 +195,8 @@ def fit_clusterer(features_ND: np.ndarray, num_clusters: int, method: str = "gmm
         raise DataError(f"cluster features: {method} failed on the {N} sampled sentences "
                         f"({_first_line(exc)}); sample more (or more varied) sentences, lower "
                         "moa.num_clusters or change moa.clusterer") from None
+    if isinstance(model, Birch):
+        model = SubclusterPredictor.from_birch(model)  # what predict uses; skops-storable
     raw_N = np.asarray(model.predict(z_NP), dtype=np.int64)
     label_map_K = _first_appearance_map(raw_N, K)
     labels_N = label_map_K[raw_N]

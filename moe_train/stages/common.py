@@ -19,6 +19,7 @@ from moe_train.errors import ConfigError, DataError
 from moe_train.parallel.collectives import barrier
 from moe_train.parallel.runtime import ParallelRuntime
 from moe_train.utils.atomic import write_json
+from moe_train.utils.provenance import provenance
 
 DONE = "done.json"
 
@@ -60,7 +61,9 @@ class StageContext:
         return self.stage_dir(stage)
 
     def finish(self, stage: str, summary: dict[str, Any]) -> dict[str, Any]:
-        """Record `stage` as finished (rank 0 writes, everyone waits)."""
+        """Record `stage` as finished (rank 0 writes, everyone waits), with the provenance of
+        the process that ran it (commit, command, machine, libraries, time)."""
+        summary = summary | {"provenance": provenance()}
         if self.rt.is_main:
             write_json(self.stage_dir(stage) / DONE, summary)
         barrier(self.rt)

@@ -24,6 +24,7 @@ from moe_train.stages.common import StageContext
 from moe_train.stages.features import load_features
 from moe_train.train.engine import data_parallel_engine
 from moe_train.utils.atomic import atomic_path
+from moe_train.utils.safe_load import load_tensors
 
 STAGE = "distill"
 GATE = "gate.pt"
@@ -83,4 +84,4 @@ def run(ctx: StageContext) -> dict[str, Any]:
 
 def load_gate(ctx: StageContext, by: str) -> dict[str, torch.Tensor]:
     """The distilled gate's state dict."""
-    return torch.load(ctx.require(STAGE, by) / GATE, map_location="cpu", weights_only=True)
+    return load_tensors(ctx.require(STAGE, by) / GATE, "the distilled gate's weights")

@@ -11,12 +11,16 @@
   (its top-1 on the same mean-pooled encoder states; the encoder is frozen, so the backbone's
   features are the adapter model's).
 - Extra parameters of the adapter model over the backbone.
-Artifact: ``eval.json``, ``routing/<name>.csv`` and ``.png``.
+The backbone's scores are cached beside it (recipes sharing a backbone decode it once), keyed on
+the content of its export, of the test data and on the decode settings, and reported with
+``"cached": true`` when reused. Artifact: ``eval.json``, ``routing/<name>.csv`` and ``.png``.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +28,7 @@ import numpy as np
 import torch
 
 from moe_train.config.schema import EvalConfig
-from moe_train.data.shards import ShardedDataset
+from moe_train.data.shards import MANIFEST, ShardedDataset
 from moe_train.eval.evaluate import evaluate_dataset
 from moe_train.eval.routing_stats import plot_heatmap, table_csv
 from moe_train.moe.adapters import AdapterSlot
@@ -37,8 +41,10 @@ from moe_train.stages.distill import gate_labels, load_gate
 from moe_train.stages.features import encode_sentences
 from moe_train.train.export import InferenceModel, load_for_inference
 from moe_train.utils.atomic import write_json, write_text
+from moe_train.utils.provenance import digest_files, digest_tree
 
 STAGE = "evaluate"
+CACHE_DIR = "eval_cache"
 
 
 class Relabeled:
@@ -87,6 +93,40 @@ def sentence_router_labels(inf: InferenceModel, features_ND: np.ndarray) -> np.n
     return router.route(x_ND, rctx).expert_ids_TK[:, 0].numpy()
 
 
+def backbone_cache_key(export: Path, prepared: Path, split: str, ecfg: EvalConfig,
+                       eval_sentences: int, max_tokens: int) -> dict[str, Any]:
+    """What the backbone's test scores depend on: the export's content (weights, config,
+    tokenizer), the prepared split's content and manifest, and every decode setting."""
+    prepared = Path(prepared)
+    data_files = [prepared / MANIFEST, *(p for p in (prepared / split).rglob("*")
+                                          if p.is_file() and not p.name.startswith("."))]
+    return {"checkpoint_sha256": digest_tree(Path(export)),
+            "test_data_sha256": digest_files(data_files, prepared), "split": split,
+            "decode": {"beam": ecfg.beam, "lenpen": ecfg.lenpen, "max_len_a": ecfg.max_len_a,
+                       "max_len_b": ecfg.max_len_b, "max_sentences": ecfg.max_sentences,
+                       "max_tokens": max_tokens, "sentences_per_domain": eval_sentences}}
+
+
+def cached_scores(cache_dir: Path, key: dict[str, Any], compute: Callable[[], dict[str, Any]],
+                  write: bool = True) -> dict[str, Any]:
+    """The scores stored under `key` in `cache_dir` (``"cached": true``), else `compute()`'s,
+    stored there when `write` (``"cached": false``). An entry is used only when its whole key
+    matches: any change of checkpoint, data or decode settings computes again."""
+    name = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    path = Path(cache_dir) / f"{name}.json"
+    if path.is_file():
+        try:
+            stored = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError):
+            stored = None
+        if isinstance(stored, dict) and stored.get("key") == key:
+            return dict(stored["scores"], cached=True)
+    scores = compute()
+    if write:
+        write_json(path, {"key": key, "scores": scores})
+    return dict(scores, cached=False)
+
+
 def _write_table(out: Path, name: str, report: dict[str, Any]) -> None:
     out.mkdir(parents=True, exist_ok=True)
     table = np.asarray(report["table"])
@@ -106,20 +146,15 @@ def run(ctx: StageContext) -> dict[str, Any]:
     idx = test_indices(test, moa.eval_sentences)
     ecfg = EvalConfig(beam=moa.eval_beam, lenpen=cfg.eval.lenpen, max_len_a=cfg.eval.max_len_a,
                       max_len_b=cfg.eval.max_len_b, max_sentences=cfg.eval.max_sentences)
-    backbone = load_for_inference(ctx.require("backbone", STAGE) / "checkpoints" / "export",
-                                  rt.device)
+    backbone_export = ctx.require("backbone", STAGE) / "checkpoints" / "export"
+    backbone = load_for_inference(backbone_export, rt.device)
     models = {"backbone": backbone}
     if ctx.done("adapters") is not None:
         models["adapters"] = load_for_inference(
             ctx.stage_dir("adapters") / "checkpoints" / "export", rt.device)
     result: dict[str, Any] = {"test_sentences": int(len(idx)), "beam": moa.eval_beam}
-    # The backbone's scores are cached beside it: recipes sharing a backbone decode it once.
-    cache = ctx.stage_dir("backbone") / (f"eval_test{moa.eval_sentences}_beam{moa.eval_beam}_"
-                                         f"lenpen{ecfg.lenpen}.json")
-    for name, inf in models.items():
-        if name == "backbone" and cache.is_file():
-            result[name] = json.loads(cache.read_text())
-            continue
+
+    def scores(inf: InferenceModel) -> dict[str, Any]:
         metrics, _ = evaluate_dataset(inf.model, test, inf.vocab, inf.manifest, rt, ecfg,
                                       cfg.data.max_tokens, indices=idx)
         entry = _scores(metrics)
@@ -131,9 +166,17 @@ def run(ctx: StageContext) -> dict[str, Any]:
                                       inf.manifest, rt, ecfg, cfg.data.max_tokens, indices=idx)
             entry["rnd"] = {k: rnd["all"][k] for k in ("bleu", "chrf", "sentences")}
         entry["parameters"] = sum(p.numel() for p in inf.model.parameters())
-        result[name] = entry
-        if name == "backbone" and rt.is_main:
-            write_json(cache, entry)
+        return entry
+
+    for name, inf in models.items():
+        if name != "backbone":
+            result[name] = scores(inf)
+            continue
+        key = backbone_cache_key(backbone_export, cfg.data.prepared_dir, "test", ecfg,
+                                 moa.eval_sentences, cfg.data.max_tokens)
+        result[name] = cached_scores(ctx.stage_dir("backbone") / CACHE_DIR, key,
+                                     lambda inf=inf: scores(inf), write=rt.is_main)
+        result["backbone_cache_key"] = key
     if "adapters" in result:
         result["extra_parameters"] = result["adapters"]["parameters"] - \
             result["backbone"]["parameters"]

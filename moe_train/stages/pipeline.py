@@ -36,14 +36,17 @@ def recipe_stages(ctx: StageContext) -> list[str]:
     return ["backbone", "adapters", "evaluate"]
 
 
+def check_request(recipe: str, stage: str | None) -> None:
+    """A known recipe and stage (checked before any process group starts)."""
+    if recipe not in RECIPES:
+        raise ConfigError(f"pipeline: unknown recipe {recipe!r} (known: {', '.join(RECIPES)})")
+    if stage is not None and stage not in STAGES:
+        raise ConfigError(f"--stage: unknown stage {stage!r} (known: {', '.join(STAGES)})")
+
+
 def run_pipeline(ctx: StageContext, recipe: str = "moa", stage: str | None = None
                  ) -> dict[str, Any]:
     """Run the recipe (or one `stage` of it); returns {stage: summary}."""
-    if recipe not in RECIPES:
-        raise ConfigError(f"pipeline: unknown recipe {recipe!r} (known: {', '.join(RECIPES)})")
-    order = recipe_stages(ctx)
-    if stage is not None:
-        if stage not in STAGES:
-            raise ConfigError(f"--stage: unknown stage {stage!r} (known: {', '.join(STAGES)})")
-        order = [stage]
+    check_request(recipe, stage)
+    order = recipe_stages(ctx) if stage is None else [stage]
     return {name: STAGES[name](ctx) for name in order}

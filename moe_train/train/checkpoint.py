@@ -1,22 +1,37 @@
-"""Training checkpoints: DeepSpeed engine state plus our metadata, written atomically.
+"""Training checkpoints: DeepSpeed engine state plus our metadata; a kill never loses one.
 
 Layout of `checkpoint.dir`:
   step_00001000/      DeepSpeed files (model, optimizer / ZeRO shards, lr scheduler),
-                      meta.json (config, step, data position), rng_rank{r}.pt per rank,
-                      spm.model and manifest.json (so a checkpoint is self-contained)
-  latest              the tag of the newest complete checkpoint, written last
+                      experts_ep*of*.pt (parallel/expert_checkpoint.py), optim_dense.pt (ZeRO 1/2:
+                      per-parameter Adam state, parallel/optim_state.py), meta.json (config, step,
+                      data position), rng_rank{r}.pt per rank, spm.model, manifest.json (data) and,
+                      written last, complete.json (every file with its size)
+  latest              the tag of the newest complete checkpoint
 
-Every rank saves into a hidden temporary tag; rank 0 renames it into place once all ranks are
-done and only then moves the `latest` pointer, so a run killed at any moment leaves the previous
-checkpoint intact. Assumes the checkpoint directory is on a file system shared by all nodes.
+Saving (collective): every rank writes into `.tmp-step_N`; rank 0 then fsyncs the files, writes
+complete.json, fsyncs the directory, renames it to `step_N`, moves `latest` (fsynced), and only then
+removes old steps beyond `keep_last`, never the one `latest` names. The step `latest` names is
+never saved again (a run resumed from it that took no step, or the end-of-run save after the
+loop's); any other directory of the same step (torn, or complete but left by a run killed before
+it moved `latest`) is replaced only once the new one is complete. A step directory is used only if
+complete.json lists exactly what is there (`verify`); a torn one is skipped with a warning naming
+it and the step used instead.
+
+Test hook: ``MOE_TRAIN_TEST_KILL_AT=PHASE`` (or ``PHASE@STEP``) SIGKILLs the process reaching that
+phase of save_checkpoint: `engine_saved` (every rank, engine and expert files written), then on
+rank 0 `before_rename`, `before_latest`, `before_rotate`; tests/distributed/test_kill_resume.py
+uses it to die inside a save. Assumes the checkpoint directory is on a shared file system.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import random
 import re
 import shutil
+import signal
+import sys
 from pathlib import Path
 from typing import Any, Callable
 
@@ -25,19 +40,29 @@ import torch
 
 from moe_train.errors import CheckpointError
 from moe_train.parallel.collectives import barrier
-from moe_train.parallel.expert_checkpoint import full_expert_state
+from moe_train.parallel.expert_checkpoint import expert_modules, full_expert_state
+from moe_train.parallel.optim_state import dense_state, is_zero_partitioned, load_dense_state
 from moe_train.parallel.runtime import ParallelRuntime
-from moe_train.utils.atomic import atomic_path, write_json, write_text
+from moe_train.utils.atomic import atomic_path, write_json
+from moe_train.utils.safe_load import load_torch
 
 _TAG_RE = re.compile(r"^step_(\d+)$")
+COMPLETE = "complete.json"
+DENSE_OPTIM = "optim_dense.pt"
+KILL_ENV = "MOE_TRAIN_TEST_KILL_AT"
 
 
 def step_tag(step: int) -> str:
     return f"step_{step:08d}"
 
 
+# ---------------------------------------------------------------------- RNG (weights_only safe)
 def rng_state() -> dict[str, Any]:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(),
+    """Python, NumPy, torch (and CUDA) RNG states as tensors / plain tuples."""
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    state = {"python": random.getstate(),
+             "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)),
+                       "pos": int(pos), "has_gauss": int(has_gauss), "gauss": float(gauss)},
              "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
@@ -46,101 +71,284 @@ def rng_state() -> dict[str, Any]:
 
 def set_rng_state(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    n = state["numpy"]
+    np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"],
+                         n["has_gauss"], n["gauss"]))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def latest_tag(ckpt_dir: str | Path) -> str | None:
-    """The tag the `latest` pointer names, or None when there is no complete checkpoint."""
-    pointer = Path(ckpt_dir) / "latest"
-    if not pointer.is_file():
-        return None
-    tag = pointer.read_text(encoding="utf-8").strip()
-    if not (Path(ckpt_dir) / tag).is_dir():
-        raise CheckpointError(f"{pointer}: names {tag!r}, which does not exist")
-    return tag
+def seed_rng(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+# ---------------------------------------------------------------------- completeness
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some file systems do not fsync directories
+    finally:
+        os.close(fd)
+
+
+def _files(tag_dir: Path) -> dict[str, int]:
+    return {str(p.relative_to(tag_dir)): p.stat().st_size for p in sorted(tag_dir.rglob("*"))
+            if p.is_file() and p.name != COMPLETE}
+
+
+def verify(tag_dir: str | Path) -> str | None:
+    """Why `tag_dir` is not a complete checkpoint, or None when it is."""
+    tag_dir = Path(tag_dir)
+    if not tag_dir.is_dir():
+        return "does not exist"
+    try:
+        listed = json.loads((tag_dir / COMPLETE).read_text(encoding="utf-8"))["files"]
+    except FileNotFoundError:
+        return f"no {COMPLETE} (the save did not finish)"
+    except (OSError, ValueError, KeyError, TypeError):
+        return f"{COMPLETE} is unreadable"
+    present = _files(tag_dir)
+    for name, size in listed.items():
+        if name not in present:
+            return f"{name} is missing"
+        if present[name] != size:
+            return f"{name} has {present[name]} bytes, {size} were written"
+    try:
+        read_meta(tag_dir)
+    except CheckpointError:
+        return "meta.json is unreadable"
+    return None
 
 
 def list_tags(ckpt_dir: Path) -> list[str]:
+    """Step directories, oldest first."""
+    if not ckpt_dir.is_dir():
+        return []
     tags = [p.name for p in ckpt_dir.iterdir() if p.is_dir() and _TAG_RE.match(p.name)]
     return sorted(tags, key=lambda t: int(_TAG_RE.match(t).group(1)))
 
 
+def _warn(msg: str) -> None:
+    print(f"warning: {msg}", file=sys.stderr, flush=True)
+
+
+def latest_tag(ckpt_dir: str | Path, warn: Callable[[str], None] | None = _warn) -> str | None:
+    """The complete checkpoint to resume from, or None when the directory holds none.
+
+    Normally the one `latest` names. When `latest` is dangling, garbage or names a torn step, the
+    newest complete step is used with a one-line warning naming both; with no complete step to
+    fall back to, a CheckpointError. Without `latest` (a run killed before its first pointer
+    move), the newest complete step.
+    """
+    ckpt_dir = Path(ckpt_dir)
+    pointer = ckpt_dir / "latest"
+    complete = [t for t in reversed(list_tags(ckpt_dir)) if verify(ckpt_dir / t) is None]
+    if not pointer.exists():
+        return complete[0] if complete else None
+    try:
+        tag = pointer.read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError):
+        tag = None
+    if tag is None or not _TAG_RE.match(tag):
+        reason = f"{pointer}: does not hold a step tag"
+    else:
+        why = verify(ckpt_dir / tag)
+        if why is None:
+            return tag
+        reason = f"{pointer}: names {tag}, which is not a complete checkpoint ({why})"
+    if not complete:
+        raise CheckpointError(f"{reason}; no complete checkpoint to fall back to")
+    if warn is not None:
+        warn(f"{reason}; using the newest complete step {complete[0]}")
+    return complete[0]
+
+
+def _test_hook(phase: str, step: int) -> None:
+    want = os.environ.get(KILL_ENV)
+    if want and want in (phase, f"{phase}@{step}"):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _pointer(ckpt_dir: Path) -> str | None:
+    """The tag `latest` names when it names a complete step, else None (never raises)."""
+    try:
+        tag = (ckpt_dir / "latest").read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+    return tag if _TAG_RE.match(tag) and verify(ckpt_dir / tag) is None else None
+
+
+def _write_synced(path: Path, text: str) -> None:
+    with atomic_path(path) as tmp:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+
+
+def _rotate(ckpt_dir: Path, keep_last: int, latest: str) -> None:
+    """Remove all but the newest `keep_last` steps; never `latest` (called after it moved)."""
+    if keep_last > 0:
+        for old in list_tags(ckpt_dir)[:-keep_last]:
+            if old != latest:
+                shutil.rmtree(ckpt_dir / old, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------- save
 def save_checkpoint(engine: Any, rt: ParallelRuntime, ckpt_dir: str | Path, step: int,
                     meta: dict[str, Any], attachments: dict[str, Path], keep_last: int,
                     save_extra: Callable[[Path], None] | None = None) -> Path:
     """Save engine + metadata as `step_{step}` and move `latest` to it (collective).
 
     `save_extra(tag_dir)` runs on every rank before the checkpoint is completed (expert shards).
+    Returns the step directory; the step `latest` names is left as it is (already saved).
     """
     ckpt_dir = Path(ckpt_dir)
     tag = step_tag(step)
+    final = ckpt_dir / tag
+    if _pointer(ckpt_dir) == tag:  # same answer on every rank: nothing changes before the barrier
+        if rt.is_main:
+            _rotate(ckpt_dir, keep_last, tag)  # a run killed before rotating
+        barrier(rt)
+        return final
     tmp_tag = f".tmp-{tag}"
+    tmp_dir = ckpt_dir / tmp_tag
     if rt.is_main:
-        shutil.rmtree(ckpt_dir / tmp_tag, ignore_errors=True)
+        shutil.rmtree(tmp_dir, ignore_errors=True)
     barrier(rt)
     engine.save_checkpoint(str(ckpt_dir), tag=tmp_tag, client_state={"moe_train": meta},
                            save_latest=False)
-    with atomic_path(ckpt_dir / tmp_tag / f"rng_rank{rt.rank}.pt") as tmp:
+    with atomic_path(tmp_dir / f"rng_rank{rt.rank}.pt") as tmp:
         torch.save(rng_state(), tmp)
     if save_extra is not None:
-        save_extra(ckpt_dir / tmp_tag)
+        save_extra(tmp_dir)
+    if is_zero_partitioned(engine.optimizer):  # collective: every rank takes part
+        experts = {id(p) for _, m in expert_modules(engine.module) for p in m.parameters()}
+        dense = dense_state(engine.module, engine.optimizer, experts)
+        if rt.is_main:
+            dense["lr_scheduler"] = {"last_epoch": int(getattr(engine.lr_scheduler,
+                                                               "last_epoch", 0))}
+            with atomic_path(tmp_dir / DENSE_OPTIM) as tmp:
+                torch.save(dense, tmp)
+    _test_hook("engine_saved", step)
     barrier(rt)
-    final = ckpt_dir / tag
     if rt.is_main:
-        write_json(ckpt_dir / tmp_tag / "meta.json", meta)
+        write_json(tmp_dir / "meta.json", meta)
         for name, src in attachments.items():
-            shutil.copyfile(src, ckpt_dir / tmp_tag / name)
-        if final.exists():
-            shutil.rmtree(final)
-        (ckpt_dir / tmp_tag).rename(final)
-        write_text(ckpt_dir / "latest", tag + "\n")
-        if keep_last > 0:
-            for old in list_tags(ckpt_dir)[:-keep_last]:
-                shutil.rmtree(ckpt_dir / old, ignore_errors=True)
+            shutil.copyfile(src, tmp_dir / name)
+        files = _files(tmp_dir)
+        for name in files:
+            _fsync(tmp_dir / name)
+        _write_synced(tmp_dir / COMPLETE, json.dumps({"step": step, "files": files}, indent=1))
+        _fsync(tmp_dir)
+        _test_hook("before_rename", step)
+        if final.exists():  # torn, or left by a killed run; `latest` does not name it
+            trash = ckpt_dir / f".trash-{tag}"
+            shutil.rmtree(trash, ignore_errors=True)
+            os.replace(final, trash)
+            shutil.rmtree(trash, ignore_errors=True)
+        os.replace(tmp_dir, final)
+        _fsync(ckpt_dir)
+        _test_hook("before_latest", step)
+        _write_synced(ckpt_dir / "latest", tag + "\n")
+        _test_hook("before_rotate", step)
+        _rotate(ckpt_dir, keep_last, tag)
     barrier(rt)
     return final
 
 
+# ---------------------------------------------------------------------- load
 def load_checkpoint(engine: Any, rt: ParallelRuntime, ckpt_dir: str | Path,
-                    tag: str | None = None, load_extra: Callable[[Path], None] | None = None
-                    ) -> dict[str, Any]:
+                    tag: str | None = None, load_extra: Callable[[Path], None] | None = None,
+                    log: Callable[[str], None] = print) -> dict[str, Any]:
     """Restore engine state, this rank's RNG state, and return our metadata.
 
     Expert tensors are not in DeepSpeed's module states (see parallel/expert_checkpoint.py):
-    the module loads non-strictly and `load_extra(tag_dir)` restores them.
+    the module loads non-strictly and `load_extra(tag_dir)` restores them. Under ZeRO 1/2 at
+    another world size or ep size, DeepSpeed loads the module only (its optimizer partitions do
+    not fit) and the per-parameter Adam state of optim_dense.pt and the expert files is set.
     """
     ckpt_dir = Path(ckpt_dir)
-    tag = tag or latest_tag(ckpt_dir)
+    tag = tag or latest_tag(ckpt_dir, warn=lambda m: log(f"warning: {m}"))
     if tag is None:
-        raise CheckpointError(f"{ckpt_dir}: no checkpoint to resume from (no 'latest' pointer)")
-    path, client = engine.load_checkpoint(str(ckpt_dir), tag=tag, load_optimizer_states=True,
-                                          load_lr_scheduler_states=True,
-                                          load_module_strict=load_extra is None)
+        raise CheckpointError(f"{ckpt_dir}: no checkpoint to resume from (no complete step)")
+    tag_dir = ckpt_dir / tag
+    why = verify(tag_dir)
+    if why is not None:
+        raise CheckpointError(f"{tag_dir}: not a complete checkpoint ({why})")
+    meta = read_meta(tag_dir)
+    old_world = int(meta.get("world_size", 1))
+    old_ep = int(meta.get("config", {}).get("moe", {}).get("ep_size", 1))
+    same_world = old_world == rt.world_size
+    portable = is_zero_partitioned(engine.optimizer) and not (same_world and old_ep == rt.ep_size)
+    path, _ = engine.load_checkpoint(str(ckpt_dir), tag=tag, load_optimizer_states=not portable,
+                                     load_lr_scheduler_states=not portable,
+                                     load_module_only=portable,
+                                     load_module_strict=load_extra is None)
     if path is None:
-        raise CheckpointError(f"{ckpt_dir / tag}: DeepSpeed could not load this checkpoint")
+        raise CheckpointError(f"{tag_dir}: DeepSpeed could not load this checkpoint")
+    if portable:
+        _load_dense(engine, tag_dir)
+        log(f"| resume: ZeRO optimizer state of world {old_world} / ep_size {old_ep} "
+            f"resharded to world {rt.world_size} / ep_size {rt.ep_size}")
     if load_extra is not None:
-        load_extra(ckpt_dir / tag)
-    rng_file = ckpt_dir / tag / f"rng_rank{rt.rank}.pt"
-    if rng_file.is_file():
-        set_rng_state(torch.load(rng_file, weights_only=False))
-    return client["moe_train"]
+        load_extra(tag_dir)
+    rng_file = tag_dir / f"rng_rank{rt.rank}.pt"
+    if same_world and rng_file.is_file():
+        set_rng_state(load_torch(rng_file, "RNG states"))
+    else:
+        seed_rng(int(meta["config"]["train"]["seed"]) + rt.rank)
+        log(f"| resume: checkpoint written at world size {old_world}, resumed at "
+            f"{rt.world_size}: fresh RNG streams seeded from train.seed + rank; bitwise "
+            "continuation holds only at the same world size")
+    return meta
+
+
+def _load_dense(engine: Any, tag_dir: Path) -> None:
+    path = tag_dir / DENSE_OPTIM
+    if not path.is_file():
+        raise CheckpointError(f"{path}: missing; this checkpoint cannot be resumed at another "
+                              "world size or ep size (resume with the world size it was saved at)")
+    state = load_torch(path, "per-parameter optimizer state")
+    experts = {id(p) for _, m in expert_modules(engine.module) for p in m.parameters()}
+    load_dense_state(engine.module, engine.optimizer, state, experts, str(path))
+    sched = engine.lr_scheduler
+    if sched is None:
+        return
+    sched.last_epoch = state["lr_scheduler"]["last_epoch"]
+    for group, base, fn in zip(sched.optimizer.param_groups, sched.base_lrs, sched.lr_lambdas):
+        group["lr"] = base * fn(sched.last_epoch)
+    sched._last_lr = [g["lr"] for g in sched.optimizer.param_groups]
 
 
 def read_meta(tag_dir: str | Path) -> dict[str, Any]:
     path = Path(tag_dir) / "meta.json"
     if not path.is_file():
         raise CheckpointError(f"{path}: missing; not a moe_train checkpoint")
-    return json.loads(path.read_text(encoding="utf-8"))
+    try:
+        meta = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise CheckpointError(f"{path}: unreadable meta data ({type(exc).__name__}); expected "
+                              "the JSON a moe_train checkpoint writes") from None
+    if not isinstance(meta, dict) or "config" not in meta or "step" not in meta:
+        raise CheckpointError(f"{path}: expected a JSON object with 'step' and 'config'")
+    return meta
 
 
 def consolidated_state_dict(tag_dir: str | Path) -> dict[str, torch.Tensor]:
-    """Model weights of a step checkpoint, read without DeepSpeed (ZeRO stages 0-2 keep them whole)."""
+    """Model weights of a step checkpoint, read without DeepSpeed (ZeRO 0-2 keep them whole)."""
     path = Path(tag_dir) / "mp_rank_00_model_states.pt"
     if not path.is_file():
         raise CheckpointError(f"{path}: missing model states")
-    state = torch.load(path, map_location="cpu", weights_only=False)["module"]
+    states = load_torch(path, "DeepSpeed model states")
+    state = states.get("module") if isinstance(states, dict) else None
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{path}: no 'module' weights in the model states")
+    state = dict(state)
     state.update(full_expert_state(Path(tag_dir)))
     return {k: v.float() if v.is_floating_point() else v for k, v in state.items()}

@@ -1,7 +1,13 @@
 """Standalone inference checkpoints: weights, config, sentencepiece model; no DeepSpeed needed.
 
+An export directory holds ``model.safetensors`` (fp32 weights), ``config.json``,
+``manifest.json`` (the prepared data's vocabulary facts) and ``spm.model``; no file in it can
+run code when read. Exports written before safetensors hold ``model.pt`` instead, still read (with
+``torch.load(weights_only=True)``).
+
 `load_for_inference` accepts an export directory, a training checkpoint directory (follows
-`latest`) or one step directory of it.
+`latest`) or one step directory of it. A broken export (missing or corrupt file, weights of
+another architecture) is a one-line CheckpointError naming the file and what was expected.
 """
 
 from __future__ import annotations
@@ -17,12 +23,16 @@ import torch
 from moe_train.config.loader import config_from_dict
 from moe_train.config.schema import ExperimentConfig
 from moe_train.data.vocab import Vocab
-from moe_train.errors import CheckpointError
+from moe_train.errors import CheckpointError, MoeTrainError
 from moe_train.models.build import build_model
 from moe_train.train.checkpoint import consolidated_state_dict, latest_tag, read_meta
 from moe_train.utils.atomic import atomic_dir
+from moe_train.utils.safe_load import load_tensors, read_json_object, require_file, save_tensors
 
-EXPORT_WEIGHTS = "model.pt"
+EXPORT_WEIGHTS = "model.safetensors"
+LEGACY_EXPORT_WEIGHTS = "model.pt"
+"""Weights file of exports written before safetensors (read with weights_only)."""
+EXPORT_FORMAT = "moe_train-export-1"
 
 
 @dataclass
@@ -38,20 +48,36 @@ class InferenceModel:
 
 def export_inference(out_dir: str | Path, state_dict: dict[str, torch.Tensor],
                      cfg: ExperimentConfig, manifest: dict[str, Any], spm_model: Path) -> Path:
-    """Write model.pt (fp32 weights), config.json, manifest.json, spm.model atomically."""
+    """Write model.safetensors (fp32 weights), config.json, manifest.json, spm.model atomically."""
     out_dir = Path(out_dir)
     with atomic_dir(out_dir, overwrite=True) as tmp:
-        weights = {k: v.detach().float().cpu() if v.is_floating_point() else v.cpu()
+        weights = {k: v.detach().float() if v.is_floating_point() else v.detach()
                    for k, v in state_dict.items()}
-        torch.save(weights, tmp / EXPORT_WEIGHTS)
+        save_tensors(tmp / EXPORT_WEIGHTS, weights, metadata={"format": EXPORT_FORMAT})
         (tmp / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
         shutil.copyfile(spm_model, tmp / "spm.model")
     return out_dir
 
 
+def export_weights_file(export_dir: str | Path) -> Path:
+    """The weights file of an export: model.safetensors, else a legacy model.pt."""
+    export_dir = Path(export_dir)
+    for name in (EXPORT_WEIGHTS, LEGACY_EXPORT_WEIGHTS):
+        if (export_dir / name).is_file():
+            return export_dir / name
+    raise CheckpointError(f"{export_dir / EXPORT_WEIGHTS}: missing; expected the export's weights "
+                          f"({EXPORT_WEIGHTS}, or {LEGACY_EXPORT_WEIGHTS} of older exports)")
+
+
+def load_export_weights(export_dir: str | Path) -> dict[str, torch.Tensor]:
+    """{name: tensor} of an export directory (safetensors, or legacy model.pt weights_only)."""
+    return load_tensors(export_weights_file(export_dir), "weights file (name -> tensor)")
+
+
 def _resolve(path: Path) -> tuple[str, Path]:
-    if (path / EXPORT_WEIGHTS).is_file():
+    if any((path / name).is_file()
+           for name in (EXPORT_WEIGHTS, LEGACY_EXPORT_WEIGHTS, "config.json")):
         return "export", path
     if (path / "meta.json").is_file():
         return "step", path
@@ -59,27 +85,72 @@ def _resolve(path: Path) -> tuple[str, Path]:
         tag = latest_tag(path)
         if tag is not None:
             return "step", path / tag
-    raise CheckpointError(f"{path}: not an export directory (model.pt), a checkpoint directory "
-                          "(latest) or a step directory (meta.json)")
+    if not path.exists():
+        raise CheckpointError(f"{path}: not found; expected an export or checkpoint directory")
+    raise CheckpointError(f"{path}: not an export directory ({EXPORT_WEIGHTS} + config.json), "
+                          "a checkpoint directory (latest) or a step directory (meta.json)")
+
+
+def _export_parts(where: Path) -> tuple[dict[str, Any], dict[str, Any], Path]:
+    """(config dict, manifest, weights file) of an export, each file checked before use."""
+    cfg_dict = read_json_object(where / "config.json", "the exported model config (JSON object)")
+    manifest = read_json_object(where / "manifest.json", "the export's data manifest (JSON)")
+    return cfg_dict, manifest, export_weights_file(where)
+
+
+def _check_manifest(manifest: dict[str, Any], source: Path) -> None:
+    for key in ("vocab_size", "pad_id"):
+        value = manifest.get(key)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise CheckpointError(f"{source}: field {key!r} is {value!r}; expected a "
+                                  "non-negative integer")
+
+
+def _check_weights(model: torch.nn.Module, state: dict[str, torch.Tensor], source: Path) -> None:
+    """Same names and shapes as the model built from the config, else one line naming them."""
+    own = model.state_dict()
+    missing = [k for k in own if k not in state]
+    unexpected = [k for k in state if k not in own]
+    shapes = [f"{k} {tuple(state[k].shape)} vs {tuple(own[k].shape)}" for k in own
+              if k in state and state[k].shape != own[k].shape]
+    if missing or unexpected or shapes:
+        raise CheckpointError(f"{source}: weights do not match the model of its config "
+                              f"({len(missing)} missing {missing[:3]}, {len(unexpected)} "
+                              f"unexpected {unexpected[:3]}, {len(shapes)} of other shape "
+                              f"{shapes[:2]}); expected weights of the same architecture")
 
 
 def load_for_inference(path: str | Path, device: torch.device | str = "cpu") -> InferenceModel:
     """Load a model for translation, in eval mode, on `device`."""
     kind, where = _resolve(Path(path))
     if kind == "export":
-        cfg_dict = json.loads((where / "config.json").read_text())
-        manifest = json.loads((where / "manifest.json").read_text())
-        state = torch.load(where / EXPORT_WEIGHTS, map_location="cpu", weights_only=True)
+        cfg_dict, manifest, weights = _export_parts(where)
+        cfg_file = where / "config.json"
     else:
         meta = read_meta(where)
-        cfg_dict, manifest = meta["config"], json.loads((where / "manifest.json").read_text())
-        state = consolidated_state_dict(where)
-    cfg = config_from_dict(cfg_dict)
+        cfg_dict, weights = meta["config"], where
+        manifest = read_json_object(where / "manifest.json", "the checkpoint's data manifest")
+        cfg_file = where / "meta.json"
+    _check_manifest(manifest, where / "manifest.json")
+    vocab = _load_vocab(require_file(where / "spm.model", "the sentencepiece model of the data"))
+    try:
+        cfg = config_from_dict(cfg_dict)
+    except MoeTrainError as exc:
+        raise CheckpointError(f"{cfg_file}: {exc}") from None
+    state = load_export_weights(where) if kind == "export" else consolidated_state_dict(where)
     model = build_model(cfg, manifest)
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    if missing or unexpected:
-        raise CheckpointError(f"{where}: weights do not match the config (missing {missing[:3]}, "
-                              f"unexpected {unexpected[:3]})")
+    _check_weights(model, state, weights)
+    model.load_state_dict(state, strict=True)
     model.to(device).eval()
-    return InferenceModel(model=model, vocab=Vocab(where / "spm.model"), cfg=cfg,
-                          manifest=manifest, source=where)
+    return InferenceModel(model=model, vocab=vocab, cfg=cfg, manifest=manifest, source=where)
+
+
+def _load_vocab(spm: Path) -> Vocab:
+    try:
+        return Vocab(spm)
+    except MoeTrainError:
+        raise
+    except Exception as exc:  # noqa: BLE001  (sentencepiece raises RuntimeError / OSError)
+        text = str(exc).strip()
+        raise CheckpointError(f"{spm}: not a readable sentencepiece model ({type(exc).__name__}: "
+                              f"{text.splitlines()[0] if text else 'no message'})") from None

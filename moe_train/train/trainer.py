@@ -23,25 +23,29 @@ from moe_train.config.schema import ExperimentConfig
 from moe_train.data.batching import Batch, TrainBatchIterator, eval_batches
 from moe_train.data.prepare import load_manifest, load_vocab
 from moe_train.data.shards import ShardedDataset
+from moe_train.errors import CheckpointError, MoeTrainError
 from moe_train.eval.decode import batch_context
 from moe_train.eval.evaluate import evaluate_dataset
 from moe_train.models.build import build_model, moe_layers
-from moe_train.parallel.collectives import all_reduce_floats, grad_norm_and_clip
+from moe_train.parallel.collectives import (all_reduce_floats, grad_norm_and_clip,
+                                            parameters_are_finite, step_is_finite)
 from moe_train.parallel.expert_checkpoint import (detach_experts_from_state_dict, expert_modules,
                                                   full_expert_state, load_expert_shards,
                                                   save_expert_shards)
-from moe_train.parallel.zero_clip import exact_ep_grad_norm
+from moe_train.parallel.step_guard import (check_zero_optimizer, loss_scale, skipped_update,
+                                           zero_grad_norm)
 from moe_train.parallel.expert_parallel import (check_moe_against_data,
                                                 deepspeed_sees_moe_layers, moe_param_groups,
                                                 setup_expert_parallel,
                                                 without_deepspeed_moe_checkpointing,
                                                 wire_expert_parallel)
 from moe_train.parallel.runtime import ParallelRuntime
-from moe_train.train.checkpoint import latest_tag, load_checkpoint, save_checkpoint
+from moe_train.train.checkpoint import latest_tag, load_checkpoint, read_meta, save_checkpoint
 from moe_train.train.ds_config import build_deepspeed_config
 from moe_train.train.export import export_inference
 from moe_train.train.loss import label_smoothed_nll
 from moe_train.train.monitor import Monitor, peak_memory_mb
+from moe_train.train.resume import check_resume_config
 from moe_train.train.schedule import inverse_sqrt_scheduler
 
 
@@ -99,24 +103,32 @@ class Trainer:
                                                         lr_scheduler=scheduler,
                                                         config=self.ds_config,
                                                         dist_init_required=False)
-        if cfg.optim.zero_stage in (1, 2) and rt.ep_size > 1:
-            exact_ep_grad_norm(self.engine.optimizer, rt)
+        if cfg.optim.zero_stage in (1, 2):
+            check_zero_optimizer(self.engine.optimizer)
         self.batches = TrainBatchIterator(
             self.train_set, cfg.data.max_tokens, self.vocab.pad_id, self.vocab.bos_id,
             self.vocab.eos_id, seed=cfg.train.seed, temperature=cfg.data.temperature,
             dp_rank=rt.dp_rank, dp_world=rt.dp_world, grad_accum=cfg.optim.grad_accum)
         self.step = 0
         self.tokens_seen = 0
+        self.tokens_unsaved = 0.0  # tokens this rank trained on since tokens_seen was updated
         self.aux_window: dict[str, float] = {}  # aux losses summed since the last log line
         self.moe_layers = moe_layers(self.engine.module)
         self.expert_param_ids = {id(p) for _, m in expert_modules(self.engine.module)
                                  for p in m.parameters()}
         self.last_grad_norm: float | None = None
+        self.nonfinite_steps = 0  # skipped steps in this process's run, and the current streak
+        self.nonfinite_in_a_row = 0
         self.ckpt_dir = Path(cfg.checkpoint.dir)
-        if resume and latest_tag(self.ckpt_dir) is not None:
+        tag = latest_tag(self.ckpt_dir, warn=self._log_main) if resume else None
+        if resume and tag is None:
+            self._log_main(f"| resume: no checkpoint in {self.ckpt_dir}; starting from step 0")
+        if tag is not None:  # strict: the config must match (train/resume.py)
+            check_resume_config(read_meta(self.ckpt_dir / tag)["config"], cfg.to_dict(),
+                                str(self.ckpt_dir / tag), log=self._log_main)
             with without_deepspeed_moe_checkpointing(self.engine):
-                meta = load_checkpoint(self.engine, rt, self.ckpt_dir,
-                                       load_extra=self._load_experts)
+                meta = load_checkpoint(self.engine, rt, self.ckpt_dir, tag=tag,
+                                       load_extra=self._load_experts, log=self._log_main)
             self.step = meta["step"]
             self.tokens_seen = meta.get("tokens_seen", 0)
             self.batches.load_state_dict(meta["data_state"])
@@ -141,33 +153,78 @@ class Trainer:
             self.aux_window[key] = self.aux_window.get(key, 0.0) + aux.detach().item()
         return scaled, loss_sum.detach().item(), nll_sum.detach().item()
 
-    def _clip_gradients(self) -> None:
-        """Our own clipping under ZeRO 0 (DeepSpeed's engine-level clipping does not know which
-        parameters are experts): the global norm counts each expert once; recorded for logs.
-        Under ZeRO 1/2 DeepSpeed's optimizer clips, with `exact_ep_grad_norm` pinning its norm."""
+    def _clip_gradients(self) -> float:
+        """The global norm of the unscaled (fp16: loss scale divided out) gradients, counting
+        each expert once; recorded for logs. Under ZeRO 0 we clip ourselves (DeepSpeed's
+        engine-level clipping does not know which parameters are experts); under ZeRO 1/2
+        DeepSpeed's optimizer clips in `engine.step()` with its own, equal, norm."""
         if self.cfg.optim.zero_stage == 0:
             self.last_grad_norm = grad_norm_and_clip(self.engine.module, self.expert_param_ids,
-                                                     self.rt, self.cfg.optim.clip_norm)
+                                                     self.rt, self.cfg.optim.clip_norm,
+                                                     loss_scale(self.engine))
+        else:
+            self.last_grad_norm = zero_grad_norm(self.engine.optimizer)
+        return self.last_grad_norm
 
     def train_step(self) -> dict[str, float]:
-        """Consume one optimizer step of micro-batches; returns local sums for logging."""
+        """Consume one optimizer step of micro-batches; returns local sums for logging.
+
+        A step whose loss or global gradient norm is not finite on some rank is skipped on all
+        ranks (one agreed decision): no parameter, optimizer-moment or lr-scheduler change, the
+        gradients are dropped; its sums are zero and `nonfinite` is 1.
+        """
         self.engine.train()
         loss_tot = nll_tot = 0.0
         ntok = 0
         micro = next(self.batches)
         self.last_grad_norm = None
+        finite = True
         for i, batch in enumerate(micro):
             batch = batch.to(self.rt.device)
             scaled, loss_sum, nll_sum = self._forward_loss(batch)
             self.engine.backward(scaled)
-            if i == len(micro) - 1:  # gradients are reduced at the accumulation boundary
-                self._clip_gradients()
-            self.engine.step()
             loss_tot += loss_sum
             nll_tot += nll_sum
             ntok += batch.n_tgt_tokens
+            if i < len(micro) - 1:
+                self.engine.step()  # accumulating: no update yet
+                continue
+            # gradients are reduced at the accumulation boundary
+            finite = step_is_finite(self.rt, loss_tot, self._clip_gradients())
+            with contextlib.nullcontext() if finite else skipped_update(self.engine):
+                self.engine.step()
         self.step += 1
-        return {"loss": loss_tot, "nll": nll_tot, "tokens": float(ntok)}
+        if not finite:
+            return {"loss": 0.0, "nll": 0.0, "tokens": 0.0, "nonfinite": 1.0}
+        return {"loss": loss_tot, "nll": nll_tot, "tokens": float(ntok), "nonfinite": 0.0}
+
+    def _count_nonfinite(self, skipped: bool) -> None:
+        """Log a skipped step; stop after `optim.max_nonfinite_steps` of them in a row (every
+        rank raises together: the decision was collective)."""
+        if not skipped:
+            self.nonfinite_in_a_row = 0
+            return
+        self.nonfinite_steps += 1
+        self.nonfinite_in_a_row += 1
+        self.monitor.scalars(self.step, {"train/nonfinite_steps": float(self.nonfinite_steps)})
+        self.monitor.print(
+            f"| step {self.step:>6} | non-finite loss or gradient norm (grad norm "
+            f"{self.last_grad_norm}): update skipped on every rank | {self.nonfinite_in_a_row} "
+            f"in a row, {self.nonfinite_steps} in total")
+        limit = self.cfg.optim.max_nonfinite_steps
+        if self.nonfinite_in_a_row >= limit:
+            raise MoeTrainError(
+                f"optim.max_nonfinite_steps: {limit} consecutive steps (up to step {self.step}) "
+                f"had a non-finite loss or gradient norm; stopped; last good checkpoint: "
+                f"{self._last_good_checkpoint()}")
+
+    def _last_good_checkpoint(self) -> str:
+        """The checkpoint `--resume` would load, for the one-line stop messages."""
+        try:
+            tag = latest_tag(self.ckpt_dir, warn=None)
+        except CheckpointError:
+            tag = None
+        return str(self.ckpt_dir / tag) if tag else f"none complete in {self.ckpt_dir}"
 
     # ------------------------------------------------------------------ validation
     @torch.no_grad()
@@ -205,6 +262,13 @@ class Trainer:
 
     # ------------------------------------------------------------------ checkpoints
     def save(self) -> Path:
+        if not parameters_are_finite(self.rt, self.engine.module):  # never checkpoint NaN
+            raise CheckpointError(f"{self.ckpt_dir}: refusing to save step {self.step}: a "
+                                  f"parameter is NaN or infinite; last good checkpoint: "
+                                  f"{self._last_good_checkpoint()}")
+        (tokens,) = all_reduce_floats(self.rt, self.tokens_unsaved)
+        self.tokens_seen += int(tokens)
+        self.tokens_unsaved = 0.0
         meta = {"step": self.step, "tokens_seen": self.tokens_seen,
                 "data_state": self.batches.state_dict(), "config": self.cfg.to_dict(),
                 "world_size": self.rt.world_size}
@@ -214,6 +278,11 @@ class Trainer:
             return save_checkpoint(self.engine, self.rt, self.ckpt_dir, self.step, meta,
                                    attachments, self.cfg.checkpoint.keep_last,
                                    save_extra=self._save_experts)
+
+    def _log_main(self, msg: str) -> None:
+        """A line from rank 0 (before the monitor exists: resume messages)."""
+        if self.rt.is_main:
+            print(msg, flush=True)
 
     def _save_experts(self, tag_dir: Path) -> None:
         if self.cfg.uses_experts:
@@ -236,6 +305,8 @@ class Trainer:
     def _log(self, window: dict[str, float], elapsed: float) -> None:
         loss, nll, tokens = all_reduce_floats(self.rt, window["loss"], window["nll"],
                                               window["tokens"])
+        if tokens == 0:  # every step of the window was skipped: no loss to report
+            loss = nll = float("nan")
         tokens = max(tokens, 1.0)
         grad_norm = self.last_grad_norm
         if grad_norm is None:
@@ -249,6 +320,7 @@ class Trainer:
                   "train/epoch": float(self.batches.epoch)}
         if grad_norm is not None:
             values["train/grad_norm"] = float(grad_norm)
+        values["train/nonfinite_steps"] = float(self.nonfinite_steps)
         steps = max(self.cfg.train.log_every * self.cfg.optim.grad_accum, 1)
         for key, total in self.aux_window.items():
             values[f"moe/aux_{key}"] = total / steps
@@ -300,9 +372,11 @@ class Trainer:
         train_tokens_local = 0.0
         while self.step < tc.max_steps:
             sums = self.train_step()
+            self._count_nonfinite(bool(sums["nonfinite"]))
             for k in window:
                 window[k] += sums[k]
             train_tokens_local += sums["tokens"]
+            self.tokens_unsaved += sums["tokens"]
             if self.step % tc.log_every == 0:
                 self._log(window, time.time() - window_start)
                 window = {k: 0.0 for k in window}
@@ -322,7 +396,6 @@ class Trainer:
                 break
         elapsed = time.time() - start
         (tokens,) = all_reduce_floats(self.rt, train_tokens_local)
-        self.tokens_seen += int(tokens)
         final = self._validate(with_bleu=True)
         path = self.save()
         export = self.export(path)

@@ -1,8 +1,9 @@
 """Worker for the data-parallel equivalence test (run as a subprocess, one per rank).
 
-Trains `steps` optimizer steps with the real Trainer and saves, per rank, the reduced gradients
-of step 1 (read after the accumulation-boundary backward, before clipping and the optimizer
-step), the global gradient norm of every step, and the parameters after every step.
+Trains `steps` optimizer steps through the real `Trainer.train_step` and saves, per rank, the
+reduced gradients of step 1 (observed when train_step asks for the gradient norm: after the
+accumulation-boundary backward, before clipping and the optimizer step), the global gradient norm
+of every step (`trainer.last_grad_norm`), and the parameters after every step.
 """
 
 import sys
@@ -18,25 +19,25 @@ def main(config: str, out: str, steps: int, *overrides: str) -> None:
     cfg = load_config(config, list(overrides))
     rt = init_runtime()
     trainer = Trainer(cfg, rt)
-    engine = trainer.engine
+    module = trainer.engine.module
     rt = trainer.rt  # with its expert-parallel groups
-    record = {"grads": None, "params": [], "norms": [], "ep_rank": rt.ep_rank,
+    record = {"grads": None, "params": [], "norms": [], "nonfinite": [], "ep_rank": rt.ep_rank,
               "ep_size": rt.ep_size}
-    for step in range(int(steps)):
-        micro = next(trainer.batches)
-        for i, batch in enumerate(micro):
-            scaled, _, _ = trainer._forward_loss(batch.to(rt.device))
-            engine.backward(scaled)
-            if i == len(micro) - 1:
-                if step == 0:
-                    record["grads"] = {n: p.grad.detach().clone()
-                                       for n, p in engine.module.named_parameters()
-                                       if p.grad is not None}
-                trainer._clip_gradients()
-                record["norms"].append(trainer.last_grad_norm)
-            engine.step()
-        record["params"].append({n: p.detach().clone()
-                                 for n, p in engine.module.named_parameters()})
+    clip = trainer._clip_gradients
+
+    def observe_then_clip() -> float:
+        if record["grads"] is None:
+            record["grads"] = {n: p.grad.detach().clone() for n, p in module.named_parameters()
+                               if p.grad is not None}
+        return clip()
+
+    trainer._clip_gradients = observe_then_clip  # an observer; train_step itself is unchanged
+    for _ in range(int(steps)):
+        sums = trainer.train_step()
+        record["nonfinite"].append(sums["nonfinite"])
+        record["norms"].append(trainer.last_grad_norm)
+        record["params"].append({n: p.detach().clone() for n, p in module.named_parameters()})
+    record["step"] = trainer.step
     torch.save(record, f"{out}.rank{rt.rank}.pt")
     shutdown(rt)
 

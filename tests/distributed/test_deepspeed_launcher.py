@@ -34,6 +34,6 @@ def test_deepspeed_launcher_two_ranks(tiny_prepared, tmp_path):
     assert sorted(p.name for p in step_dir.glob("*optim_states.pt"))  # ZeRO-1 shards
     meta = json.loads((step_dir / "meta.json").read_text())
     assert meta["step"] == 12 and meta["world_size"] == 2
-    assert (ckpt / "export" / "model.pt").is_file()
+    assert (ckpt / "export" / "model.safetensors").is_file()
     summary = json.loads([l for l in proc.stdout.splitlines() if l.startswith("{")][-1])
     assert summary["step"] == 12 and "dev/bleu" in summary

@@ -1,4 +1,5 @@
-"""The same `train` command under torchrun and under mpirun (ranks discovered through mpi4py)."""
+"""The same `train` command under torchrun, mpirun (ranks discovered through mpi4py) and a bare
+`srun` (SLURM_PROCID / SLURM_NTASKS; the SLURM test needs ../shared/tools/local-cluster.sh)."""
 
 import json
 import os
@@ -59,3 +60,16 @@ def test_mpirun_two_ranks(tiny_prepared, tmp_path):
         cmd.insert(1, "--allow-run-as-root")
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     _check(proc, work, "mpi")
+
+
+def test_srun_two_ranks_without_launcher(tiny_prepared, tmp_path):
+    """`srun -n 2 python -m moe_train train`: ranks, master host and port all from SLURM's env."""
+    from tests.distributed.test_multinode import _slurm_partition, skip_unless_cluster
+
+    partition, why = _slurm_partition()
+    skip_unless_cluster(why)
+    work = tmp_path / "w"
+    cmd = ["srun", "-p", partition, "-N", "1", "-n", "2", "--kill-on-bad-exit=1", "--time=5",
+           sys.executable, *_train_args(tiny_prepared, work)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=cli_env(), capture_output=True, text=True, timeout=300)
+    _check(proc, work, "slurm")

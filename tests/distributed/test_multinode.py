@@ -6,7 +6,8 @@
   through srun (--no_ssh), two CPU ranks.
 
 Both train world size 2 and write both ranks' RNG state. The tests never start the cluster; they
-skip, saying why, when it is not up.
+skip, saying why, when it is not up. `.ci/run` starts it and sets MOE_TRAIN_CLUSTER=up when it came
+up: then a missing piece fails these tests instead of skipping them.
 """
 
 from __future__ import annotations
@@ -35,6 +36,15 @@ TRICKY = ["data.pairs=[en-de]", "data.domains=[it, law, medical, religion, subti
 def _short_run(overrides: list[str]) -> list[str]:
     return [*overrides, "train.max_steps=4", "checkpoint.save_every=4", "train.validate_every=0",
             "train.bleu_sentences=5", "data.max_tokens=400", *TRICKY]
+
+
+def skip_unless_cluster(why: str | None) -> None:
+    """Skip with `why` (or fail, when CI brought the cluster up and said so)."""
+    if why is None:
+        return
+    if os.environ.get("MOE_TRAIN_CLUSTER") == "up":
+        pytest.fail(f"MOE_TRAIN_CLUSTER=up but the cluster is unusable: {why}")
+    pytest.skip(why)
 
 
 def _ssh_cluster_missing() -> str | None:
@@ -104,9 +114,7 @@ def _check_trained(out: str, ckpt: Path) -> None:
 
 
 def test_multinode_sh_pdsh_two_nodes(tiny_prepared, tmp_path):
-    why = _ssh_cluster_missing()
-    if why:
-        pytest.skip(why)
+    skip_unless_cluster(_ssh_cluster_missing())
     from moe_train.parallel.runtime import free_port
 
     # Launched from a work directory outside the checkout, with a relative hostfile, as users do;
@@ -125,8 +133,7 @@ def test_multinode_sh_pdsh_two_nodes(tiny_prepared, tmp_path):
 
 def test_sbatch_template_two_cpu_ranks(tiny_prepared, tmp_path):
     partition, why = _slurm_partition()
-    if why:
-        pytest.skip(why)
+    skip_unless_cluster(why)
     env = cli_env()
     env["GPUS_PER_NODE"] = "2"
     name = f"moe-test-{uuid.uuid4().hex[:8]}"
@@ -148,7 +155,7 @@ def test_sbatch_template_two_cpu_ranks(tiny_prepared, tmp_path):
             time.sleep(2)
         else:
             if state == "PENDING":
-                pytest.skip(f"SLURM job {job} still pending after 240 s (node busy?)")
+                skip_unless_cluster(f"SLURM job {job} still pending after 240 s (node busy?)")
             pytest.fail(f"SLURM job {job} still {state} after 240 s\n"
                         f"{out_file.read_text()[-4000:] if out_file.exists() else ''}")
     finally:

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from moe_train.train.export import load_export_weights
 from tests.conftest import ROOT, cli_env, run_cli
 
 CONFIG = str(ROOT / "configs" / "moa-synthetic.yaml")
@@ -59,9 +60,8 @@ def test_pipeline_recovers_the_synthetic_domains(moa_run):
 
 def test_frozen_parameters_are_bitwise_unchanged(moa_run):
     root = moa_run[0]
-    weights = "checkpoints/export/model.pt"
-    before = torch.load(root / "run" / "backbone" / weights, weights_only=True)
-    after = torch.load(root / "run" / "adapters" / weights, weights_only=True)
+    before = load_export_weights(root / "run" / "backbone" / "checkpoints" / "export")
+    after = load_export_weights(root / "run" / "adapters" / "checkpoints" / "export")
     frozen = [k for k in before if ".adapter." not in k]
     assert frozen and all(torch.equal(before[k], after[k]) for k in frozen)
     gate = torch.load(root / "run" / "distill" / "gate.pt", weights_only=True)
@@ -131,6 +131,5 @@ def test_two_ranks_features_equal_one_rank_and_adapters_run_with_ep2(moa_run, tm
     shards = sorted(p.name for p in (work / "adapters" / "checkpoints" / "step_00000010").glob(
         "experts_ep*of2.pt"))
     assert shards == ["experts_ep0of2.pt", "experts_ep1of2.pt"]
-    state = torch.load(work / "adapters" / "checkpoints" / "export" / "model.pt",
-                       weights_only=True)
+    state = load_export_weights(work / "adapters" / "checkpoints" / "export")
     assert state["decoder_layers.0.adapter.moe.experts.w_down_EDR"].shape[0] == 4

@@ -7,6 +7,7 @@ import time
 
 import torch
 
+from moe_train.train.checkpoint import consolidated_state_dict
 from tests.conftest import ROOT, cli_env, debug_overrides, run_cli
 
 CONFIG = str(ROOT / "configs" / "debug-cpu.yaml")
@@ -21,7 +22,7 @@ def _overrides(prepared, work):
 
 
 def _weights(work):
-    return torch.load(work / "ckpt" / "export" / "model.pt")
+    return consolidated_state_dict(work / "ckpt" / f"step_{STEPS:08d}")
 
 
 def test_resume_after_kill_is_bitwise_equal(tiny_prepared, tmp_path):

@@ -3,14 +3,21 @@ PCA dims, PUR/NMI report, and every user error with its message."""
 
 from __future__ import annotations
 
-import pickle
+import functools
+import zipfile
+from dataclasses import fields
 
 import numpy as np
 import pytest
+import skops.io as sio
+import sklearn
+from sklearn.cluster import Birch
+from sklearn.decomposition import PCA
 from sklearn.metrics import normalized_mutual_info_score
 
-from moe_train.errors import ConfigError, DataError
-from moe_train.stages.cluster_core import (CLUSTERERS, FittedClusterer, _first_appearance_map,
+from moe_train.errors import CheckpointError, ConfigError, DataError
+from moe_train.stages.cluster_core import (CLUSTERERS, FORMAT_VERSION, FittedClusterer,
+                                           SubclusterPredictor, _first_appearance_map,
                                            cluster_report, fit_clusterer, load_clusterer)
 
 C, D = 5, 32  # domains, feature dim
@@ -105,15 +112,33 @@ def test_float32_and_float64_inputs_agree(data, fitted):
 
 def test_save_load_round_trip(tmp_path, data, fitted):
     for method in METHODS:
-        path = tmp_path / "sub" / f"{method}.pkl"
+        path = tmp_path / "sub" / f"{method}.skops"
         fitted[method].save(path)
+        assert zipfile.is_zipfile(path)  # a skops archive
         loaded = load_clusterer(path)
         assert (loaded.method, loaded.num_clusters, loaded.dims) == (method, C, D)
+        assert type(loaded.model) is type(fitted[method].model)
         np.testing.assert_array_equal(loaded.label_map_K, fitted[method].label_map_K)
         np.testing.assert_array_equal(loaded.predict(data["x_held"]),
                                       fitted[method].predict(data["x_held"]))
     # atomic write: only the final files, no temporaries left beside them
-    assert sorted(p.name for p in (tmp_path / "sub").iterdir()) == [f"{m}.pkl" for m in METHODS]
+    assert sorted(p.name for p in (tmp_path / "sub").iterdir()) == [f"{m}.skops" for m in METHODS]
+
+
+def test_birch_is_kept_as_its_predictor(data):
+    # the stored form predicts exactly what the fitted Birch predicts
+    z_NP = _pca_features(data["x"])
+    birch = Birch(n_clusters=C).fit(z_NP)
+    kept = SubclusterPredictor.from_birch(birch)
+    held = _pca_features(data["x"], data["x_held"])
+    np.testing.assert_array_equal(kept.predict(held), birch.predict(held))
+    np.testing.assert_array_equal(kept.predict(z_NP), birch.predict(z_NP))
+
+
+def _pca_features(x_fit: np.ndarray, x: np.ndarray | None = None) -> np.ndarray:
+    """`x` (default: `x_fit`) in 8 PCA dims fitted on `x_fit`."""
+    pca = PCA(n_components=8, random_state=0).fit(x_fit.astype(np.float64))
+    return pca.transform((x_fit if x is None else x).astype(np.float64))
 
 
 @pytest.mark.parametrize("n, d, pca_dim, dims", [(60, 8, 64, 8), (6, 8, 64, 6), (60, 8, 3, 3)])
@@ -199,23 +224,69 @@ def test_report_domain_out_of_range():
         cluster_report(np.array([0, 1]), np.array([0, 2]), ["a", "b"])
 
 
+def _state(f: FittedClusterer, **change) -> dict:
+    """The dict `save` writes, with `change` applied (for hand-made files)."""
+    state = {fl.name: getattr(f, fl.name) for fl in fields(f)}
+    state |= {"format_version": FORMAT_VERSION, "sklearn_version": sklearn.__version__}
+    return state | change
+
+
 def test_load_missing_and_corrupt(tmp_path, fitted):
-    missing = tmp_path / "nope.pkl"
-    with pytest.raises(DataError) as exc:
+    missing = tmp_path / "nope.skops"
+    with pytest.raises(CheckpointError) as exc:
         load_clusterer(missing)
     assert one_line(exc).startswith(f"{missing}: clusterer file not found")
 
-    good = tmp_path / "good.pkl"
+    good = tmp_path / "good.skops"
     fitted["kmeans"].save(good)
     blob = good.read_bytes()
-    cases = {"garbage.pkl": b"not a pickle at all",
-             "truncated.pkl": blob[: len(blob) // 2],
-             "empty.pkl": b"",
-             "foreign.pkl": pickle.dumps([1, 2, 3]),
-             "future.pkl": pickle.dumps({"format_version": 99}),
-             "partial.pkl": pickle.dumps({"format_version": 1, "method": "gmm"})}
-    for name, content in cases.items():
+    cases = {"garbage.skops": (b"not a skops file at all", "not a readable clusterer file"),
+             "truncated.skops": (blob[: len(blob) // 2], "not a readable clusterer file"),
+             "empty.skops": (b"", "not a readable clusterer file"),
+             "foreign.skops": (sio.dumps([1, 2, 3]), "not a clusterer file of format 2 (found "
+                                                     "'list')"),
+             "future.skops": (sio.dumps({"format_version": 99}), "(found 99)"),
+             "partial.skops": (sio.dumps({"format_version": FORMAT_VERSION, "method": "gmm"}),
+                               "malformed clusterer file (missing pca, model,"),
+             "wrongmodel.skops": (sio.dumps(_state(fitted["kmeans"], method="gmm")),
+                                  "model is a KMeans, expected GaussianMixture"),
+             "wrongpca.skops": (sio.dumps(_state(fitted["kmeans"], pca=[1.0])),
+                                "pca is a list, expected PCA")}
+    for name, (content, expected) in cases.items():
         (tmp_path / name).write_bytes(content)
-        with pytest.raises(DataError) as exc:
+        with pytest.raises(CheckpointError) as exc:
             load_clusterer(tmp_path / name)
-        assert one_line(exc).startswith(f"{tmp_path / name}: "), name
+        msg = one_line(exc)
+        assert msg.startswith(f"{tmp_path / name}: "), name
+        assert expected in msg, (name, msg)
+
+
+def test_untrusted_types_are_refused_before_loading(tmp_path, fitted):
+    bad = tmp_path / "evil.skops"
+    # a callable object where a string belongs: skops would build it if trusted
+    sio.dump(_state(fitted["gmm"], method=functools.partial(print, "ran")), bad)
+    with pytest.raises(CheckpointError) as exc:
+        load_clusterer(bad)
+    msg = one_line(exc)
+    assert msg.startswith(f"{bad}: holds untrusted types ") and "functools.partial" in msg
+    assert "refusing to load it" in msg and "builtins.print" in msg
+
+
+def test_sklearn_version_is_checked(tmp_path, fitted, caplog):
+    major, minor, *_ = sklearn.__version__.split(".")
+    other_minor = tmp_path / "minor.skops"
+    sio.dump(_state(fitted["gmm"], sklearn_version=f"{major}.{int(minor) + 1}.0"), other_minor)
+    with pytest.raises(CheckpointError) as exc:
+        load_clusterer(other_minor)
+    msg = one_line(exc)
+    assert f"scikit-learn {major}.{int(minor) + 1}.0" in msg and sklearn.__version__ in msg
+    unversioned = tmp_path / "unversioned.skops"
+    sio.dump(_state(fitted["gmm"], sklearn_version=None), unversioned)
+    with pytest.raises(CheckpointError, match="no scikit-learn version stored"):
+        load_clusterer(unversioned)
+    # another patch release of the same minor: loaded, with a warning naming both versions
+    patch = tmp_path / "patch.skops"
+    sio.dump(_state(fitted["gmm"], sklearn_version=f"{major}.{minor}.999"), patch)
+    with caplog.at_level("WARNING"):
+        assert load_clusterer(patch).method == "gmm"
+    assert f"{major}.{minor}.999" in caplog.text and sklearn.__version__ in caplog.text

@@ -76,8 +76,9 @@ def test_other_forms_fall_back_to_the_token_sort():
 class TokenPathDispatcher(LocalDispatcher):
     """The reference: LocalDispatcher with the sentence fast path switched off."""
 
-    def dispatch(self, x_TD, routing):
-        return super().dispatch(x_TD, dataclasses.replace(routing, sentence_expert_ids_BK=None))
+    def dispatch(self, x_TD, routing, drop=True):
+        return super().dispatch(x_TD, dataclasses.replace(routing, sentence_expert_ids_BK=None),
+                                drop)
 
 
 def _layer_pair(router_name: str, k: int, **cfg) -> tuple[MoELayer, MoELayer]:

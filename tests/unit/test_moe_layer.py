@@ -74,6 +74,28 @@ def test_dropless_never_drops_under_total_imbalance():
     assert counts_E.tolist()[3] == T // E and int(meta.dropped) == T - T // E
 
 
+def test_capacity_limit_applies_while_training_only():
+    """Training drops the overflow; evaluation (and so decoding) is dropless and equals the
+    per-token reference."""
+    torch.manual_seed(0)
+    E, D, T = 4, 8, 32
+    router = build_router("switch", D, E, RouterConfig(k=1))
+    with torch.no_grad():
+        router.gate.weight.weight.zero_()
+        router.gate.weight.weight[2] = 1.0  # every token (all features > 0) prefers expert 2
+    layer = MoELayer(router, LocalDispatcher(E, capacity_factor=1.0), Experts(E, D, 16))
+    x = torch.randn(1, T, D).abs()
+    ctx = ForwardContext(side="encoder")
+    layer.train()
+    layer(x, ctx)
+    assert int(layer.dropped_slots) == T - T // E
+    y, _ = layer.eval()(x, ctx)
+    assert int(layer.dropped_slots) == 0
+    routing = router.route(x.reshape(T, D))
+    ref = _reference(x.reshape(T, D), layer.experts, routing.expert_ids_TK, routing.weights_TK)
+    torch.testing.assert_close(y.reshape(T, D), ref, atol=1e-5, rtol=1e-5)
+
+
 def test_moe_layer_skips_padding_and_matches_reference():
     torch.manual_seed(0)
     E, D = 4, 8
@@ -115,7 +137,7 @@ def test_model_places_moe_layers_from_config():
 @pytest.mark.parametrize("override, message", [
     (["moe.num_experts=6", "moe.ep_size=4"], "moe.num_experts: expected a multiple of moe.ep_size"),
     (["moe.num_experts=4", "moe.k=5"], "moe.k: expected at most moe.num_experts (4), got 5"),
-    (["moe.num_experts=4", "moe.encoder_router=hash"], "moe.router: unknown router 'hash'"),
+    (["moe.num_experts=4", "moe.encoder_router=hash"], "moe.encoder_router: expected dense or one of gshard"),
     (["moe.layers=odd"], "moe.layers: expected every_other, all, or a comma list"),
 ])
 def test_bad_moe_configs_fail_in_one_line(override, message):

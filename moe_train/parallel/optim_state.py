@@ -1,0 +1,157 @@
+"""Per-parameter Adam state under ZeRO 0, 1 and 2, independent of how it is partitioned.
+
+Under ZeRO 0 the optimizer keeps a state dict per parameter. Under ZeRO 1/2 DeepSpeed keeps one
+flat fp32 partition per parameter group and rank, and maps each parameter to its fragment
+(``param._hp_mapping``, the basis of its tensor-fragment API `safe_get_full_optimizer_state` /
+`safe_set_full_optimizer_state`). We read and write through that mapping directly: DeepSpeed's
+getters fail when its optimizer-state links are stale (they are made once, after the first
+step), ours read the partition's current Adam state. Getting is COLLECTIVE (an all-reduce over the
+parameter's data-parallel group: the expert-data group for experts), so every rank calls it for
+the same parameters in the same order; setting is local (each rank writes the fragment it owns).
+
+With these, checkpoints store moments per parameter (experts under their global index), so a run
+resumes at another world size or ep size with its optimizer state (DeepSpeed 0.19.8 itself refuses
+to load ZeRO optimizer partitions at another data-parallel world size).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from moe_train.errors import CheckpointError
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def is_zero_partitioned(optimizer: Any) -> bool:
+    """Whether `optimizer` is DeepSpeed's ZeRO stage 1/2 optimizer (flat fp32 partitions)."""
+    return hasattr(optimizer, "single_partition_of_fp32_groups")
+
+
+def _base(optimizer: Any) -> Any:
+    return optimizer.optimizer if is_zero_partitioned(optimizer) else optimizer
+
+
+def adam_step(optimizer: Any) -> float:
+    """Adam's update count (0.0 before the first step)."""
+    for slot in _base(optimizer).state.values():
+        if "step" in slot:
+            return float(slot["step"])
+    return 0.0
+
+
+def _fragment(optimizer: Any, p: nn.Parameter) -> tuple[Tensor, Any, Any] | None:
+    """(flat fp32 partition, its fragment address, the parameter's address) or None when this
+    rank's partition holds no part of `p`."""
+    mapping = getattr(p, "_hp_mapping", None)
+    if mapping is None:
+        return None
+    flat = optimizer.single_partition_of_fp32_groups[mapping.param_group_index]
+    return flat, mapping.hp_fragment_address, mapping.lp_fragment_address
+
+
+def _zero_get(optimizer: Any, p: nn.Parameter, key: str | None) -> Tensor:
+    """The full fp32 value (key None) or Adam state `key` of `p`: every rank contributes its
+    fragment and the data-parallel group all-reduces (DeepSpeed's `get_full_hp_param`, reading
+    the partition itself, so it also works before DeepSpeed links its optimizer fragments)."""
+    buf = torch.zeros(p.numel(), dtype=torch.float32, device=p.device)
+    frag = _fragment(optimizer, p)
+    if frag is not None:
+        flat, hp, lp = frag
+        src = flat if key is None else optimizer.optimizer.state.get(flat, {}).get(key)
+        if src is not None:
+            buf.narrow(0, lp.start, lp.numel).copy_(src.narrow(0, hp.start, hp.numel))
+    dist.all_reduce(buf, group=p._dp_group)
+    return buf.view(p.shape).cpu()
+
+
+def _zero_set(optimizer: Any, p: nn.Parameter, key: str | None, value: Tensor,
+              step: float = 0.0) -> None:
+    """Write this rank's fragment of `value` (full tensor) into the partition (local)."""
+    frag = _fragment(optimizer, p)
+    if frag is None:
+        return
+    flat, hp, lp = frag
+    if key is None:
+        dst = flat.data
+    else:
+        slot = optimizer.optimizer.state[flat]
+        if not all(k in slot for k in MOMENTS):  # Adam's state is created lazily
+            slot.update({k: torch.zeros_like(flat) for k in MOMENTS})
+            slot["step"] = torch.tensor(step, dtype=torch.float32)
+        dst = slot[key]
+    src = value.reshape(-1).to(dst.device, dst.dtype)
+    dst.narrow(0, hp.start, hp.numel).copy_(src.narrow(0, lp.start, lp.numel))
+
+
+def fp32_param(optimizer: Any, p: nn.Parameter) -> Tensor:
+    """The fp32 master value of `p` (collective under ZeRO 1/2)."""
+    if is_zero_partitioned(optimizer):
+        return _zero_get(optimizer, p, None)
+    return p.detach().float().cpu().clone()
+
+
+def get_moments(optimizer: Any, p: nn.Parameter) -> dict[str, Tensor] | None:
+    """Full Adam moments of `p` on CPU, or None before the first step (collective, ZeRO 1/2)."""
+    if is_zero_partitioned(optimizer):
+        if adam_step(optimizer) == 0.0:  # same answer on every rank
+            return None
+        return {k: _zero_get(optimizer, p, k) for k in MOMENTS}
+    slot = optimizer.state.get(p, {})
+    if not all(k in slot for k in MOMENTS):
+        return None
+    return {k: slot[k].detach().cpu().clone() for k in MOMENTS}
+
+
+def set_param(optimizer: Any, p: nn.Parameter, value: Tensor) -> None:
+    """Set `p` and its fp32 master copy (local: each rank writes what it owns)."""
+    with torch.no_grad():
+        p.copy_(value.to(p.device, p.dtype))
+    if is_zero_partitioned(optimizer):
+        _zero_set(optimizer, p, None, value)
+
+
+def set_moments(optimizer: Any, p: nn.Parameter, moments: dict[str, Tensor], step: float) -> None:
+    """Set the Adam moments of `p` from full tensors (local)."""
+    if is_zero_partitioned(optimizer):
+        for k in MOMENTS:
+            _zero_set(optimizer, p, k, moments[k], step)
+        return
+    slot = optimizer.state.setdefault(p, {})
+    for k in MOMENTS:
+        slot[k] = moments[k].to(p.device, p.dtype).clone()
+    slot["step"] = torch.tensor(step, dtype=torch.float32)
+
+
+def dense_state(model: nn.Module, optimizer: Any, skip: set[int]) -> dict[str, Any]:
+    """fp32 values and moments of every trainable parameter not in `skip` (collective)."""
+    params, moments = {}, {}
+    for name, p in model.named_parameters():
+        if not p.requires_grad or id(p) in skip:
+            continue
+        params[name] = fp32_param(optimizer, p)
+        m = get_moments(optimizer, p)
+        if m is not None:
+            moments[name] = m
+    return {"step": adam_step(optimizer), "params": params, "moments": moments}
+
+
+def load_dense_state(model: nn.Module, optimizer: Any, state: dict[str, Any], skip: set[int],
+                     where: str) -> None:
+    """Inverse of `dense_state` on this rank's partition (local)."""
+    for name, p in model.named_parameters():
+        if not p.requires_grad or id(p) in skip:
+            continue
+        if name not in state["params"]:
+            raise CheckpointError(f"{where}: no optimizer state for parameter {name!r}")
+        value = state["params"][name]
+        if value.shape != p.shape:
+            raise CheckpointError(f"{where}: parameter {name!r} has shape {tuple(value.shape)}, "
+                                  f"the model needs {tuple(p.shape)}")
+        set_param(optimizer, p, value)
+        if name in state["moments"]:
+            set_moments(optimizer, p, state["moments"][name], state["step"])

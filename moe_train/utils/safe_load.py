@@ -1,0 +1,195 @@
+"""Loading what the project wrote without running code from it, and saving it that way.
+
+Weights: safetensors (preferred) or ``torch.load(weights_only=True)`` for ``.pt`` files.
+scikit-learn models: skops, with an explicit list of trusted types beyond skops' defaults and the
+stored scikit-learn version checked. JSON: read with a one-line error. Every bad file (missing,
+truncated, garbage, of the wrong kind) is a one-line `CheckpointError` naming the file and what was
+expected, never a traceback. Nothing here can run code stored in a file.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from moe_train.errors import CheckpointError, MoeTrainError
+from moe_train.utils.atomic import atomic_path
+
+log = logging.getLogger(__name__)
+
+SAFETENSORS_SUFFIX = ".safetensors"
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0][:200] if text else "no message"
+
+
+def _unreadable(path: Path, what: str, exc: BaseException,
+                error: type[MoeTrainError] = CheckpointError) -> MoeTrainError:
+    return error(f"{path}: not a readable {what} ({type(exc).__name__}: {_first_line(exc)})")
+
+
+def require_file(path: str | os.PathLike, what: str,
+                 error: type[MoeTrainError] = CheckpointError) -> Path:
+    """`path` as a Path; a missing file is a one-line error naming it and `what` it should be."""
+    path = Path(path)
+    if not path.is_file():
+        raise error(f"{path}: missing; expected {what}")
+    return path
+
+
+# ------------------------------------------------------------------------------------- JSON
+def read_json(path: str | os.PathLike, what: str = "JSON file",
+              error: type[MoeTrainError] = CheckpointError) -> Any:
+    """Parsed JSON of `path`; missing, non-UTF-8 or malformed files are one-line `error`s."""
+    path = require_file(path, what, error)
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as exc:
+        raise error(f"{path}: not UTF-8 text (byte {exc.start}); expected {what}") from None
+    except json.JSONDecodeError as exc:
+        raise error(f"{path}: line {exc.lineno} column {exc.colno}: {exc.msg}; "
+                    f"expected {what}") from None
+    except OSError as exc:
+        raise _unreadable(path, what, exc, error) from None
+
+
+def read_json_object(path: str | os.PathLike, what: str = "JSON object",
+                     error: type[MoeTrainError] = CheckpointError) -> dict[str, Any]:
+    """`read_json` that also requires a top-level JSON object."""
+    obj = read_json(path, what, error)
+    if not isinstance(obj, dict):
+        raise error(f"{path}: holds a JSON {type(obj).__name__}; expected {what} (an object)")
+    return obj
+
+
+# ---------------------------------------------------------------------------------- tensors
+def load_torch(path: str | os.PathLike, what: str = "torch file",
+               safe_globals: Iterable[Any] = ()) -> Any:
+    """``torch.load(path, map_location="cpu", weights_only=True)``, with `safe_globals` (extra
+    classes/functions the file may reference) allowed; bad files are one-line CheckpointErrors."""
+    path = require_file(path, what)
+    try:
+        with torch.serialization.safe_globals(list(safe_globals)):
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001  (torch.load raises many types on bad data)
+        text = str(exc)
+        refused = re.search(r"(Unsupported global: GLOBAL \S+)", text)
+        if refused:  # a class or function reference: the file wants to run code
+            raise CheckpointError(f"{path}: refused by weights-only loading ({refused.group(1)});"
+                                  f" expected {what} of tensors and plain values") from None
+        unpickler = re.search(r"WeightsUnpickler error:\s*([^\n]+)", text)
+        if unpickler:  # not a pickle stream torch wrote (garbage, truncated)
+            raise CheckpointError(f"{path}: not a readable {what} ({unpickler.group(1).strip()})"
+                                  ) from None
+        raise _unreadable(path, what, exc) from None
+
+
+def load_tensors(path: str | os.PathLike, what: str = "weights file") -> dict[str, torch.Tensor]:
+    """Flat {name: tensor} on CPU from a ``.safetensors`` file (safetensors) or any other file
+    (``torch.load`` with weights_only). Bad files are one-line CheckpointErrors naming `path`."""
+    path = require_file(path, what)
+    if path.suffix == SAFETENSORS_SUFFIX:
+        from safetensors.torch import load_file
+
+        try:
+            state = load_file(path, device="cpu")
+        except Exception as exc:  # noqa: BLE001  (SafetensorError, OSError, ...)
+            raise _unreadable(path, what, exc) from None
+    else:
+        state = load_torch(path, what)
+    if not isinstance(state, dict) or not all(
+            isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()):
+        raise CheckpointError(f"{path}: holds a {type(state).__name__}, not a mapping of tensor "
+                              f"names to tensors; expected {what}")
+    return state
+
+
+def _unshared(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """CPU contiguous tensors, none sharing memory with another: safetensors refuses shared or
+    partial storage (tied / shared modules appear under several names in a state dict)."""
+    out: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for name, t in tensors.items():
+        t = t.detach().cpu()
+        storage = t.untyped_storage()
+        whole = t.is_contiguous() and t.storage_offset() == 0 and \
+            storage.nbytes() == t.numel() * t.element_size()
+        if not whole or storage.data_ptr() in seen:
+            t = t.contiguous().clone()
+        seen.add(t.untyped_storage().data_ptr())
+        out[name] = t
+    return out
+
+
+def save_tensors(path: str | os.PathLike, tensors: Mapping[str, torch.Tensor],
+                 metadata: Mapping[str, str] | None = None) -> None:
+    """Write `tensors` as safetensors to `path` atomically. Tensors that share memory (tied
+    weights) are stored as separate copies; loading them back into a module ties them again."""
+    from safetensors.torch import save_file
+
+    with atomic_path(path) as tmp:
+        save_file(_unshared(tensors), str(tmp), metadata=dict(metadata or {}))
+
+
+# ---------------------------------------------------------------------------- scikit-learn
+def dump_skops(path: str | os.PathLike, obj: Any) -> None:
+    """Write `obj` (dicts, numpy arrays, scikit-learn estimators) with skops, atomically."""
+    import skops.io as sio
+
+    with atomic_path(path) as tmp:
+        sio.dump(obj, tmp)
+
+
+def load_skops(path: str | os.PathLike, trusted: Iterable[str], what: str = "skops file") -> Any:
+    """Load a skops file, refusing it (CheckpointError) when it holds any type that is neither
+    trusted by skops by default (builtins, numpy, scikit-learn estimators) nor in `trusted`
+    (full type paths such as ``"collections.OrderedDict"``). No object is built before the check."""
+    import skops.io as sio
+
+    path = require_file(path, what)
+    trusted = sorted(trusted)
+    try:
+        untrusted = sio.get_untrusted_types(file=path)
+    except Exception as exc:  # noqa: BLE001  (BadZipFile, KeyError, JSON errors, ...)
+        raise _unreadable(path, what, exc) from None
+    refused = sorted(set(untrusted) - set(trusted))
+    if refused:
+        raise CheckpointError(f"{path}: holds untrusted types {', '.join(refused)}; expected "
+                              f"{what} with only skops' default types"
+                              + (f" and {', '.join(trusted)}" if trusted else "")
+                              + " (refusing to load it)")
+    try:
+        return sio.load(path, trusted=trusted)
+    except Exception as exc:  # noqa: BLE001
+        raise _unreadable(path, what, exc) from None
+
+
+def check_sklearn_version(path: str | os.PathLike, saved: Any) -> None:
+    """Compare the scikit-learn version stored with a model to the installed one.
+
+    Another major.minor version is a CheckpointError naming both (estimator internals change
+    between minor releases: predictions may silently differ); another patch release is logged as
+    a warning and accepted (patch releases keep fitted-model attributes).
+    """
+    import sklearn
+
+    current = sklearn.__version__
+    if not isinstance(saved, str):
+        raise CheckpointError(f"{path}: no scikit-learn version stored (found {saved!r}); "
+                              "expected a file written by this project")
+    if saved == current:
+        return
+    if saved.split(".")[:2] != current.split(".")[:2]:
+        raise CheckpointError(f"{path}: written with scikit-learn {saved}, but {current} is "
+                              f"installed; install scikit-learn {saved} or re-create the file")
+    log.warning("%s: written with scikit-learn %s, loading with %s (same minor release)",
+                path, saved, current)

@@ -1,0 +1,183 @@
+"""Checkpoint lifecycle without training: save once, completeness, fallback, strict resume, RNG.
+
+A fake engine stands in for DeepSpeed (it writes one model-states file); a crash at a phase of
+`save_checkpoint` is simulated by making the test hook raise where the kill tests SIGKILL.
+"""
+
+import json
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from moe_train.errors import CheckpointError
+from moe_train.parallel.runtime import ParallelRuntime
+from moe_train.train import checkpoint as ckpt
+from moe_train.train.resume import RESUME_MAY_CHANGE, check_resume_config
+
+
+class FakeEngine:
+    """What save_checkpoint needs of a DeepSpeed engine: save_checkpoint and a module."""
+
+    def __init__(self) -> None:
+        self.module = torch.nn.Linear(2, 2)
+        self.optimizer = torch.optim.AdamW(self.module.parameters())
+
+    def save_checkpoint(self, save_dir, tag, client_state, save_latest):
+        path = f"{save_dir}/{tag}"
+        __import__("os").makedirs(path, exist_ok=True)
+        torch.save({"module": self.module.state_dict(), **client_state},
+                   f"{path}/mp_rank_00_model_states.pt")
+
+
+def _meta(step):
+    return {"step": step, "config": {"train": {"seed": 1}}, "world_size": 1}
+
+
+def _save(d, step, keep_last=2):
+    return ckpt.save_checkpoint(FakeEngine(), ParallelRuntime(), d, step, _meta(step), {},
+                                keep_last)
+
+
+def test_save_once_rotate_and_never_touch_latest(tmp_path):
+    d = tmp_path / "ckpt"
+    for step in (1, 2, 3):
+        _save(d, step)
+    assert ckpt.list_tags(d) == ["step_00000002", "step_00000003"]  # rotated, keep_last 2
+    assert (d / "latest").read_text().strip() == "step_00000003"
+    before = {p.name: p.stat().st_mtime_ns for p in (d / "step_00000003").iterdir()}
+    ino = (d / "step_00000003").stat().st_ino
+    _save(d, 3)  # the end-of-fit save of a step already saved: nothing is rewritten
+    assert (d / "step_00000003").stat().st_ino == ino
+    assert {p.name: p.stat().st_mtime_ns for p in (d / "step_00000003").iterdir()} == before
+    assert ckpt.verify(d / "step_00000003") is None
+    listed = json.loads((d / "step_00000003" / ckpt.COMPLETE).read_text())["files"]
+    assert {"meta.json", "rng_rank0.pt", "mp_rank_00_model_states.pt"} <= set(listed)
+    assert not list(d.glob(".tmp-*"))
+
+
+@pytest.mark.parametrize("phase", ["engine_saved", "before_rename", "before_latest",
+                                   "before_rotate"])
+def test_crash_inside_save_leaves_a_complete_latest(tmp_path, monkeypatch, phase):
+    d = tmp_path / "ckpt"
+    _save(d, 1)
+    _save(d, 2)
+
+    def crash(p, step):
+        if p == phase:
+            raise KeyboardInterrupt(p)
+
+    monkeypatch.setattr(ckpt, "_test_hook", crash)
+    with pytest.raises(KeyboardInterrupt):
+        _save(d, 3)
+    tag = ckpt.latest_tag(d, warn=None)
+    expect = "step_00000002" if phase in ("engine_saved", "before_rename") else "step_00000003"
+    if phase == "before_latest":  # renamed in, pointer not yet moved: `latest` still names 2
+        assert (d / "latest").read_text().strip() == "step_00000002"
+        expect = "step_00000002"
+    assert tag == expect and ckpt.verify(d / tag) is None
+    monkeypatch.undo()
+    _save(d, 3)  # the resumed run saves step 3 again (or finds it complete)
+    assert ckpt.latest_tag(d, warn=None) == "step_00000003"
+    assert ckpt.list_tags(d) == ["step_00000002", "step_00000003"]
+
+
+def test_a_complete_step_latest_does_not_name_is_replaced_by_the_new_save(tmp_path, monkeypatch):
+    """Killed after the rename, before `latest` moved: the resumed run (from step 2, perhaps at
+    another world size) trains its own step 3, which must replace the leftover, not be skipped."""
+    d = tmp_path / "ckpt"
+    _save(d, 2)
+    monkeypatch.setattr(ckpt, "_test_hook", lambda p, step: (_ for _ in ()).throw(
+        KeyboardInterrupt()) if p == "before_latest" else None)
+    with pytest.raises(KeyboardInterrupt):
+        _save(d, 3)
+    monkeypatch.undo()
+    leftover = (d / "step_00000003").stat().st_ino
+    assert ckpt.latest_tag(d, warn=None) == "step_00000002"
+    meta = _meta(3) | {"resumed": True}
+    ckpt.save_checkpoint(FakeEngine(), ParallelRuntime(), d, 3, meta, {}, 2)
+    assert (d / "step_00000003").stat().st_ino != leftover
+    assert ckpt.read_meta(d / "step_00000003")["resumed"] is True
+    assert ckpt.latest_tag(d, warn=None) == "step_00000003"
+
+
+def test_torn_and_dangling_checkpoints_fall_back_with_one_line(tmp_path):
+    d = tmp_path / "ckpt"
+    for step in (1, 2, 3):
+        _save(d, step, keep_last=0)
+    warnings = []
+    (d / "step_00000003" / "rng_rank0.pt").unlink()  # missing file
+    assert ckpt.latest_tag(d, warn=warnings.append) == "step_00000002"
+    assert len(warnings) == 1 and "step_00000003" in warnings[0] and \
+        "step_00000002" in warnings[0] and "rng_rank0.pt is missing" in warnings[0]
+    with open(d / "step_00000002" / "mp_rank_00_model_states.pt", "ab") as f:
+        f.write(b"x")  # size differs from the manifest (torn write)
+    assert ckpt.latest_tag(d, warn=None) == "step_00000001"
+    (d / "step_00000001" / "meta.json").write_text("{not json")
+    (d / "step_00000001" / ckpt.COMPLETE).unlink()
+    with pytest.raises(CheckpointError, match="no complete checkpoint"):
+        ckpt.latest_tag(d, warn=None)
+
+
+def test_dangling_or_garbage_latest(tmp_path):
+    d = tmp_path / "ckpt"
+    _save(d, 4)
+    (d / "latest").write_text("step_00000009\n")  # names a missing directory
+    warnings = []
+    assert ckpt.latest_tag(d, warn=warnings.append) == "step_00000004"
+    assert "step_00000009" in warnings[0] and "does not exist" in warnings[0]
+    (d / "latest").write_bytes(b"\xff\xfe garbage")
+    assert ckpt.latest_tag(d, warn=None) == "step_00000004"
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "latest").write_text("garbage")
+    with pytest.raises(CheckpointError, match="latest: does not hold a step tag"):
+        ckpt.latest_tag(empty)
+    assert ckpt.latest_tag(tmp_path / "nothing") is None
+
+
+def test_corrupt_meta_and_model_states_are_checkpoint_errors(tmp_path):
+    d = tmp_path / "ckpt"
+    tag_dir = _save(d, 1)
+    assert set(ckpt.consolidated_state_dict(tag_dir)) == {"weight", "bias"}  # weights_only
+    (tag_dir / "meta.json").write_bytes(b"\x00\xff")
+    with pytest.raises(CheckpointError, match="meta.json: unreadable"):
+        ckpt.read_meta(tag_dir)
+    (tag_dir / "mp_rank_00_model_states.pt").write_bytes(b"garbage")
+    with pytest.raises(CheckpointError, match="mp_rank_00_model_states.pt: not a readable DeepSpeed model states"):
+        ckpt.consolidated_state_dict(tag_dir)
+
+
+def test_rng_state_round_trips_with_weights_only(tmp_path):
+    random.seed(5)
+    np.random.seed(5)
+    torch.manual_seed(5)
+    np.random.normal()  # a cached Gaussian in the NumPy state
+    torch.save(ckpt.rng_state(), tmp_path / "rng.pt")
+    expect = (random.random(), np.random.normal(), torch.rand(3))
+    ckpt.set_rng_state(torch.load(tmp_path / "rng.pt", weights_only=True))
+    got = (random.random(), np.random.normal(), torch.rand(3))
+    assert expect[0] == got[0] and expect[1] == got[1] and torch.equal(expect[2], got[2])
+
+
+def test_strict_resume_names_every_refused_field_and_logs_allowed_ones():
+    from moe_train.config import load_config
+    from tests.conftest import ROOT
+
+    old = load_config(ROOT / "configs" / "debug-cpu.yaml", []).to_dict()
+    new = load_config(ROOT / "configs" / "debug-cpu.yaml",
+                      ["model.d_model=32", "data.max_tokens=999", "train.max_steps=7",
+                       "eval.beam=2"]).to_dict()
+    logged = []
+    with pytest.raises(CheckpointError) as err:
+        check_resume_config(old, new, "ck/step_1", log=logged.append)
+    msg = str(err.value)
+    assert "\n" not in msg and "model.d_model 64 -> 32" in msg
+    assert "data.max_tokens 1024 -> 999" in msg
+    assert "train.max_steps" not in msg
+    assert any("train.max_steps changed 100 -> 7" in line for line in logged)
+    assert any("eval.beam changed 4 -> 2" in line for line in logged)
+    ok = load_config(ROOT / "configs" / "debug-cpu.yaml", ["train.max_steps=7"]).to_dict()
+    check_resume_config(old, ok, "ck/step_1", log=logged.append)  # allowed change: no error
+    assert "moe.ep_size" in RESUME_MAY_CHANGE

@@ -1,0 +1,107 @@
+"""The one launcher detection (`detect_launch`) over the environments real launchers set."""
+
+import pytest
+
+from moe_train.errors import ConfigError
+from moe_train.parallel.runtime import LaunchInfo, detect_launch, parse_first_host
+
+SRUN = {"SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "0", "SLURM_STEPID": "0",
+        "SLURM_STEP_NODELIST": "gpu[07-08]", "SLURM_JOB_NODELIST": "gpu[07-08],cpu1",
+        "SLURM_STEP_NUM_TASKS": "8", "SLURM_NTASKS": "8", "SLURM_STEP_TASKS_PER_NODE": "4(x2)",
+        "SLURM_NODEID": "1", "SLURM_PROCID": "5", "SLURM_LOCALID": "1"}
+# The batch script itself (no srun): SLURM_PROCID=0 and SLURM_NTASKS, but no step.
+BATCH = {"SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "gpu[07-08]", "SLURM_NTASKS": "8",
+         "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NODEID": "0", "SLURM_TASKS_PER_NODE": "4(x2)"}
+DEEPSPEED = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_SIZE": "2", "CROSS_RANK": "1",
+             "CROSS_SIZE": "2", "MASTER_ADDR": "node1", "MASTER_PORT": "29500"}
+TORCHRUN = {"RANK": "2", "WORLD_SIZE": "4", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2",
+            "GROUP_RANK": "1", "TORCHELASTIC_RUN_ID": "none", "MASTER_ADDR": "10.0.0.1",
+            "MASTER_PORT": "29400"}
+OPENMPI = {"OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_SIZE": "4",
+           "OMPI_COMM_WORLD_LOCAL_RANK": "1", "OMPI_COMM_WORLD_LOCAL_SIZE": "2",
+           "PMIX_RANK": "3", "PMIX_NAMESPACE": "prterun-node1-1234@1"}
+HYDRA = {"PMI_RANK": "6", "PMI_SIZE": "8", "MPI_LOCALRANKID": "2", "MPI_LOCALNRANKS": "4",
+         "PMI_FD": "5"}  # MPICH and Intel MPI (both Hydra)
+PMI2_SRUN = {**SRUN, "PMI_RANK": "5", "PMI_SIZE": "8", "PMI_FD": "7"}  # srun --mpi=pmi2
+PMIX_SRUN = {**SRUN, "PMIX_RANK": "5", "PMIX_NAMESPACE": "slurm.pmix.4242.0"}  # srun --mpi=pmix
+
+CASES = {
+    # name: (env, kind, rank, world, local_rank, local_world, master_addr, master_port)
+    "no launcher": ({}, "single", 0, 1, 0, 1, "127.0.0.1", None),
+    "no launcher, port given": ({"MASTER_PORT": "1234"}, "single", 0, 1, 0, 1, "127.0.0.1", 1234),
+    "deepspeed": (DEEPSPEED, "deepspeed", 3, 4, 1, 2, "node1", 29500),
+    "torchrun": (TORCHRUN, "torchrun", 2, 4, 0, 2, "10.0.0.1", 29400),
+    "RANK/WORLD_SIZE only": ({"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "9"},
+                             "env", 1, 2, 0, None, "h", 9),
+    "deepspeed under srun (slurm.sbatch)": ({**SRUN, **DEEPSPEED}, "deepspeed", 3, 4, 1, 2, "node1", 29500),
+    "torchrun under srun, one task per node": (
+        {**SRUN, "SLURM_STEP_TASKS_PER_NODE": "1(x2)", **TORCHRUN, "LOCAL_WORLD_SIZE": ""},
+        "torchrun", 2, 4, 0, None, "10.0.0.1", 29400),  # not SLURM's one task per node
+    "open mpi (mpirun / prterun)": (OPENMPI, "openmpi", 3, 4, 1, 2, None, None),
+    "open mpi with MASTER_ADDR": ({**OPENMPI, "MASTER_ADDR": "n0", "MASTER_PORT": "7"},
+                                  "openmpi", 3, 4, 1, 2, "n0", 7),
+    "mpich / intel mpi (hydra)": (HYDRA, "mpich", 6, 8, 2, 4, None, None),
+    "srun --mpi=pmi2": (PMI2_SRUN, "mpich", 5, 8, 1, 4, "gpu07", 24242),
+    "srun --mpi=pmix": (PMIX_SRUN, "pmix", 5, 8, 1, 4, "gpu07", 24242),
+    "pmix alone (size from MPI)": ({"PMIX_RANK": "1", "PMIX_NAMESPACE": "ns"}, "pmix", 1, None, None,
+                                   None, None, None),
+    "srun without launcher": (SRUN, "slurm", 5, 8, 1, 4, "gpu07", 24242),
+    "srun, MASTER_* given": ({**SRUN, "MASTER_ADDR": "m", "MASTER_PORT": "5"}, "slurm", 5, 8, 1, 4, "m", 5),
+    "srun, SLURM_NPROCS only": ({"SLURM_STEP_ID": "1", "SLURM_PROCID": "0", "SLURM_NPROCS": "2",
+                                 "SLURM_LOCALID": "0", "SLURM_NODELIST": "a,b", "SLURM_JOBID": "3"},
+                                "slurm", 0, 2, 0, None, "a", 20003),
+    "srun -n 1": ({**SRUN, "SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "1", "SLURM_NTASKS": "1"},
+                  "slurm", 0, 1, 0, 1, "127.0.0.1", None),  # one process: a free local port
+    "sbatch script, not a step": (BATCH, "single", 0, 1, 0, 1, "127.0.0.1", None),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_detect_launch(name):
+    env, kind, rank, world, local, local_world, addr, port = CASES[name]
+    hosts_asked: list[str] = []
+
+    def resolve(nodelist: str) -> str:
+        hosts_asked.append(nodelist)
+        return parse_first_host(nodelist)
+
+    info = detect_launch(env, resolve_host=resolve)
+    assert info == LaunchInfo(kind, rank, world, local, local_world, addr, port)
+    if addr == "gpu07":  # the first host of the step's node list, resolved once
+        assert hosts_asked == [env["SLURM_STEP_NODELIST"]]
+
+
+def test_family_and_mpi_needs():
+    assert detect_launch(DEEPSPEED).family == detect_launch(TORCHRUN).family == "env"
+    assert {detect_launch(e).family for e in (OPENMPI, HYDRA, PMIX_SRUN)} == {"mpi"}
+    assert detect_launch(SRUN, parse_first_host).family == "slurm"
+    # MPI is asked only for what the environment leaves out.
+    assert detect_launch(OPENMPI).needs_mpi  # no rendezvous address
+    assert not detect_launch({**OPENMPI, "MASTER_ADDR": "n0", "MASTER_PORT": "7"}).needs_mpi
+    assert not detect_launch(PMIX_SRUN, parse_first_host).needs_mpi  # srun gives all of it
+    assert detect_launch({"PMIX_RANK": "0"}).needs_mpi  # size unknown
+    assert not detect_launch(SRUN, parse_first_host).needs_mpi
+    assert not detect_launch({"RANK": "1", "WORLD_SIZE": "2"}).needs_mpi
+    # commands._runtime() starts a process group exactly when more than one rank may exist.
+    assert not detect_launch({}).multi_process and not detect_launch(BATCH).multi_process
+    assert detect_launch({"PMIX_RANK": "0"}).multi_process and detect_launch(HYDRA).multi_process
+    assert not detect_launch({**OPENMPI, "OMPI_COMM_WORLD_SIZE": "1", "OMPI_COMM_WORLD_RANK": "0"}
+                             ).multi_process
+
+
+@pytest.mark.parametrize("nodelist,first", [
+    ("node1", "node1"), ("a,b,c", "a"), ("node[03-05,9]", "node03"), ("node[7,2-3],gpu1", "node7"),
+    ("rack1-[01-02]-ib", "rack1-01-ib"), ("gpu1,node[3-4]", "gpu1"), (" vm ", "vm")])
+def test_parse_first_host(nodelist, first):
+    assert parse_first_host(nodelist) == first
+
+
+@pytest.mark.parametrize("env,needle", [
+    ({"RANK": "x", "WORLD_SIZE": "2"}, "RANK='x'"),
+    ({"OMPI_COMM_WORLD_SIZE": "2"}, "no rank variable"),
+    ({"PMI_RANK": "4", "PMI_SIZE": "4"}, "rank 4 outside world size 4"),
+    ({**SRUN, "SLURM_LOCALID": "one"}, "SLURM_LOCALID='one'"),
+])
+def test_bad_launcher_env_is_one_config_error(env, needle):
+    with pytest.raises(ConfigError, match=needle.replace("(", r"\(")):
+        detect_launch(env, resolve_host=parse_first_host)
