@@ -2,11 +2,9 @@
 sentence lengths take the same number of decoder steps (no deadlock) and give the EP=1 output."""
 
 import copy
-import os
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from moe_train.config import load_config
 from moe_train.eval.search import beam_search, greedy_search
@@ -14,7 +12,7 @@ from moe_train.models.build import build_model
 from moe_train.models.context import ForwardContext
 from moe_train.parallel.collectives import all_ranks_true
 from moe_train.parallel.expert_parallel import wire_expert_parallel
-from moe_train.parallel.runtime import ParallelRuntime, free_port
+from tests.distributed.two_ranks import init_ep2, spawn_two
 
 V = 30
 
@@ -40,11 +38,7 @@ def _sources(rank: int) -> torch.Tensor:
 
 
 def _worker(rank: int, port: int, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    torch.set_num_threads(1)
-    rt = ParallelRuntime(rank=rank, world_size=2, backend="gloo", ep_size=2, ep_rank=rank,
-                         ep_group=dist.new_group([0, 1]))
+    rt = init_ep2(rank, port)
     ref = _model()
     ep = copy.deepcopy(ref)
     wire_expert_parallel(ep, rt)
@@ -63,18 +57,7 @@ def _worker(rank: int, port: int, out: str) -> None:
 
 def test_ep_search_is_lockstep_and_equals_ep1(tmp_path):
     out = str(tmp_path / "r")
-    ctx = mp.get_context("spawn")
-    port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, port, out)) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=120)
-    alive = [p for p in procs if p.is_alive()]
-    for p in alive:
-        p.kill()
-    assert not alive, "expert-parallel search deadlocked"
-    assert all(p.exitcode == 0 for p in procs)
+    spawn_two(_worker, out, 120, "expert-parallel search")
     for rank in range(2):
         got = torch.load(f"{out}.{rank}.pt")
         assert got["beam_ep"] == got["beam_ref"]

@@ -9,13 +9,11 @@ both equal the unsharded model's (1e-5, every position).
 from __future__ import annotations
 
 import copy
-import os
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from moe_train.parallel.runtime import ParallelRuntime, free_port
+from tests.distributed.two_ranks import init_ep2, spawn_two
 from tests.unit.test_incremental_all_routers import T, VARIANTS, _batch, _model
 
 EP_VARIANTS = ["switch", "topk k=3", "topp", "sentence k=2", "task learned (lang_pair / tgt_lang)",
@@ -25,11 +23,7 @@ EP_VARIANTS = ["switch", "topk k=3", "topp", "sentence k=2", "task learned (lang
 def _worker(rank: int, port: int, out: str) -> None:
     from moe_train.parallel.expert_parallel import wire_expert_parallel
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    torch.set_num_threads(1)
-    rt = ParallelRuntime(rank=rank, world_size=2, backend="gloo", ep_size=2, ep_rank=rank,
-                         ep_group=dist.new_group([0, 1]))
+    rt = init_ep2(rank, port)
     src_BS, tgt_BT, ctx = _batch()
     if rank == 1:  # a smaller batch on the other rank: the all-to-alls carry uneven loads
         rows = torch.tensor([2, 0])
@@ -53,18 +47,7 @@ def _worker(rank: int, port: int, out: str) -> None:
 
 def test_incremental_equals_full_under_expert_parallelism(tmp_path):
     out = str(tmp_path / "r")
-    ctx = mp.get_context("spawn")
-    port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, port, out)) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=240)
-    alive = [p for p in procs if p.is_alive()]
-    for p in alive:
-        p.kill()
-    assert not alive, "expert-parallel decoding deadlocked"
-    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    spawn_two(_worker, out, 240, "expert-parallel decoding")
     for rank in range(2):
         got = torch.load(f"{out}.{rank}.pt", weights_only=True)
         assert list(got) == EP_VARIANTS
