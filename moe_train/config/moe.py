@@ -13,13 +13,14 @@ from typing import ClassVar
 
 from moe_train.errors import ConfigError
 
-TASK_SOURCES = ("lang_pair", "tgt_lang", "domain", "task_ids")
-"""Where a sentence's task id comes from: its language pair, target language, domain, or
-explicit task ids supplied with the batch."""
+TASK_SOURCES = ("lang_pair", "tgt_lang", "src_lang", "domain", "task_ids")
+"""Where a sentence's task id comes from: its language pair, target or source language,
+domain, or explicit task ids supplied with the batch."""
 
 LAYER_PATTERNS = ("every_other", "all")
 
-ROUTER_NAMES = ("gshard", "gumbel", "sentence", "single", "switch", "task", "topk", "topp")
+ROUTER_NAMES = ("gshard", "gumbel", "sentence", "single", "switch", "task", "thor", "topk",
+                "topp")
 """The names moe_train.moe.registry.ROUTERS registers (kept equal by a test); checked here so
 a misspelt router fails when the config is read, naming its field."""
 

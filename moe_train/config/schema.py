@@ -12,6 +12,7 @@ from typing import Any
 
 from moe_train.config.adapters import AdapterConfig, MoAConfig
 from moe_train.config.moe import ROUTER_NAMES, MoEConfig
+from moe_train.config.thor import ThorConfig
 from moe_train.errors import ConfigError
 
 
@@ -247,6 +248,7 @@ class ExperimentConfig:
     moe: MoEConfig = field(default_factory=MoEConfig)
     adapters: AdapterConfig = field(default_factory=AdapterConfig)
     moa: MoAConfig = field(default_factory=MoAConfig)
+    thor: ThorConfig = field(default_factory=ThorConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -260,9 +262,23 @@ class ExperimentConfig:
         _check(isinstance(self.deepspeed, dict), "deepspeed", "a mapping", self.deepspeed)
         _check(self.adapters.router in ROUTER_NAMES, "adapters.router",
                f"one of {', '.join(ROUTER_NAMES)}", self.adapters.router)
+        if self.uses_thor:
+            thor, moe = self.thor, self.moe
+            if thor.candidate_sets:
+                _check(thor.num_candidates <= moe.num_experts, "thor.num_candidates",
+                       f"at most moe.num_experts ({moe.num_experts})", thor.num_candidates)
+            space = thor.num_candidates if thor.candidate_sets else moe.num_experts
+            if thor.token_routing == "topk":
+                _check(moe.k <= space, "moe.k", f"at most {space} (the experts THOR's token "
+                       "router chooses from)", moe.k)
         if self.adapters.enabled:
             _check(self.adapters.num_experts % self.moe.ep_size == 0, "adapters.num_experts",
                    f"a multiple of moe.ep_size ({self.moe.ep_size})", self.adapters.num_experts)
+
+    @property
+    def uses_thor(self) -> bool:
+        """Whether a side routes with THOR-MoE (and the model has a task predictor)."""
+        return self.moe.enabled and "thor" in (self.moe.encoder_router, self.moe.decoder_router)
 
     @property
     def uses_experts(self) -> bool:

@@ -109,7 +109,8 @@ LONG_LINES = ("error", "truncate")
 def max_source_tokens(model: torch.nn.Module) -> int | None:
     """Most source tokens (end-of-sentence and language tag included) the model's positions
     cover; None when the model has no limit."""
-    return getattr(model, "max_positions", None)
+    limit = getattr(model, "max_source_tokens", None)
+    return limit if limit is not None else getattr(model, "max_positions", None)
 
 
 def encode_lines(vocab: Vocab, lines: Sequence[str], limit: int | None, source: str = "input",

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
@@ -24,6 +24,28 @@ SENTENCE_REPR_KEY = "sentence_repr_BD"
 the mean-pooled source embeddings while the encoder runs, the mean-pooled encoder output (MoA
 Eq. 1) while the decoder runs. Sentence-level routers read it, so every layer they serve
 decides from the same input."""
+
+
+class RoutingState(Protocol):
+    """Incremental-decoding state a router keeps per decoder slot (e.g. a running sum and
+    count for a causal prefix mean); rows follow the beams."""
+
+    def reorder(self, index_B: Tensor) -> None:
+        """Reorder, repeat or drop batch rows in place (beam search)."""
+
+
+class StateCell:
+    """One FFN or adapter slot's place in a decoder cache: empty until the slot's router
+    creates its state at the first cached step (`RoutingState`), then reordered with the KV
+    caches. A slot whose router keeps no state leaves it empty."""
+
+    def __init__(self) -> None:
+        self.value: RoutingState | None = None
+
+    def reorder(self, index_B: Tensor) -> None:
+        if self.value is not None:
+            self.value.reorder(index_B)
+
 
 # Extras keys named like tensors whose first dimension is the batch (``prior_BE``, ``ids_B``).
 _PER_SENTENCE_KEY = re.compile(r"_B[A-Za-z]*$")
@@ -53,8 +75,15 @@ class ForwardContext:
     side: str = "encoder"
     """Which stack is running: encoder or decoder."""
     extras: dict[str, Any] = field(default_factory=dict)
-    """Free-form entries. A tensor whose key ends in a batch shape suffix (``_B``, ``_BE``, ...)
-    is per-sentence and is reordered by `index_select`; everything else is passed through."""
+    """Model- and batch-provided inputs for routers (task probabilities, task embedding,
+    teacher distributions, ...). A tensor whose key ends in a batch shape suffix (``_B``,
+    ``_BE``, ...) is per-sentence and is reordered by `index_select`; everything else is
+    passed through."""
+    offset: int = 0
+    """Decoder positions decoded before this call (incremental decoding), else 0."""
+    state: StateCell | None = None
+    """The calling slot's routing state in the decoder cache during incremental decoding;
+    None in full-sequence passes (routers then compute the same values in one go)."""
 
     def __post_init__(self) -> None:
         if self.side not in SIDES:
@@ -85,6 +114,12 @@ class ForwardContext:
             for key, value in self.extras.items()
         }
         return dataclasses.replace(self, **changes)
+
+
+def per_sentence(extras: dict[str, Any]) -> dict[str, Any]:
+    """The per-sentence tensors of `extras` (keys with a batch shape suffix)."""
+    return {key: value for key, value in extras.items()
+            if isinstance(value, Tensor) and _PER_SENTENCE_KEY.search(key)}
 
 
 def mean_pool(x_BTD: Tensor, pad_mask_BT: Tensor | None) -> Tensor:

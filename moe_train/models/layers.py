@@ -20,7 +20,7 @@ from torch import Tensor, nn
 
 from moe_train.config.schema import ModelConfig
 from moe_train.errors import ConfigError
-from moe_train.models.context import ForwardContext
+from moe_train.models.context import ForwardContext, StateCell
 
 AuxLosses = dict[str, Tensor]
 
@@ -199,16 +199,21 @@ class FeedForward(nn.Module):
 
 
 class DecoderLayerCache:
-    """Incremental-decoding state of one decoder layer."""
+    """Incremental-decoding state of one decoder layer: the attention KV caches and the routing
+    state of its FFN and adapter slots (filled by stateful routers only)."""
 
     def __init__(self) -> None:
         self.self_attn = KVCache()
         self.cross_attn = KVCache()
+        self.ffn_state = StateCell()
+        self.adapter_state = StateCell()
 
     def reorder(self, index_B: Tensor) -> None:
-        """Reorder (or repeat) the batch rows in place."""
+        """Reorder (or repeat, or drop) the batch rows in place."""
         self.self_attn.reorder(index_B)
         self.cross_attn.reorder(index_B)
+        self.ffn_state.reorder(index_B)
+        self.adapter_state.reorder(index_B)
 
 
 def _apply_adapter(adapter: nn.Module | None, x_BTD: Tensor, ctx: ForwardContext,
@@ -269,7 +274,11 @@ class DecoderLayer(nn.Module):
                                 key_pad_mask_BS=enc_pad_mask_BS,
                                 cache=None if cache is None else cache.cross_attn)
         x_BTD = x_BTD + self.dropout(h_BTD)
-        h_BTD, aux = self.ffn(self.ffn_norm(x_BTD), ctx)
+        ffn_ctx, adapter_ctx = ctx, ctx
+        if cache is not None:  # stateful routers continue from the cache
+            ffn_ctx = ctx.replace(state=cache.ffn_state)
+            adapter_ctx = ctx.replace(state=cache.adapter_state)
+        h_BTD, aux = self.ffn(self.ffn_norm(x_BTD), ffn_ctx)
         x_BTD = x_BTD + h_BTD
         aux = dict(aux)
-        return _apply_adapter(self.adapter, x_BTD, ctx, aux), aux
+        return _apply_adapter(self.adapter, x_BTD, adapter_ctx, aux), aux

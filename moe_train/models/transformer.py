@@ -5,6 +5,13 @@ default; an MoE layer later) and its optional adapter from ``adapter_factory``. 
 losses those modules return are summed per key into `ModelOutput.aux_losses`. The model knows
 nothing about ranks or distribution.
 
+Context providers compute model-provided router inputs once per sentence: provider ``i`` is
+called as ``provider(x_BSD, ctx) -> (extras, aux)`` on the encoder's residual stream before
+layer i (i = number of layers: on the normed encoder output); its extras join
+`ForwardContext.extras` for every later slot and the whole decoder (`EncoderOut.extras`), its
+aux losses the model's. THOR's task predictor is one. An optional learned [CLS] vector is
+prepended to every source (position 0; never padding).
+
 Shape legend: B batch, S source length, T target length, D model dim, V vocabulary.
 """
 
@@ -12,13 +19,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from moe_train.config.schema import ModelConfig
-from moe_train.models.context import SENTENCE_REPR_KEY, ForwardContext, mean_pool
+from moe_train.models.context import SENTENCE_REPR_KEY, ForwardContext, mean_pool, per_sentence
 from moe_train.models.layers import (
     AuxLosses,
     DecoderLayer,
@@ -50,7 +58,9 @@ class ModelOutput:
 
     logits_BTV: Tensor
     aux_losses: AuxLosses = field(default_factory=dict)
-    """Aux losses of all FFN / adapter slots (both stacks), summed per key."""
+    """Aux losses of all FFN / adapter slots and providers (both stacks), summed per key."""
+    extras: dict[str, Any] = field(default_factory=dict)
+    """What the context providers computed (e.g. task_probs_BK), for metrics and hooks."""
 
 
 @dataclass
@@ -64,6 +74,8 @@ class EncoderOut:
     sentence_repr_BD: Tensor | None = None
     """Mean-pooled encoder output over non-pad positions (MoA Eq. 1); the decoder's sentence
     representation. Filled by `Seq2SeqTransformer.encode`."""
+    extras: dict[str, Any] = field(default_factory=dict)
+    """The context providers' outputs, handed to every decoder slot."""
 
     def __post_init__(self) -> None:
         if self.sentence_repr_BD is None:
@@ -71,9 +83,11 @@ class EncoderOut:
 
     def index_select(self, index_B: Tensor) -> EncoderOut:
         """Rows reordered / repeated by `index_B` (beam search); aux losses are kept as is."""
+        extras = {**self.extras, **{key: value.index_select(0, index_B) for key, value
+                                    in per_sentence(self.extras).items()}}
         return EncoderOut(self.states_BSD.index_select(0, index_B),
                           self.pad_mask_BS.index_select(0, index_B), self.aux_losses,
-                          self.sentence_repr_BD.index_select(0, index_B))
+                          self.sentence_repr_BD.index_select(0, index_B), extras)
 
 
 class DecoderCache:
@@ -99,7 +113,8 @@ class Seq2SeqTransformer(nn.Module):
 
     def __init__(self, cfg: ModelConfig, vocab_size: int, pad_id: int,
                  ffn_factory: FFNFactory | None = None,
-                 adapter_factory: AdapterFactory | None = None) -> None:
+                 adapter_factory: AdapterFactory | None = None,
+                 providers: dict[int, nn.Module] | None = None, cls_token: bool = False) -> None:
         super().__init__()
         if not 0 <= pad_id < vocab_size:
             raise ValueError(f"pad_id {pad_id} outside the vocabulary (size {vocab_size})")
@@ -129,6 +144,12 @@ class Seq2SeqTransformer(nn.Module):
             for i in range(cfg.decoder_layers))
         self.encoder_norm = nn.LayerNorm(cfg.d_model)
         self.decoder_norm = nn.LayerNorm(cfg.d_model)
+        bad = sorted(i for i in (providers or {}) if not 0 <= i <= cfg.encoder_layers)
+        if bad:
+            raise ValueError(f"context provider at encoder layer {bad[0]}: expected 0 .. "
+                             f"{cfg.encoder_layers}")
+        self.providers = nn.ModuleDict({str(i): p for i, p in sorted((providers or {}).items())})
+        self.cls_embed_D = nn.Parameter(torch.empty(cfg.d_model)) if cls_token else None
         self.reset_embeddings()
 
     def reset_embeddings(self) -> None:
@@ -145,6 +166,13 @@ class Seq2SeqTransformer(nn.Module):
             weight.data[self.pad_id].zero_()
         if self.output_proj is not None:
             nn.init.normal_(self.output_proj.weight, mean=0.0, std=std)
+        if self.cls_embed_D is not None:
+            nn.init.normal_(self.cls_embed_D, mean=0.0, std=std)
+
+    @property
+    def max_source_tokens(self) -> int:
+        """Most source tokens a sentence may have (the [CLS] takes one position)."""
+        return self.max_positions - (self.cls_embed_D is not None)
 
     @property
     def decoder_embed(self) -> nn.Embedding:
@@ -173,15 +201,35 @@ class Seq2SeqTransformer(nn.Module):
         ctx = ctx or ForwardContext()
         # Sentence-level routers in the encoder decide from the mean source embedding.
         emb_BSD = self._embed(self.embed_tokens, src_tokens_BS)
+        if self.cls_embed_D is not None:
+            cls_B1D = self.cls_embed_D.to(emb_BSD.dtype).expand(emb_BSD.size(0), 1, -1)
+            emb_BSD = torch.cat([cls_B1D, emb_BSD], dim=1)
+            pad_mask_BS = torch.cat([pad_mask_BS.new_zeros(pad_mask_BS.size(0), 1),
+                                     pad_mask_BS], dim=1)
         ctx = ctx.replace(side="encoder", src_pad_mask_BS=pad_mask_BS,
                           extras={**ctx.extras,
                                   SENTENCE_REPR_KEY: mean_pool(emb_BSD, pad_mask_BS)})
         x_BSD = self._add_positions(emb_BSD)
         aux: AuxLosses = {}
-        for layer in self.encoder_layers:
+        provided: dict[str, Any] = {}
+        for i, layer in enumerate(self.encoder_layers):
+            ctx = self._provide(i, x_BSD, ctx, provided, aux)
             x_BSD, layer_aux = layer(x_BSD, pad_mask_BS, ctx)
             add_aux(aux, layer_aux)
-        return EncoderOut(self.encoder_norm(x_BSD), pad_mask_BS, aux)
+        states_BSD = self.encoder_norm(x_BSD)
+        self._provide(len(self.encoder_layers), states_BSD, ctx, provided, aux)
+        return EncoderOut(states_BSD, pad_mask_BS, aux, extras=provided)
+
+    def _provide(self, i: int, x_BSD: Tensor, ctx: ForwardContext, provided: dict[str, Any],
+                 aux: AuxLosses) -> ForwardContext:
+        """Run the provider at encoder layer i (if any); its extras join `provided` and ctx."""
+        provider = self.providers[str(i)] if str(i) in self.providers else None
+        if provider is None:
+            return ctx
+        extras, provider_aux = provider(x_BSD, ctx)
+        provided.update(extras)
+        add_aux(aux, provider_aux)
+        return ctx.replace(extras={**ctx.extras, **extras})
 
     def new_decoder_cache(self) -> DecoderCache:
         """An empty cache for incremental decoding with `decode`."""
@@ -202,8 +250,9 @@ class Seq2SeqTransformer(nn.Module):
             offset = cache.length
         ctx = ctx or ForwardContext()
         ctx = ctx.replace(side="decoder", src_pad_mask_BS=enc.pad_mask_BS,
-                          tgt_pad_mask_BT=tgt_in_BT.eq(self.pad_id),
-                          extras={**ctx.extras, SENTENCE_REPR_KEY: enc.sentence_repr_BD})
+                          tgt_pad_mask_BT=tgt_in_BT.eq(self.pad_id), offset=offset,
+                          extras={**ctx.extras, **enc.extras,
+                                  SENTENCE_REPR_KEY: enc.sentence_repr_BD})
         x_BTD = self._add_positions(self._embed(self.decoder_embed, tgt_in_BT), offset)
         aux: AuxLosses = {}
         for i, layer in enumerate(self.decoder_layers):
@@ -219,4 +268,4 @@ class Seq2SeqTransformer(nn.Module):
         enc = self.encode(src_tokens_BS, ctx)
         logits_BTV, dec_aux = self.decode(tgt_in_BT, enc, ctx)
         aux = add_aux(dict(enc.aux_losses), dec_aux)
-        return ModelOutput(logits_BTV, aux)
+        return ModelOutput(logits_BTV, aux, enc.extras)

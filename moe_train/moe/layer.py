@@ -4,7 +4,7 @@ Composed by injection: any router of the registry, a dispatcher (local, or the a
 that moe_train.parallel wires in for expert parallelism), and a stacked experts module.
 Padding tokens are never routed. The layer returns its output and its (already weighted) aux
 losses; per-expert token counts, dropped slots and routing entropy of the last forward are kept
-in non-persistent buffers for logging.
+in non-persistent buffers for logging, and every scalar of `Routing.stats` in `scalar_stats`.
 
 Shape legend: B sentences, T positions, D model dim, E experts, K slots per token, N rows.
 """
@@ -40,6 +40,8 @@ class MoELayer(nn.Module):
         self.register_buffer("dropped_slots", torch.zeros((), dtype=torch.long),
                              persistent=False)
         self.register_buffer("routing_entropy", torch.zeros(()), persistent=False)
+        self.scalar_stats: dict[str, Tensor] = {}
+        """The router's scalar statistics of the last forward (detached), logged per layer."""
 
     @property
     def num_experts(self) -> int:
@@ -76,3 +78,5 @@ class MoELayer(nn.Module):
         entropy = routing.stats.get("routing_entropy")
         if entropy is not None:
             self.routing_entropy.copy_(entropy.detach().float())
+        self.scalar_stats = {key: value.detach() for key, value in routing.stats.items()
+                             if isinstance(value, Tensor) and value.dim() == 0}

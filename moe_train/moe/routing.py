@@ -15,13 +15,14 @@ D model dim, E experts, K expert slots per token.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from moe_train.config.moe import TASK_SOURCES
 from moe_train.errors import ConfigError
-from moe_train.models.context import SENTENCE_REPR_KEY, SIDES, ForwardContext  # noqa: F401
+from moe_train.models.context import SENTENCE_REPR_KEY, SIDES, ForwardContext, StateCell  # noqa: F401
 
 NUM_LANGS_KEY = "num_langs"
 """`ForwardContext.extras` key of the number of languages (needed by task_source lang_pair)."""
@@ -92,6 +93,13 @@ class RoutingContext:
     """Stack being run: encoder or decoder."""
     task_source: str | None = None
     """Which field `task_ids_B` was taken from (for error messages), None if not asked for."""
+    extras: dict[str, Any] = field(default_factory=dict)
+    """Model- and batch-provided inputs (`ForwardContext.extras`): per-sentence ``*_B*`` and
+    per-position ``*_BT*`` tensors and anything else a router reads by key."""
+    offset: int = 0
+    """Decoder positions decoded before these tokens (incremental decoding), else 0."""
+    state: StateCell | None = None
+    """The slot's routing state in the decoder cache while decoding incrementally, else None."""
 
     def __post_init__(self) -> None:
         if self.side not in SIDES:
@@ -102,7 +110,8 @@ class RoutingContext:
     def from_batch(cls, B: int, T: int, *, pad_mask_BT: Tensor | None = None,
                    task_ids_B: Tensor | None = None, sentence_repr_BD: Tensor | None = None,
                    side: str = "encoder", task_source: str | None = None,
-                   device: torch.device | str | None = None) -> RoutingContext:
+                   device: torch.device | str | None = None, extras: dict[str, Any] | None = None,
+                   offset: int = 0, state: StateCell | None = None) -> RoutingContext:
         """Context for B sentences of T positions each, flattened row-major into B*T tokens."""
         if device is None:
             present = [t for t in (pad_mask_BT, task_ids_B, sentence_repr_BD) if t is not None]
@@ -113,7 +122,8 @@ class RoutingContext:
         sentence_ids_T = torch.arange(B, device=device).repeat_interleave(T)
         return cls(pad_mask_T=None if pad_mask_BT is None else pad_mask_BT.reshape(B * T),
                    sentence_ids_T=sentence_ids_T, num_sentences=B, task_ids_B=task_ids_B,
-                   sentence_repr_BD=sentence_repr_BD, side=side, task_source=task_source)
+                   sentence_repr_BD=sentence_repr_BD, side=side, task_source=task_source,
+                   extras={} if extras is None else extras, offset=offset, state=state)
 
     @classmethod
     def from_forward(cls, ctx: ForwardContext, B: int, T: int, task_source: str | None = None,
@@ -130,7 +140,15 @@ class RoutingContext:
         return cls.from_batch(
             B, T, pad_mask_BT=pad_mask_BT, task_ids_B=task_ids_from_context(ctx, task_source),
             sentence_repr_BD=ctx.extras.get(SENTENCE_REPR_KEY), side=ctx.side,
-            task_source=task_source, device=device)
+            task_source=task_source, device=device, extras=ctx.extras, offset=ctx.offset,
+            state=ctx.state)
+
+    def require(self, key: str, router: str) -> Any:
+        """``extras[key]``, or a one-line error naming the router that needs it."""
+        if key not in self.extras:
+            raise ValueError(f"the {router} router needs {key!r} in ForwardContext.extras "
+                             f"(have: {', '.join(sorted(self.extras)) or 'none'})")
+        return self.extras[key]
 
 
 def task_ids_from_context(ctx: ForwardContext, task_source: str | None) -> Tensor | None:
@@ -142,6 +160,8 @@ def task_ids_from_context(ctx: ForwardContext, task_source: str | None) -> Tenso
                           f"got {task_source!r}")
     if task_source == "tgt_lang":
         return ctx.tgt_lang_B
+    if task_source == "src_lang":
+        return ctx.src_lang_B
     if task_source == "domain":
         return ctx.domain_ids_B
     if task_source == "task_ids":
@@ -172,3 +192,50 @@ def sentence_mean(x_TD: Tensor, sentence_ids_T: Tensor, num_sentences: int,
     sums_BD = x32_TD.new_zeros(num_sentences, x_TD.size(1)).index_add(0, sentence_ids_T, x32_TD)
     counts_B = ones_T.new_zeros(num_sentences).index_add(0, sentence_ids_T, ones_T)
     return (sums_BD / counts_B.clamp_min(1.0)[:, None]).to(x_TD.dtype)
+
+
+@dataclass
+class PrefixMeanState:
+    """Running sum and count of the real positions decoded so far, per row (see `prefix_mean`)."""
+
+    sum_BD: Tensor
+    count_B: Tensor
+
+    def reorder(self, index_B: Tensor) -> None:
+        self.sum_BD = self.sum_BD.index_select(0, index_B)
+        self.count_B = self.count_B.index_select(0, index_B)
+
+
+def prefix_mean(x_TD: Tensor, rctx: RoutingContext) -> Tensor:
+    """Inclusive causal mean of each position's sentence prefix over its real positions, (T, D).
+
+    Full passes use masked cumulative sums over the B x L layout of the T tokens; during
+    incremental decoding (`rctx.state` set) the running sum and count in the slot's cache are
+    continued and advanced, so step-by-step decoding gives the same values. Padding adds
+    nothing; a position with no real one before it (or itself) gets zeros. Summed in float32.
+    """
+    B = rctx.num_sentences
+    T, D = x_TD.shape
+    x32_BLD = x_TD.float().view(B, T // max(B, 1), D)
+    keep_BL = (torch.ones(x32_BLD.shape[:2], device=x_TD.device) if rctx.pad_mask_T is None
+               else (~rctx.pad_mask_T).view(B, -1).float())
+    sums_BLD = (x32_BLD * keep_BL[..., None]).cumsum(1)
+    counts_BL = keep_BL.cumsum(1)
+    cell = rctx.state
+    if cell is not None:
+        if cell.value is None:
+            cell.value = PrefixMeanState(x32_BLD.new_zeros(B, D), keep_BL.new_zeros(B))
+        state = cell.value
+        sums_BLD = sums_BLD + state.sum_BD[:, None]
+        counts_BL = counts_BL + state.count_B[:, None]
+        state.sum_BD, state.count_B = sums_BLD[:, -1].detach(), counts_BL[:, -1]
+    return (sums_BLD / counts_BL.clamp_min(1.0)[..., None]).view(T, D).to(x_TD.dtype)
+
+
+def context_mean(x_TD: Tensor, rctx: RoutingContext) -> Tensor:
+    """Each token's context state, (T, D): the masked mean of its sentence in the encoder (it
+    sees the whole source), the inclusive causal `prefix_mean` in the decoder."""
+    if rctx.side == "decoder":
+        return prefix_mean(x_TD, rctx)
+    means_BD = sentence_mean(x_TD, rctx.sentence_ids_T, rctx.num_sentences, rctx.pad_mask_T)
+    return means_BD.index_select(0, rctx.sentence_ids_T)

@@ -195,7 +195,8 @@ def check_moe_against_data(cfg: Any, manifest: dict[str, Any]) -> None:
     """Task routers need task ids the prepared data has, and enough task embeddings."""
     moe = cfg.moe
     num_langs, num_domains = len(manifest["langs"]), len(manifest["domains"])
-    needed = {"lang_pair": num_langs * num_langs, "tgt_lang": num_langs, "domain": num_domains}
+    needed = {"lang_pair": num_langs * num_langs, "tgt_lang": num_langs, "src_lang": num_langs,
+              "domain": num_domains}
     for side in ("encoder", "decoder"):
         if moe.router_name(side) != "task":
             continue

@@ -27,6 +27,7 @@ from moe_train.stages.distill import load_gate
 from moe_train.train.checkpoint import latest_tag
 from moe_train.train.export import load_export_weights
 from moe_train.train.trainer import Trainer
+from moe_train.train.hooks import InitModel
 
 STAGE = "adapters"
 LEARNED_ROUTERS = ("sentence", "switch", "topk", "gshard", "task")
@@ -116,7 +117,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
     cfg = adapters_config(ctx)
     init_model = make_init(ctx, cfg)
     resume = latest_tag(cfg.checkpoint.dir) is not None
-    trainer = Trainer(cfg, ctx.rt, resume=resume, init_model=init_model)
+    trainer = Trainer(cfg, ctx.rt, resume=resume, hooks=[InitModel(init_model)])
     trainable = sum(p.numel() for p in trainer.engine.module.parameters() if p.requires_grad)
     summary = trainer.fit()
     return ctx.finish(STAGE, training_summary(summary)

@@ -13,7 +13,7 @@ import logging
 import math
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Sequence
 
 import deepspeed
 import numpy as np
@@ -43,6 +43,7 @@ from moe_train.parallel.runtime import ParallelRuntime
 from moe_train.train.checkpoint import latest_tag, load_checkpoint, read_meta, save_checkpoint
 from moe_train.train.ds_config import build_deepspeed_config
 from moe_train.train.export import export_inference
+from moe_train.train.hooks import Ratio, TrainerHooks, hooks_for
 from moe_train.train.loss import label_smoothed_nll
 from moe_train.train.monitor import Monitor, peak_memory_mb
 from moe_train.train.resume import check_resume_config
@@ -62,16 +63,25 @@ def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str,
     return groups
 
 
+def _add_ratios(window: dict[str, list[float]], ratios: dict[str, Ratio]) -> None:
+    for name, (num, den) in ratios.items():
+        acc = window.setdefault(name, [0.0, 0.0])
+        acc[0] += num
+        acc[1] += den
+
+
 class Trainer:
     """Builds data, model and engine from a config; trains, validates, checkpoints, exports."""
 
     def __init__(self, cfg: ExperimentConfig, rt: ParallelRuntime, resume: bool = False,
-                 init_model: Callable[[torch.nn.Module], None] | None = None) -> None:
-        """`init_model(model)` runs on the freshly built single-device model, before expert
-        parallelism and the engine: stages load earlier weights and freeze parameters there
-        (parameters with requires_grad False get no optimizer state and never change)."""
+                 hooks: Sequence[TrainerHooks] = ()) -> None:
+        """`hooks` (train/hooks.py) come after those the config's methods register: their
+        `init_model` runs on the freshly built single-device model, before expert parallelism
+        and the engine (stages load earlier weights and freeze parameters there; parameters
+        with requires_grad False get no optimizer state and never change)."""
         logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
         self.cfg, self.rt = cfg, rt
+        self.hooks = hooks_for(cfg, hooks)
         prepared = Path(cfg.data.prepared_dir)
         self.manifest = load_manifest(prepared)
         self.vocab = load_vocab(prepared)
@@ -85,8 +95,7 @@ class Trainer:
         torch.manual_seed(cfg.train.seed)
         np.random.seed(cfg.train.seed)
         model = build_model(cfg, self.manifest)  # identical on every rank (same seed)
-        if init_model is not None:
-            init_model(model)
+        self.hooks.init_model(model)
         if cfg.uses_experts:
             wire_expert_parallel(model, rt)
             detach_experts_from_state_dict(model)
@@ -113,6 +122,7 @@ class Trainer:
         self.tokens_seen = 0
         self.tokens_unsaved = 0.0  # tokens this rank trained on since tokens_seen was updated
         self.aux_window: dict[str, float] = {}  # aux losses summed since the last log line
+        self.metric_window: dict[str, list[float]] = {}  # hook metrics: [numerator, denominator]
         self.moe_layers = moe_layers(self.engine.module)
         self.expert_param_ids = {id(p) for _, m in expert_modules(self.engine.module)
                                  for p in m.parameters()}
@@ -142,16 +152,32 @@ class Trainer:
 
     # ------------------------------------------------------------------ one optimizer step
     def _forward_loss(self, batch: Batch) -> tuple[torch.Tensor, float, float]:
-        out = self.engine(batch.src_tokens_BS, batch.tgt_in_BT,
-                          batch_context(batch, self.vocab.pad_id, len(self.manifest["langs"])))
+        """One forward: (scaled loss with aux and hook losses, loss sum, nll sum); aux losses
+        go to `aux_window`, hook metrics to `metric_window`."""
+        ctx = batch_context(batch, self.vocab.pad_id, len(self.manifest["langs"]))
+        extras = self.hooks.batch_extras(batch)
+        if extras:
+            ctx = ctx.replace(extras={**ctx.extras, **extras})
+        out = self.engine(batch.src_tokens_BS, batch.tgt_in_BT, ctx)
         loss_sum, nll_sum = label_smoothed_nll(out.logits_BTV, batch.tgt_out_BT,
                                                self.vocab.pad_id, self.cfg.optim.label_smoothing)
         scale = self.rt.world_size * self.cfg.optim.grad_accum / batch.step_tgt_tokens
         scaled = loss_sum * scale
-        for key, aux in out.aux_losses.items():
+        for key, aux in {**out.aux_losses, **self.hooks.extra_losses(out, batch)}.items():
             scaled = scaled + aux
             self.aux_window[key] = self.aux_window.get(key, 0.0) + aux.detach().item()
+        _add_ratios(self.metric_window, self.hooks.metrics(out, batch))
         return scaled, loss_sum.detach().item(), nll_sum.detach().item()
+
+    def _ratios(self, window: dict[str, list[float]], prefix: str) -> dict[str, float]:
+        """Hook metrics of a window, summed over ranks, as ``prefix + name`` -> ratio."""
+        # Every rank reduces the same names: the hooks' declared ones, present or not (0 / 0).
+        names = sorted(set(window) | set(self.hooks.metric_names))
+        if not names:
+            return {}
+        sums = all_reduce_floats(self.rt, *[v for n in names for v in window.get(n, (0.0, 0.0))])
+        return {prefix + n: sums[2 * i] / sums[2 * i + 1] for i, n in enumerate(names)
+                if sums[2 * i + 1] > 0}
 
     def _clip_gradients(self) -> float:
         """The global norm of the unscaled (fp16: loss scale divided out) gradients, counting
@@ -233,6 +259,7 @@ class Trainer:
         assert self.dev_set is not None
         self.engine.eval()
         aux_window = dict(self.aux_window)  # dev batches do not count as training aux losses
+        metric_window, self.metric_window = self.metric_window, {}
         loss = nll = tokens = 0.0
         for batch in eval_batches(self.dev_set, self.cfg.data.max_tokens, self.vocab.pad_id,
                                   self.vocab.bos_id, self.vocab.eos_id, dp_rank=self.rt.dp_rank,
@@ -242,11 +269,12 @@ class Trainer:
             if not batch.is_padding:
                 loss, nll, tokens = loss + loss_sum, nll + nll_sum, tokens + batch.n_tgt_tokens
         loss, nll, tokens = all_reduce_floats(self.rt, loss, nll, tokens)
-        self.aux_window = aux_window
+        dev_metrics = self._ratios(self.metric_window, "dev/")
+        self.aux_window, self.metric_window = aux_window, metric_window
         self.engine.train()
         tokens = max(tokens, 1.0)
         return {"dev/loss": loss / tokens / math.log(2), "dev/nll": nll / tokens / math.log(2),
-                "dev/ppl": 2 ** (nll / tokens / math.log(2))}
+                "dev/ppl": 2 ** (nll / tokens / math.log(2)), **dev_metrics}
 
     def validate_bleu(self, sentences: int, beam: int = 1) -> dict[str, Any]:
         """Dev BLEU/chrF (per domain) on the first `sentences` dev pairs of each corpus."""
@@ -325,6 +353,8 @@ class Trainer:
         for key, total in self.aux_window.items():
             values[f"moe/aux_{key}"] = total / steps
         self.aux_window = {}
+        values.update(self._ratios(self.metric_window, "train/"))
+        self.metric_window = {}
         self.monitor.scalars(self.step, values)
         self._log_moe_layers()
         self.monitor.progress(self.step, {"loss": f"{values['train/loss']:.3f}",
@@ -343,15 +373,20 @@ class Trainer:
             tag = name.replace(".ffn", "").replace("_layers.", "")
             self.monitor.histogram(self.step, f"moe_tokens_per_expert/{tag}", counts)
             cv = (counts.std(unbiased=False) / counts.mean().clamp_min(1e-9)).item()
-            self.monitor.scalars(self.step, {f"moe_dropped/{tag}": float(layer.dropped_slots),
-                                             f"moe_entropy/{tag}": float(layer.routing_entropy),
-                                             f"moe_load_cv/{tag}": cv})
+            values = {f"moe_dropped/{tag}": float(layer.dropped_slots),
+                      f"moe_entropy/{tag}": float(layer.routing_entropy), f"moe_load_cv/{tag}": cv}
+            for key, value in layer.scalar_stats.items():
+                if key != "routing_entropy":
+                    values[f"moe_{key}/{tag}"] = float(value)
+            self.monitor.scalars(self.step, values)
 
     def _validate(self, with_bleu: bool) -> dict[str, Any]:
         if self.dev_set is None:
             return {}
         values: dict[str, Any] = self.validate_loss()
         msg = f"| valid step {self.step} | loss {values['dev/loss']:.3f} | ppl {values['dev/ppl']:.2f}"
+        if "dev/task_accuracy" in values:
+            msg += f" | task acc {values['dev/task_accuracy']:.4f}"
         if with_bleu:
             metrics = self.validate_bleu(self.cfg.train.bleu_sentences)
             values["dev/bleu"] = metrics["all"]["bleu"]

@@ -279,7 +279,7 @@ def test_registry_and_k_errors_are_one_line_config_errors() -> None:
     ("capacity_factor", -1.0, "moe.capacity_factor: expected a non-negative number"),
     ("jitter_eps", 1.0, "moe.jitter_eps: expected a number in [0, 1)"),
     ("z_loss_coef", -0.1, "moe.z_loss_coef: expected a non-negative number"),
-    ("task_source", "lang", "moe.task_source: expected one of lang_pair, tgt_lang, domain"),
+    ("task_source", "lang", "moe.task_source: expected one of lang_pair, tgt_lang, src_lang, domain"),
     ("sentence_pool", "max", "moe.sentence_pool: expected mean, got 'max'"),
     ("assignment", [[0, 1], [2]], "moe.assignment[1]: expected a list of moe.k (2) expert ids"),
     ("assignment", [[1, 1]], "moe.assignment[0]: expected distinct expert ids"),

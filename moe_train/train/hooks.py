@@ -1,0 +1,117 @@
+"""Trainer hooks: how a method adds model set-up, per-batch inputs, losses and metrics without
+editing the training loop.
+
+The `Trainer` calls, in order: `init_model(model)` once on the freshly built single-device model
+(before expert parallelism and the engine: load earlier weights, freeze parameters);
+`batch_extras(batch)` for every forward (train and dev), merged into `ForwardContext.extras`
+(e.g. teacher probabilities looked up by `Batch.indices_B`); `extra_losses(out, batch)` after
+every training forward, added to the loss as given (already weighted) and logged like aux
+losses; `metrics(out, batch)` after every forward, summed as (numerator, denominator) pairs
+over the log window (train) or the dev set (all ranks) and logged as their ratio.
+`hooks_for(cfg)` composes the hooks the config's methods register with the caller's.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from moe_train.data.batching import Batch
+from moe_train.models.transformer import ModelOutput
+
+Ratio = tuple[float, float]
+"""A metric as (numerator, denominator), e.g. (correct, total), so windows and ranks sum."""
+
+
+class TrainerHooks:
+    """Base class: every hook does nothing."""
+
+    metric_names: tuple[str, ...] = ()
+    """The names `metrics` may return: every rank reduces them even when its window has none."""
+
+    def init_model(self, model: nn.Module) -> None:
+        """Runs once on the built model before the engine wraps it."""
+
+    def batch_extras(self, batch: Batch) -> dict[str, Any]:
+        """Entries for `ForwardContext.extras` of this batch (per-sentence keys end in ``_B*``)."""
+        return {}
+
+    def extra_losses(self, out: ModelOutput, batch: Batch) -> dict[str, Tensor]:
+        """Weighted losses to add to this training micro-batch's loss."""
+        return {}
+
+    def metrics(self, out: ModelOutput, batch: Batch) -> dict[str, Ratio]:
+        """(numerator, denominator) per metric name for this batch."""
+        return {}
+
+
+class HookList(TrainerHooks):
+    """Several hooks as one: called in order; extras, losses and metrics merged (a name given
+    twice is an error: two methods would silently share it)."""
+
+    def __init__(self, hooks: Sequence[TrainerHooks]) -> None:
+        self.hooks = list(hooks)
+        self.metric_names = tuple(n for h in self.hooks for n in h.metric_names)
+
+    def init_model(self, model: nn.Module) -> None:
+        for hook in self.hooks:
+            hook.init_model(model)
+
+    def _merge(self, name: str, parts: list[dict[str, Any]]) -> dict[str, Any]:
+        merged: dict[str, Any] = {}
+        for part in parts:
+            twice = sorted(set(merged) & set(part))
+            if twice:
+                raise ValueError(f"trainer hooks: two hooks return {name} {twice[0]!r}")
+            merged.update(part)
+        return merged
+
+    def batch_extras(self, batch: Batch) -> dict[str, Any]:
+        return self._merge("extra", [h.batch_extras(batch) for h in self.hooks])
+
+    def extra_losses(self, out: ModelOutput, batch: Batch) -> dict[str, Tensor]:
+        return self._merge("loss", [h.extra_losses(out, batch) for h in self.hooks])
+
+    def metrics(self, out: ModelOutput, batch: Batch) -> dict[str, Ratio]:
+        return self._merge("metric", [h.metrics(out, batch) for h in self.hooks])
+
+
+class InitModel(TrainerHooks):
+    """A plain ``init_model(model)`` function as a hook (what stages pass)."""
+
+    def __init__(self, fn: Callable[[nn.Module], None]) -> None:
+        self.fn = fn
+
+    def init_model(self, model: nn.Module) -> None:
+        self.fn(model)
+
+
+TASK_PROBS_KEY = "task_probs_BK"
+"""`ModelOutput.extras` key of a task predictor's probabilities (THOR's P^t)."""
+GOLD_TASK_KEY = "gold_task_B"
+"""`ModelOutput.extras` key of the gold task ids the predictor was scored against."""
+
+
+class TaskAccuracy(TrainerHooks):
+    """Accuracy of a task predictor (argmax of ``task_probs_BK`` vs the gold task) over the
+    real sentences of a batch, as ``task_accuracy``."""
+
+    metric_names = ("task_accuracy",)
+
+    def metrics(self, out: ModelOutput, batch: Batch) -> dict[str, Ratio]:
+        probs_BK, gold_B = out.extras.get(TASK_PROBS_KEY), out.extras.get(GOLD_TASK_KEY)
+        if probs_BK is None or gold_B is None or batch.is_padding:
+            return {}
+        with torch.no_grad():
+            correct = (probs_BK.argmax(-1) == gold_B.to(probs_BK.device)).sum().item()
+        return {"task_accuracy": (float(correct), float(gold_B.numel()))}
+
+
+def hooks_for(cfg: Any, extra: Sequence[TrainerHooks] = ()) -> HookList:
+    """The hooks of the config's methods (THOR: task accuracy) followed by `extra`."""
+    hooks: list[TrainerHooks] = []
+    if getattr(cfg, "uses_thor", False):
+        hooks.append(TaskAccuracy())
+    return HookList([*hooks, *extra])
