@@ -6,8 +6,10 @@ side get an `MoELayer` with that side's router (the encoder/decoder hybrids of s
 all of that side's MoE layers (one decision per sentence for every layer it serves). With
 `adapters.num_experts > 0` every layer of the chosen sides gets an `AdapterSlot`: an MoE layer
 over adapter experts whose sentence-level router is likewise shared by the side's layers.
-Expert parallelism is wired in afterwards by moe_train.parallel, so the model itself never
-knows about ranks.
+A side routed by ``thor`` gets a `ThorRouter` per MoE layer (its losses averaged over those
+layers) and the model one `TaskPredictor` (a context provider at `thor.predictor_layer`) and a
+[CLS] source position. Expert parallelism is wired in afterwards by moe_train.parallel, so the
+model itself never knows about ranks.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from moe_train.moe.dispatcher import LocalDispatcher
 from moe_train.moe.experts import Experts
 from moe_train.moe.layer import MoELayer
 from moe_train.moe.registry import build_router, build_shared_router
+from moe_train.moe.thor_router import TaskPredictor
+from moe_train.errors import ConfigError
 
 
 def moe_ffn_factory(cfg: ExperimentConfig):
@@ -35,13 +39,17 @@ def moe_ffn_factory(cfg: ExperimentConfig):
         if not moe.is_moe_layer(side, layer_idx, num_layers):
             return dense_ffn_factory(side, layer_idx, mcfg)
         name = moe.router_name(side)
+        settings = {}
+        if name == "thor":
+            settings = {"thor": cfg.thor, "loss_scale": 1.0 / num_thor_layers(cfg)}
         if name == "sentence":
             if side not in shared:
                 shared[side] = build_shared_router(name, mcfg.d_model, moe.num_experts,
                                                    moe.router_config(side))
             router = shared[side]
         else:
-            router = build_router(name, mcfg.d_model, moe.num_experts, moe.router_config(side))
+            router = build_router(name, mcfg.d_model, moe.num_experts, moe.router_config(side),
+                                  **settings)
         experts = Experts(moe.num_experts, mcfg.d_model, moe.expert_ffn_dim or mcfg.ffn_dim,
                           mcfg.activation, mcfg.activation_dropout)
         return MoELayer(router, LocalDispatcher(moe.num_experts, moe.capacity_factor), experts,
@@ -68,13 +76,59 @@ def adapter_factory(cfg: ExperimentConfig):
     return factory
 
 
+def _thor_layers(cfg: ExperimentConfig, side: str) -> list[int]:
+    num = cfg.model.encoder_layers if side == "encoder" else cfg.model.decoder_layers
+    if cfg.moe.router_name(side) != "thor":
+        return []
+    return [i for i in range(num) if cfg.moe.is_moe_layer(side, i, num)]
+
+
+def num_thor_layers(cfg: ExperimentConfig) -> int:
+    """MoE layers routed by thor, both sides (THOR's losses are averaged over them)."""
+    return max(len(_thor_layers(cfg, "encoder")) + len(_thor_layers(cfg, "decoder")), 1)
+
+
+def thor_num_tasks(cfg: ExperimentConfig, manifest: dict[str, Any]) -> int:
+    """K: `thor.num_tasks`, or the number of tasks of `thor.task_source` in the data."""
+    if cfg.thor.num_tasks:
+        return cfg.thor.num_tasks
+    langs, domains = len(manifest.get("langs", [])), len(manifest.get("domains", []))
+    num = {"domain": domains, "tgt_lang": langs, "src_lang": langs,
+           "lang_pair": langs * langs}[cfg.thor.task_source]
+    if num < 1:
+        raise ConfigError(f"thor.num_tasks: the data names no {cfg.thor.task_source} tasks; "
+                          "expected a positive thor.num_tasks")
+    return num
+
+
+def thor_predictor_layer(cfg: ExperimentConfig) -> int:
+    """Encoder layer whose input the task predictor reads (see `ThorConfig.predictor_layer`);
+    no encoder THOR layer may come before it."""
+    enc = _thor_layers(cfg, "encoder")
+    layer = cfg.thor.predictor_layer
+    if layer == -1:
+        return enc[0] if enc else cfg.model.encoder_layers
+    if layer > cfg.model.encoder_layers:
+        raise ConfigError(f"thor.predictor_layer: expected at most model.encoder_layers "
+                          f"({cfg.model.encoder_layers}), got {layer}")
+    if enc and layer > enc[0]:
+        raise ConfigError(f"thor.predictor_layer: expected at most {enc[0]} (the first encoder "
+                          f"THOR layer needs the task representation), got {layer}")
+    return layer
+
+
 def build_model(cfg: ExperimentConfig, manifest: dict[str, Any]) -> Seq2SeqTransformer:
     """A single-device Seq2SeqTransformer sized to the prepared data's vocabulary."""
     ffn_factory = moe_ffn_factory(cfg) if cfg.moe.enabled else None
     adapters = adapter_factory(cfg) if cfg.adapters.enabled else None
+    providers = {}
+    if cfg.uses_thor:
+        providers[thor_predictor_layer(cfg)] = TaskPredictor(
+            cfg.model.d_model, thor_num_tasks(cfg, manifest), cfg.thor)
     return Seq2SeqTransformer(cfg.model, vocab_size=manifest["vocab_size"],
                               pad_id=manifest["pad_id"], ffn_factory=ffn_factory,
-                              adapter_factory=adapters)
+                              adapter_factory=adapters, providers=providers,
+                              cls_token=cfg.uses_thor)
 
 
 def moe_layers(model: nn.Module) -> list[tuple[str, MoELayer]]:

@@ -109,3 +109,19 @@ def routing_entropy(probs_TE: Tensor, pad_mask_T: Tensor | None = None) -> Tenso
     0 for one-hot routing, log E for uniform routing: how decided the router is.
     """
     return entropy_loss(probs_TE.detach(), pad_mask_T)
+
+
+def token_balance_loss(probs_TE: Tensor, counts_E: Tensor, pad_mask_T: Tensor | None,
+                       set_size: float) -> Tensor:
+    """THOR-MoE Eq. 12 (L_bt): |S^t| * sum_e F_e Q_e with F_e the fraction of real tokens that
+    use expert e and Q_e its mean (candidate-restricted) probability; `set_size` is |S^t|."""
+    n_real = _keep(pad_mask_T, probs_TE).sum().clamp_min(1.0)
+    return set_size * ((counts_E.float() / n_real) * mean_probs(probs_TE, pad_mask_T)).sum()
+
+
+def task_balance_loss(task_probs_KE: Tensor, candidates_KC: Tensor) -> Tensor:
+    """THOR-MoE Eq. 11 (L_bd) over the K task embeddings: N * sum_e F_e Q_e, F_e the fraction
+    of tasks whose candidate set holds e, Q_e the mean task-router probability of e."""
+    K, E = task_probs_KE.shape
+    in_set_KE = torch.zeros_like(task_probs_KE).scatter_(1, candidates_KC, 1.0)
+    return E * ((in_set_KE.mean(0)) * task_probs_KE.float().mean(0)).sum()

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from moe_train.config.moe import RouterConfig
 from moe_train.errors import ConfigError
 from moe_train.moe.gating import Router, _expect
 from moe_train.moe.moa_router import GumbelMaxRouter, SharedRouter, SingleRouter
 from moe_train.moe.router import GShardRouter, SwitchRouter, TopKRouter, TopPRouter
 from moe_train.moe.sentence_router import SentenceRouter, TaskRouter
+from moe_train.moe.thor_router import ThorRouter
 
 ROUTERS: dict[str, type[Router]] = {
     "gshard": GShardRouter,
@@ -16,19 +19,23 @@ ROUTERS: dict[str, type[Router]] = {
     "single": SingleRouter,
     "switch": SwitchRouter,
     "task": TaskRouter,
+    "thor": ThorRouter,
     "topk": TopKRouter,
     "topp": TopPRouter,
 }
-"""Router name (``moe.router``) -> class; every class takes (d_model, num_experts, cfg)."""
+"""Router name (``moe.router``) -> class; every class takes (d_model, num_experts, cfg), and
+some keyword settings of their own (thor: ``thor``, ``loss_scale``)."""
 
 
-def build_router(name: str, d_model: int, num_experts: int, cfg: RouterConfig) -> Router:
-    """The router registered as `name`; unknown names and impossible k are ConfigErrors."""
+def build_router(name: str, d_model: int, num_experts: int, cfg: RouterConfig,
+                 **settings: Any) -> Router:
+    """The router registered as `name`; unknown names and impossible k are ConfigErrors.
+    `settings` go to the router's constructor (see `ROUTERS`)."""
     if name not in ROUTERS:
         known = ", ".join(sorted(ROUTERS))
         raise ConfigError(f"moe.router: unknown router {name!r} (known: {known})")
     _expect(num_experts >= 1, "moe.num_experts", "a positive integer", num_experts)
-    return ROUTERS[name](d_model, num_experts, cfg)
+    return ROUTERS[name](d_model, num_experts, cfg, **settings)
 
 
 SENTENCE_LEVEL_ROUTERS = ("sentence", "gumbel", "single", "task")

@@ -20,6 +20,7 @@ from torch import Tensor, nn
 
 from moe_train.data.batching import Batch
 from moe_train.models.transformer import ModelOutput
+from moe_train.moe.thor_router import GOLD_TASK_KEY, TASK_PROBS_KEY
 
 Ratio = tuple[float, float]
 """A metric as (numerator, denominator), e.g. (correct, total), so windows and ranks sum."""
@@ -86,12 +87,6 @@ class InitModel(TrainerHooks):
 
     def init_model(self, model: nn.Module) -> None:
         self.fn(model)
-
-
-TASK_PROBS_KEY = "task_probs_BK"
-"""`ModelOutput.extras` key of a task predictor's probabilities (THOR's P^t)."""
-GOLD_TASK_KEY = "gold_task_B"
-"""`ModelOutput.extras` key of the gold task ids the predictor was scored against."""
 
 
 class TaskAccuracy(TrainerHooks):
