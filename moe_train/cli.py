@@ -149,7 +149,9 @@ def _add_routing_stats(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("routing-stats", help="expert x domain / task tables (CSV) and heatmaps",
                        description="Teacher-forced forwards over a prepared split; per MoE layer "
                        "writes expert x domain, expert x language-pair and expert x target-"
-                       "language count tables (CSV), heatmaps (PNG) and summary.json.")
+                       "language count tables (CSV), heatmaps (PNG), layers.csv (experts per "
+                       "token, candidate usage) and summary.json; for THOR models also expert x "
+                       "gold / predicted task and candidate-set tables and task_confusion.csv/.png.")
     p.add_argument("--checkpoint", required=True, help="export, checkpoint or step dir")
     p.add_argument("--prepared", help="prepared data dir (default: the one the model trained on)")
     p.add_argument("--split", default="dev", help="prepared split (default dev)")

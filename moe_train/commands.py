@@ -233,7 +233,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     else:
         dataset = _prepared_split(inf, args.prepared, args.split)
         metrics, hyp_map = evaluate_dataset(inf.model, dataset, inf.vocab, inf.manifest, rt,
-                                            ecfg, inf.cfg.data.max_tokens)
+                                            ecfg, inf.cfg.data.max_tokens, routing=True)
         ordered = [hyp_map[i] for i in sorted(hyp_map)]
     if rt.is_main:
         if args.hyps:

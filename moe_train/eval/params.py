@@ -21,8 +21,18 @@ Transformer-Base = 3 x 64k x 512 + 44M of layers), so its configs set
 ``model.tie_embeddings: false``; tied tables would be counted once here, as they are stored.
 
 Besides the paper's columns the report has ``active_all`` / ``active_decoder``: the parameters
-one token's forward pass multiplies with (dense parameters plus k experts per MoE layer for
-every router; routers without a fixed k, i.e. top-p, are counted at their bound, all E).
+one token's forward pass multiplies with (dense parameters, routers, and the experts a token
+uses in each MoE layer). ``{side}_experts_per_token`` says how many experts that is: the fixed
+k of top-k / switch / gshard / sentence / task routing (THOR top-k: moe.k inside S^t), exact;
+for top-p it depends on the data (Eqs. 5-7: as many as reach the mass p), so the count is its
+upper bound, ``{side}_experts_per_token_exact`` is false and the table says "at most": E for
+plain top-p, |S^t| (``thor.num_candidates``) for THOR top-p with candidate sets. The measured
+average (003 Table 7) comes from a run: `moe-train routing-stats` / benchmarks/thor.py.
+
+THOR-MoE (seed 003) adds, besides its per-layer routers (token gate E x D, task gate E x D,
+context gate 2D x D + D or 2D x 1 + 1: all under ``{side}_routers``), one task predictor (W^p
+K x D and the task embedding table EMB1 K x D) and the [CLS] vector (D), both under ``other``
+and itemised as ``thor_*`` keys (see `count_parameters`).
 """
 
 from __future__ import annotations
@@ -34,9 +44,11 @@ import torch
 from torch import nn
 
 from moe_train.config.schema import ExperimentConfig
+from moe_train.errors import ConfigError
 from moe_train.models.build import build_model
 from moe_train.moe.experts import StackedExperts
 from moe_train.moe.layer import MoELayer
+from moe_train.moe.thor_router import TaskPredictor, ThorRouter
 
 SIDES = ("encoder", "decoder")
 EMBEDDING_PREFIXES = ("embed_tokens.", "tgt_embed_tokens.", "output_proj.")
@@ -53,8 +65,12 @@ class _MoECount:
     per_expert: int
     router: int
     k: int
-    """Experts a token uses (num_experts for routers without a fixed k)."""
+    """Experts a token uses; for top-p (data-dependent) its upper bound."""
+    exact: bool
+    """Whether `k` is fixed by the router (False: top-p, `k` is the bound)."""
     extractable: bool
+    routing: str
+    """How a token picks its experts, for the table (e.g. "top-p p=0.5 inside |S^t|=4")."""
 
     @property
     def experts(self) -> int:
@@ -81,6 +97,24 @@ def _side_of(name: str) -> str:
     return "other"
 
 
+def experts_per_token(router: nn.Module, num_experts: int) -> tuple[int, bool, str]:
+    """(experts one token uses, whether that is exact, how they are chosen) for a router: its
+    k; for top-p the upper bound (all E, or THOR's |S^t|), not exact."""
+    name = getattr(router, "name", "")
+    if isinstance(router, ThorRouter):
+        space = router.set_size
+        inside = f"inside |S^t|={space} of {num_experts}" if router.candidates else \
+            f"over all {space}"
+        if router.thor.token_routing == "topk":
+            k = min(router.cfg.k, space)
+            return k, True, f"top-{k} {inside}"
+        return space, False, f"top-p p={router.cfg.top_p} {inside}"
+    if name == "topp":
+        return num_experts, False, f"top-p p={router.cfg.top_p} over all {num_experts}"
+    k = min(int(getattr(router, "k", num_experts)), num_experts)
+    return k, hasattr(router, "k"), f"top-{k}"
+
+
 def _moe_count(name: str, layer: MoELayer, seen_routers: set[int]) -> _MoECount:
     """Counts of one MoE layer; a router shared by several layers (one sentence-level decision
     for all of them) is counted with the first."""
@@ -91,13 +125,33 @@ def _moe_count(name: str, layer: MoELayer, seen_routers: set[int]) -> _MoECount:
     expert_numel = sum(p.numel() for _, p in experts.expert_parameters())
     router = layer.router
     num_experts = experts.num_experts
-    k = int(getattr(router, "k", num_experts))
+    k, exact, routing = experts_per_token(router, num_experts)
     return _MoECount(side=_side_of(name + "."), num_experts=num_experts,
                      per_expert=expert_numel // num_experts,
                      router=0 if id(router) in seen_routers else
                      sum(p.numel() for p in router.parameters()),
-                     k=min(k, num_experts),
-                     extractable=getattr(router, "name", "") in EXTRACTABLE_ROUTERS)
+                     k=k, exact=exact,
+                     extractable=getattr(router, "name", "") in EXTRACTABLE_ROUTERS,
+                     routing=routing)
+
+
+def _numel(module: nn.Module | None) -> int:
+    return 0 if module is None else sum(p.numel() for p in module.parameters())
+
+
+def _thor_parts(model: nn.Module) -> dict[str, int]:
+    """THOR-MoE's own parameters, itemised (empty for a model without THOR routing)."""
+    predictors = [m for m in model.modules() if isinstance(m, TaskPredictor)]
+    routers = {id(m): m for m in model.modules() if isinstance(m, ThorRouter)}.values()
+    if not predictors and not routers:
+        return {}
+    cls = getattr(model, "cls_embed_D", None)
+    return {"thor_num_tasks": sum(p.num_tasks for p in predictors),
+            "thor_predictor": sum(_numel(p) for p in predictors),
+            "thor_cls": 0 if cls is None else cls.numel(),
+            "thor_token_gates": sum(_numel(r.gate) for r in routers),
+            "thor_task_gates": sum(_numel(r.task_gate) for r in routers),
+            "thor_context_gates": sum(_numel(r.context_gate) for r in routers)}
 
 
 def count_model(model: nn.Module) -> dict[str, Any]:
@@ -121,9 +175,13 @@ def count_model(model: nn.Module) -> dict[str, Any]:
         moe_part = sum(c.experts + c.router for c in layers)
         report[f"serving_{side}"] = by_part[side] - moe_part + sum(c.served() for c in layers)
         report[f"active_{side}"] = by_part[side] - moe_part + sum(c.active() for c in layers)
+        report[f"{side}_experts_per_token"] = max((c.k for c in layers), default=0)
+        report[f"{side}_experts_per_token_exact"] = all(c.exact for c in layers)
+        report[f"{side}_routing"] = layers[0].routing if layers else "dense"
     shared = by_part["embeddings"] + by_part["other"]
     report["serving_all"] = shared + report["serving_encoder"] + report["serving_decoder"]
     report["active_all"] = shared + report["active_encoder"] + report["active_decoder"]
+    report.update(_thor_parts(model))
     return report
 
 
@@ -134,8 +192,16 @@ def count_parameters(cfg: ExperimentConfig, vocab_size: int) -> dict[str, Any]:
     ``{side}_moe_layers`` (a count), ``{side}_num_experts``, ``{side}_experts`` (expert
     parameters), ``{side}_routers``, ``serving_{side}``, ``active_{side}``; and serving_all,
     active_all. Also ``encoder_router`` / ``decoder_router`` (router names, "dense" when the
-    side has no MoE layer) and ``vocab_size``.
+    side has no MoE layer), per side ``{side}_experts_per_token`` (the experts per token counted
+    in ``active_{side}``), ``{side}_experts_per_token_exact`` (false: a top-p bound) and
+    ``{side}_routing`` (a description), and ``vocab_size``. A model routed by THOR also has
+    ``thor_num_tasks`` (K), ``thor_predictor`` (W^p + EMB1: 2 K D), ``thor_cls`` (D), and, over
+    all its THOR layers, ``thor_token_gates``, ``thor_task_gates`` and ``thor_context_gates``.
     """
+    if cfg.uses_thor and not cfg.thor.num_tasks:
+        raise ConfigError("thor.num_tasks: 0 takes K from the prepared data, which `params` "
+                          "does not read; expected the number of tasks (e.g. "
+                          "thor.num_tasks=5 for five domains)")
     with torch.device("meta"):
         model = build_model(cfg, {"vocab_size": vocab_size, "pad_id": 0})
     report = count_model(model)
@@ -164,6 +230,10 @@ _ROWS = (
     ("decoder_experts", "    decoder experts"),
     ("decoder_routers", "    decoder routers"),
     ("other", "  other"),
+    ("thor_predictor", "    THOR task predictor (W^p, EMB1)"),
+    ("thor_cls", "    THOR [CLS] vector"),
+    ("thor_context_gates", "  THOR context gates (in routers)"),
+    ("thor_task_gates", "  THOR task gates (in routers)"),
     ("serving_all", "serving all"),
     ("serving_encoder", "  serving encoder"),
     ("serving_decoder", "  serving decoder"),
@@ -178,13 +248,21 @@ def format_params(report: dict[str, Any]) -> str:
     for side in SIDES:
         router = report.get(f"{side}_router", "?")
         if report[f"{side}_moe_layers"]:
+            k = report.get(f"{side}_experts_per_token")
+            per_token = "" if k is None else (
+                f", {k} experts per token" if report[f"{side}_experts_per_token_exact"] else
+                f", experts per token data-dependent (at most {k}: active counts {k})")
             lines.append(f"{side}: {report[f'{side}_moe_layers']} MoE layers x "
-                         f"{report[f'{side}_num_experts']} experts, router {router}")
+                         f"{report[f'{side}_num_experts']} experts, router {router}: "
+                         f"{report.get(f'{side}_routing', router)}{per_token}")
         else:
             lines.append(f"{side}: dense")
-    width = max(len(label) for _, label in _ROWS)
+    bound = not all(report.get(f"{side}_experts_per_token_exact", True) for side in SIDES)
+    width = max(len(label) for _, label in _ROWS) + (len(" (upper bound)") if bound else 0)
     for key, label in _ROWS:
-        if key == "other" and not report[key]:
+        if key not in report or (key == "other" and not report[key]):
             continue
+        if bound and key.startswith("active_"):
+            label += " (upper bound)"
         lines.append(f"{label:<{width}}  {human(report[key]):>9}  {report[key]:>15,}")
     return "\n".join(lines)

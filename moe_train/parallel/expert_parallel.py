@@ -197,6 +197,12 @@ def check_moe_against_data(cfg: Any, manifest: dict[str, Any]) -> None:
     num_langs, num_domains = len(manifest["langs"]), len(manifest["domains"])
     needed = {"lang_pair": num_langs * num_langs, "tgt_lang": num_langs, "src_lang": num_langs,
               "domain": num_domains}
+    if getattr(cfg, "uses_thor", False) and cfg.thor.num_tasks:
+        source = cfg.thor.task_source
+        if cfg.thor.num_tasks < needed[source]:
+            raise ConfigError(f"thor.num_tasks: expected at least {needed[source]} (tasks by "
+                              f"{source} in the prepared data, see thor.task_source), got "
+                              f"{cfg.thor.num_tasks}")
     for side in ("encoder", "decoder"):
         if moe.router_name(side) != "task":
             continue

@@ -17,7 +17,8 @@ from tests.distributed.two_ranks import init_ep2, spawn_two
 from tests.unit.test_incremental_all_routers import T, VARIANTS, _batch, _model
 
 EP_VARIANTS = ["switch", "topk k=3", "topp", "sentence k=2", "task learned (lang_pair / tgt_lang)",
-               "gumbel moe", "adapters gumbel, both sides", "adapters sentence k=2, both sides"]
+               "gumbel moe", "adapters gumbel, both sides", "adapters sentence k=2, both sides",
+               "thor top-2 (mixed, context)", "thor top-p (argmax, scalar gate)"]
 
 
 def _worker(rank: int, port: int, out: str) -> None:

@@ -194,3 +194,76 @@ def test_incremental_equals_full_decoding_with_a_capacity_limit() -> None:
     cache = model.new_decoder_cache()
     inc_BTV = torch.cat([model.decode(tgt_BT[:, t:t + 1], enc, ctx, cache)[0] for t in range(T)], 1)
     torch.testing.assert_close(inc_BTV, full_BTV, rtol=0, atol=1e-5)
+
+
+
+THOR_TOPP_CONTEXT = _moe("thor", "moe.num_experts=8", "thor.num_tasks=4", "thor.num_candidates=4",
+                         "moe.top_p=0.6")  # top-p, mixed E_p, vector context gate (defaults)
+
+
+class _Recorder:
+    """A search model around `inner` that keeps the last-position logits of every decode step
+    (and takes its caches from `new_cache`)."""
+
+    def __init__(self, inner, new_cache=None) -> None:
+        self.inner, self.max_positions, self.steps = inner, inner.max_positions, []
+        self.new_decoder_cache = new_cache or inner.new_decoder_cache
+
+    def encode(self, src_BS, ctx=None):
+        return self.inner.encode(src_BS, ctx)
+
+    def decode(self, tgt_in_BT, enc, ctx=None, cache=None):
+        logits_BTV, aux = self.inner.decode(tgt_in_BT, enc, ctx, cache)
+        self.steps.append(logits_BTV[:, -1].clone())
+        return logits_BTV, aux
+
+
+@torch.no_grad()
+def test_thor_beam_routing_state_follows_parent_swaps(monkeypatch) -> None:
+    """THOR top-p with context in the decoder keeps the causal context mean in the cache. Beam
+    search reorders it with the KV caches: at some step a hypothesis continues another row's
+    prefix (a parent swap) whose running context sum differs from its own, and the cached
+    search still gives, step by step, the logits (1e-5) and outputs of re-decoding every prefix
+    in full. With the state left unreordered the logits do differ (the check is sensitive)."""
+    from moe_train.models.context import StateCell
+    from moe_train.moe.routing import PrefixMeanState
+    from moe_train.moe.thor_router import ThorRouter
+
+    model = _model(THOR_TOPP_CONTEXT)
+    routers = [m.router for m in model.decoder_layers.modules() if isinstance(m, MoELayer)]
+    assert routers and all(isinstance(r, ThorRouter) and r.thor.context
+                           and r.thor.token_routing == "topp" for r in routers)
+    src_BS, _, ctx = _batch()
+    swaps: list[tuple[int, int, int]] = []  # (step, row, parent) whose states differ
+
+    def recording_cache():
+        cache = model.new_decoder_cache()
+        reorder, seen = cache.reorder, []
+
+        def record(index_N: torch.Tensor):
+            states = [layer.ffn_state.value for layer in cache.layers]
+            sums = [s.sum_BD for s in states if isinstance(s, PrefixMeanState)]
+            assert len(sums) == len(routers)  # every decoder THOR layer keeps its state
+            for row, parent in enumerate(index_N.tolist()):  # step 0 only fans out beam 0
+                if seen and parent != row and any(not torch.equal(s[row], s[parent])
+                                                  for s in sums):
+                    swaps.append((len(seen), row, parent))
+            seen.append(index_N)
+            return reorder(index_N)
+        cache.reorder = record
+        return cache
+
+    kwargs = dict(bos_id=BOS, eos_id=EOS, pad_id=PAD, max_len_a=0.0, max_len_b=T + 4, ctx=ctx,
+                  beam=4, lenpen=1.0)
+    cached, full = _Recorder(model, recording_cache), _Recorder(Uncached(model))
+    assert beam_search(cached, src_BS, **kwargs) == beam_search(full, src_BS, **kwargs)
+    assert swaps, "no hypothesis changed parent: the beam test would be vacuous"
+    assert len(cached.steps) == len(full.steps) > 2
+    for step, (a, b) in enumerate(zip(cached.steps, full.steps)):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5, msg=f"step {step}")
+
+    monkeypatch.setattr(StateCell, "reorder", lambda self, index_B: None)
+    broken = _Recorder(model)
+    beam_search(broken, src_BS, **kwargs)
+    worst = max((a - b).abs().max().item() for a, b in zip(broken.steps, full.steps))
+    assert worst > 1e-3, worst

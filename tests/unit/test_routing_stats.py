@@ -192,7 +192,7 @@ def test_write_routing_stats_files(stats: RoutingStats, tmp_path) -> None:
     out = tmp_path / "routing"
     names = sorted(p.name for p in out.iterdir())
     assert names == sorted(p.name for p in paths)  # nothing else left (no temporary files)
-    assert len(paths) == 2 * 3 * 2 + 2
+    assert len(paths) == 2 * 3 * 2 + 3  # + all_layers.csv, layers.csv, summary.json
     with open(out / f"{DEC}.expert_domain.csv", newline="") as f:
         rows = list(csv.reader(f))
     assert rows[0] == ["expert", "it", "law", "med"]
@@ -222,3 +222,22 @@ def test_user_errors(dataset: FakeDataset) -> None:
     two_domains = dict(MANIFEST, domains=["it", "law"])
     with pytest.raises(DataError, match="domain_ids up to 2 but the manifest lists 2 domains"):
         collect_routing_stats(_model(), dataset, two_domains, ParallelRuntime(), max_tokens=40)
+
+
+def test_experts_per_token_and_layers_csv(stats: RoutingStats, dataset: FakeDataset,
+                                          tmp_path) -> None:
+    # top-1 token router (encoder) and task router (decoder): one expert per real token
+    for layer, side in ((ENC, "src"), (DEC, "tgt")):
+        t = stats.layers[layer]
+        np.testing.assert_array_equal(t.tokens_domain, _tokens_by_domain(dataset, side))
+        assert t.experts_per_token == 1.0 and t.candidate_usage is None
+        np.testing.assert_array_equal(t.experts_per_token_by("domain"), [1.0, 1.0, 1.0])
+    assert stats.summary()["experts_per_token"] == {"all": 1.0, "encoder": 1.0, "decoder": 1.0}
+    assert stats.group_metrics()["pairs"]["fr-en"] == {"experts_per_token": 1.0}
+    write_routing_stats(stats, tmp_path / "r")
+    with open(tmp_path / "r" / "layers.csv", newline="") as f:
+        rows = list(csv.reader(f))
+    assert rows[0] == ["layer", "side", "tokens", "experts_per_token", "candidate_usage",
+                       "experts_per_token:it", "experts_per_token:law", "experts_per_token:med"]
+    assert rows[1] == [ENC, "encoder", str(stats.layers[ENC].tokens), "1", "", "1", "1", "1"]
+    assert rows[2][:2] == [DEC, "decoder"] and len(rows) == 3
