@@ -248,6 +248,26 @@ def test_top_p_one_is_guarded_against_float_mass_below_one() -> None:
     assert leaks > 0, "the edge case did not occur: the guard is not exercised"
 
 
+def test_routing_statistics() -> None:
+    """Tokens a, b plus a padding position each (L = 2). Top-p .5: one expert per real token
+    (experts 1 and 2); top-p .7: two. Each expert is a candidate of one sentence; candidate
+    usage = used (sentence, candidate) pairs / 4."""
+    x_TD = torch.stack([X_TD[0], torch.zeros(E), X_TD[1], torch.zeros(E)])
+    pad_BL = torch.tensor([[False, True], [False, True]])
+    for p, per_token, counts, usage in [(0.5, 1.0, [0, 1, 1, 0], 0.5),
+                                        (0.7, 2.0, [1, 1, 1, 1], 1.0)]:
+        stats = _router(token_routing="topp", top_p=p)(x_TD, _rctx(REPR_BD, 2, pad_BL)).stats
+        assert float(stats["experts_per_token"]) == per_token
+        assert stats["tokens_per_expert"].tolist() == counts
+        assert stats["candidates_per_expert"].tolist() == [1, 1, 1, 1]
+        assert float(stats["candidate_usage"]) == usage
+    # a sentence of padding only (a filler row) is no real sentence
+    pad_BL = torch.tensor([[False, True], [True, True]])
+    stats = _router(token_routing="topp", top_p=0.5)(x_TD, _rctx(REPR_BD, 2, pad_BL)).stats
+    assert stats["candidates_per_expert"].tolist() == [1, 1, 0, 0]
+    assert float(stats["candidate_usage"]) == 0.5 and float(stats["experts_per_token"]) == 1.0
+
+
 # ---------------------------------------------------------------------------------------------
 # 5: task representations (TaskPredictor) and infuse
 
