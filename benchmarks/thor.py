@@ -151,18 +151,21 @@ def prepare_data(args: argparse.Namespace, config: str, prepared: Path) -> dict[
 
 def train_variant(args: argparse.Namespace, config: str, prepared: Path, vdir: Path,
                   name: str) -> dict[str, Any]:
-    """Train one variant for the budget (or reuse its finished training)."""
-    done = vdir / SUMMARY
-    if done.is_file():
-        print(f"== {name}: training reused (finished earlier)", flush=True)
-        return json.loads(done.read_text()) | {"reused": True}
-    if vdir.exists():  # an unfinished earlier attempt: start it again
-        shutil.rmtree(vdir)
+    """Train one variant for the budget, or reuse its training when an earlier invocation
+    finished it with the same overrides (budget included)."""
     overrides = [*VARIANTS[name], f"data.prepared_dir={prepared}",
                  f"checkpoint.dir={vdir / 'checkpoints'}",
                  f"logging.tensorboard_dir={vdir / 'tensorboard'}",
                  f"train.max_minutes={args.minutes}", *BENCH_TRAIN,
                  *(QUICK_TRAIN if args.quick else [])]
+    done = vdir / SUMMARY
+    if done.is_file():
+        record = json.loads(done.read_text())
+        if record.get("overrides") == overrides:
+            print(f"== {name}: training reused (finished earlier)", flush=True)
+            return record | {"reused": True}
+    if vdir.exists():  # unfinished, or trained with other settings: start again
+        shutil.rmtree(vdir)
     print(f"== {name}: training for {args.minutes} min", flush=True)
     t0 = time.time()
     summary = last_json(cli(["train", "--config", config, *overrides], vdir / "train.log"))
@@ -231,13 +234,26 @@ def acceptance(variants: dict[str, Any]) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
+    from moe_train.errors import MoeTrainError
+
+    try:
+        run(parse_args(argv), argv)
+    except MoeTrainError as exc:  # bad data or test directory: one line, as the CLI does
+        raise SystemExit(f"error: {exc}") from None
+
+
+def run(args: argparse.Namespace, argv: list[str] | None) -> None:
+    """The whole benchmark (see the module docstring)."""
     if args.data == "opus" and not Path(args.opus_dir).is_dir():
         print(f"skipped: {args.opus_dir} not found (the OPUS multi-domain data lives in "
               "../shared)")
         return
-    if args.test_dir and not Path(args.test_dir).is_dir():
-        raise SystemExit(f"--test-dir {args.test_dir}: not a directory")
+    if args.test_dir:  # before any training: a test directory without test files fails now
+        from moe_train.data.corpus import discover
+
+        if not Path(args.test_dir).is_dir():
+            raise SystemExit(f"--test-dir {args.test_dir}: not a directory")
+        discover(args.test_dir, splits=["test"])
     prov = provenance(argv)
     suffix = "_quick" if args.quick else ""
     config = DATASETS[args.data]["config"]

@@ -16,6 +16,7 @@ Shape legend: B sentences, T tokens (flattened positions), K expert slots per to
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 from typing import Any, Callable
 
@@ -137,11 +138,15 @@ def teacher_forced(inf: InferenceModel, dataset: Any, max_tokens: int) -> dict[s
 
 def score_split(inf: InferenceModel, dataset: Any, beam: int, max_tokens: int
                 ) -> dict[str, Any]:
-    """BLEU / chrF per domain (beam search), then `teacher_forced` on the same split."""
+    """BLEU / chrF per domain (beam search), then `teacher_forced` on the same split. Where
+    `evaluate_dataset` measures routing itself (``routing=True``), its experts per token and
+    task accuracy are kept beside ours as a cross-check (``moe_train_evaluate``)."""
     ecfg = EvalConfig(beam=beam, lenpen=inf.cfg.eval.lenpen, max_len_a=inf.cfg.eval.max_len_a,
                       max_len_b=inf.cfg.eval.max_len_b, max_sentences=inf.cfg.eval.max_sentences)
+    routing = {"routing": True} if "routing" in inspect.signature(evaluate_dataset).parameters \
+        else {}
     metrics, _ = evaluate_dataset(inf.model, dataset, inf.vocab, inf.manifest, ParallelRuntime(),
-                                  ecfg, max_tokens)
+                                  ecfg, max_tokens, **routing)
     out: dict[str, Any] = {
         "sentences": metrics["all"]["sentences"],
         "bleu": {d: m["bleu"] for d, m in metrics["domains"].items()} | {
@@ -149,10 +154,15 @@ def score_split(inf: InferenceModel, dataset: Any, beam: int, max_tokens: int
         "chrf": {d: m["chrf"] for d, m in metrics["domains"].items()} | {
             "all": metrics["all"]["chrf"]},
         "bleu_signature": metrics["all"]["bleu_signature"]}
-    extra = {k: v for k, v in metrics.items() if k not in ("all", "domains", "pairs")}
-    if extra:  # whatever else evaluate_dataset reports (e.g. routing metrics), kept as given
-        out["evaluate_dataset_extra"] = extra
-    return out | teacher_forced(inf, dataset, max_tokens)
+    out |= teacher_forced(inf, dataset, max_tokens)
+    if "routing" in metrics:
+        theirs = metrics["routing"]["experts_per_token"]
+        ours = out["experts_per_token"]
+        out["moe_train_evaluate"] = {
+            "experts_per_token": theirs, "task_accuracy": metrics["all"].get("task_accuracy"),
+            "experts_per_token_mean_agrees": ours is not None and theirs.get("all") is not None
+            and abs(ours["mean"] - theirs["all"]) < 1e-3}
+    return out
 
 
 class RawSplit:

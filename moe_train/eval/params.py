@@ -111,6 +111,8 @@ def experts_per_token(router: nn.Module, num_experts: int) -> tuple[int, bool, s
         return space, False, f"top-p p={router.cfg.top_p} {inside}"
     if name == "topp":
         return num_experts, False, f"top-p p={router.cfg.top_p} over all {num_experts}"
+    if name == "gumbel":  # MoA: one adapter per sentence, drawn among the k best
+        return 1, True, f"1 of the top-{min(router.k, num_experts)} (Gumbel-Max)"
     k = min(int(getattr(router, "k", num_experts)), num_experts)
     return k, hasattr(router, "k"), f"top-{k}"
 
@@ -206,8 +208,10 @@ def count_parameters(cfg: ExperimentConfig, vocab_size: int) -> dict[str, Any]:
         model = build_model(cfg, {"vocab_size": vocab_size, "pad_id": 0})
     report = count_model(model)
     for side in SIDES:
-        moe_side = cfg.moe.enabled and report[f"{side}_moe_layers"] > 0
-        report[f"{side}_router"] = cfg.moe.router_name(side) if moe_side else "dense"
+        router = "dense"
+        if report[f"{side}_moe_layers"] > 0:
+            router = cfg.moe.router_name(side) if cfg.moe.enabled else cfg.adapters.router
+        report[f"{side}_router"] = router
     report["vocab_size"] = vocab_size
     return report
 
@@ -250,7 +254,8 @@ def format_params(report: dict[str, Any]) -> str:
         if report[f"{side}_moe_layers"]:
             k = report.get(f"{side}_experts_per_token")
             per_token = "" if k is None else (
-                f", {k} experts per token" if report[f"{side}_experts_per_token_exact"] else
+                f", {k} expert{'s' * (k != 1)} per token"
+                if report[f"{side}_experts_per_token_exact"] else
                 f", experts per token data-dependent (at most {k}: active counts {k})")
             lines.append(f"{side}: {report[f'{side}_moe_layers']} MoE layers x "
                          f"{report[f'{side}_num_experts']} experts, router {router}: "

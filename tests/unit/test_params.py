@@ -166,3 +166,112 @@ def test_format_and_json() -> None:
     assert line.split()[-2:] == [human(report["serving_decoder"]),
                                  f"{report['serving_decoder']:,}"]
     assert json.loads(json.dumps(report)) == report
+
+
+# ------------------------------------------------------------------------------------ THOR-MoE
+# Transformer-Base (D 512, FFN 2048, 6+6 layers, tied 32k vocabulary) with 32 experts in layers
+# 1, 3, 5 of each side, every MoE layer routed by thor (configs/thor-base-multilingual.yaml).
+D_BASE, F_BASE, E_BASE, V_BASE, MOE_LAYERS = 512, 2048, 32, 32000, 6
+EXPERT_BASE = 2 * D_BASE * F_BASE + F_BASE + D_BASE          # one expert FFN: 2,099,712
+CONTEXT_GATE_BASE = 2 * D_BASE * D_BASE + D_BASE             # W^g 2D x D + b^g: 524,800
+ROUTER_BASE = 2 * E_BASE * D_BASE + CONTEXT_GATE_BASE        # token + task gate + context gate
+# The dense Transformer-Base of the same config: tied embeddings, encoder layers (attention,
+# FFN, 2 norms) + final norm, decoder layers (2 attentions, FFN, 3 norms) + final norm.
+ATTN_BASE = 4 * (D_BASE * D_BASE + D_BASE)
+DENSE_BASE = (V_BASE * D_BASE + 6 * (ATTN_BASE + EXPERT_BASE + 4 * D_BASE) + 2 * D_BASE
+              + 6 * (2 * ATTN_BASE + EXPERT_BASE + 6 * D_BASE) + 2 * D_BASE)
+
+
+def test_thor_base_multilingual_hand_computed() -> None:
+    assert CONTEXT_GATE_BASE == 524_800  # seed notes OD-6: "0.52M per MoE layer"
+    assert DENSE_BASE == 60_524_544
+    assert _report("thor-base-multilingual.yaml", ["moe.num_experts=0"])["total"] == DENSE_BASE
+    report = _report("thor-base-multilingual.yaml")
+    K = 289  # language pairs of 17 languages (task_source lang_pair)
+    predictor, cls = 2 * K * D_BASE, D_BASE  # W^p K x D and EMB1 K x D; the [CLS] vector
+    assert (report["thor_num_tasks"], report["thor_predictor"], report["thor_cls"]) == \
+        (K, 295_936, 512)
+    assert report["thor_context_gates"] == MOE_LAYERS * CONTEXT_GATE_BASE == 3_148_800
+    assert report["thor_task_gates"] == report["thor_token_gates"] == MOE_LAYERS * 32 * 512
+    assert report["encoder_routers"] == report["decoder_routers"] == 3 * ROUTER_BASE \
+        == 1_672_704
+    assert report["other"] == predictor + cls
+    total = DENSE_BASE + MOE_LAYERS * ((E_BASE - 1) * EXPERT_BASE + ROUTER_BASE) \
+        + predictor + cls
+    assert report["total"] == total == 454_712_832
+    # Every expert may be any sentence's candidate: nothing can be left out when serving.
+    assert report["serving_all"] == report["total"]
+    # Top-p inside |S^t| = 8: data-dependent, counted at its bound (8 of the 32 experts).
+    assert report["encoder_experts_per_token"] == report["decoder_experts_per_token"] == 8
+    assert not report["encoder_experts_per_token_exact"]
+    assert report["active_all"] == total - MOE_LAYERS * (E_BASE - 8) * EXPERT_BASE
+    top2 = _report("thor-base-multilingual-top2.yaml")
+    assert top2["total"] == total and top2["decoder_experts_per_token_exact"]
+    assert top2["active_all"] == total - MOE_LAYERS * (E_BASE - 2) * EXPERT_BASE == 76_764_672
+    # The multi-domain variant differs only in K = 5 domains.
+    domain = _report("thor-base-multidomain.yaml")
+    assert domain["thor_predictor"] == 2 * 5 * D_BASE
+    assert domain["total"] == total - predictor + 2 * 5 * D_BASE
+
+
+@pytest.mark.parametrize("gate, hierarchy, routing", [
+    ("vector", True, "topp"), ("scalar", True, "topk"), ("vector", False, "topk"),
+    ("scalar", False, "topp")])
+def test_small_thor_hand_computed(gate: str, hierarchy: bool, routing: str) -> None:
+    """D=8, F=16, E=4, 2+2 layers (layer 1 of each side routed by thor), K=3 tasks, |S^t|=2,
+    V=10 tied; the meta-device count is the real model's."""
+    cfg = _small_cfg(["moe.num_experts=4", "moe.k=1", "moe.encoder_router=thor",
+                      "moe.decoder_router=thor", "thor.num_tasks=3", "thor.num_candidates=2",
+                      f"thor.context_gate={gate}", f"thor.hierarchy={str(hierarchy).lower()}",
+                      f"thor.token_routing={routing}"])
+    report = count_parameters(cfg, 10)
+    D, F, E, K = 8, 16, 4, 3
+    expert = D * F + F + F * D + D                                  # 280
+    context = 2 * D * D + D if gate == "vector" else 2 * D + 1      # 136 or 17
+    task_gate = E * D if hierarchy else 0                           # no candidate sets: none
+    router = E * D + task_gate + context
+    assert report["encoder_routers"] == report["decoder_routers"] == router
+    assert report["thor_context_gates"] == 2 * context
+    assert report["thor_task_gates"] == 2 * task_gate
+    assert report["thor_predictor"] == 2 * K * D and report["thor_cls"] == D
+    attn, norm = 4 * (D * D + D), 2 * D
+    enc = (attn + expert + 2 * norm) + (attn + E * expert + router + 2 * norm) + norm
+    dec = (2 * attn + expert + 3 * norm) + (2 * attn + E * expert + router + 3 * norm) + norm
+    assert report["total"] == 10 * D + enc + dec + 2 * K * D + D
+    model = build_model(cfg, {"vocab_size": 10, "pad_id": 0})
+    assert report["total"] == sum(p.numel() for p in model.parameters())
+    # Experts a token uses: k=1 inside the set (top-k), or the set / all E (top-p bound).
+    space = 2 if hierarchy else E
+    per_token = 1 if routing == "topk" else space
+    assert report["encoder_experts_per_token"] == per_token
+    assert report["encoder_experts_per_token_exact"] == (routing == "topk")
+    assert report["active_encoder"] == enc - (E - per_token) * expert
+
+
+def test_thor_table_says_top_p_is_a_bound() -> None:
+    text = format_params(_report("thor-base-multilingual.yaml"))
+    assert "encoder: 3 MoE layers x 32 experts, router thor: top-p p=0.5 inside |S^t|=8 of " \
+           "32, experts per token data-dependent (at most 8" in text
+    assert "active per token (upper bound)" in text
+    assert "THOR task predictor (W^p, EMB1)" in text
+    text = format_params(_report("thor-base-multilingual-top2.yaml"))
+    assert "top-2 inside |S^t|=8 of 32, 2 experts per token" in text
+    assert "(upper bound)" not in text
+
+
+def test_thor_without_num_tasks_is_a_config_error() -> None:
+    from moe_train.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="thor.num_tasks: 0 takes K from the prepared data"):
+        _report("thor-synthetic-cpu.yaml", ["thor.num_tasks=0"])
+
+
+def test_moa_gumbel_adapters_use_one_adapter_per_sentence() -> None:
+    """MoA's Gumbel-Max router draws one adapter among its k best: one per token, not k."""
+    report = _report("moa-synthetic.yaml", ["adapters.num_experts=5"])
+    assert (report["encoder_router"], report["decoder_router"]) == ("dense", "gumbel")
+    assert report["decoder_experts_per_token"] == 1 and report["decoder_experts_per_token_exact"]
+    per_adapter = report["decoder_experts"] // (2 * 5)
+    assert report["active_decoder"] == report["decoder"] - 2 * 4 * per_adapter
+    assert "router gumbel: 1 of the top-4 (Gumbel-Max), 1 expert per token" in \
+        format_params(report)
