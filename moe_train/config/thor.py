@@ -12,8 +12,9 @@ from dataclasses import dataclass
 
 from moe_train.errors import ConfigError
 
-THOR_TASK_SOURCES = ("domain", "tgt_lang", "src_lang", "lang_pair")
-"""What "task" means for the predictor: the domain, target or source language, or the pair."""
+THOR_TASK_SOURCES = ("domain", "tgt_lang", "src_lang", "lang_pair", "other_lang")
+"""What "task" means for the predictor: the domain, the target or source language, the pair,
+or the language of the pair that is not `ThorConfig.pivot_lang` (OD-2: the non-English side)."""
 TASK_REPRS = ("mixed", "argmax", "gold", "infuse")
 """003 Tables 5-6: E_p from predicted probabilities (mixed), from the argmax task (non-mixed),
 from the gold task, or added to the token state with no task-level routing (infuse)."""
@@ -32,6 +33,8 @@ class ThorConfig:
 
     task_source: str = "domain"
     """The task the predictor learns: domain, tgt_lang, src_lang or lang_pair."""
+    pivot_lang: str = "en"
+    """The shared language of a multilingual corpus (task_source other_lang)."""
     num_tasks: int = 0
     """K, the predictor's classes; 0 takes it from the prepared data (domains, languages or
     language pairs)."""
@@ -73,6 +76,8 @@ class ThorConfig:
                 f"one of {', '.join(TOKEN_SELECTIONS)}", self.token_routing)
         _expect(self.context_gate in CONTEXT_GATES, "thor.context_gate",
                 f"one of {', '.join(CONTEXT_GATES)}", self.context_gate)
+        _expect(isinstance(self.pivot_lang, str) and self.pivot_lang != "", "thor.pivot_lang",
+                "a language code", self.pivot_lang)
         _expect(self.num_tasks >= 0, "thor.num_tasks", "a non-negative integer (0: from the data)",
                 self.num_tasks)
         _expect(self.num_candidates >= 1, "thor.num_candidates", "a positive integer",

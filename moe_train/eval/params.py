@@ -205,7 +205,10 @@ def count_parameters(cfg: ExperimentConfig, vocab_size: int) -> dict[str, Any]:
                           "does not read; expected the number of tasks (e.g. "
                           "thor.num_tasks=5 for five domains)")
     with torch.device("meta"):
-        model = build_model(cfg, {"vocab_size": vocab_size, "pad_id": 0})
+        # No data here: THOR's pivot language counts as the only language (ids do not change
+        # the parameter count; num_tasks comes from the config).
+        model = build_model(cfg, {"vocab_size": vocab_size, "pad_id": 0,
+                                  "langs": [cfg.thor.pivot_lang]})
     report = count_model(model)
     for side in SIDES:
         router = "dense"

@@ -413,7 +413,7 @@ def task_names(source: str, num_tasks: int, manifest: dict[str, Any]) -> list[st
     L = len(langs)
     if source == "domain":
         named = domains
-    elif source in ("tgt_lang", "src_lang"):
+    elif source in ("tgt_lang", "src_lang", "other_lang"):
         named = langs
     else:
         named = [f"{langs[p // L]}-{langs[p % L]}" for p in range(L * L)]
@@ -425,6 +425,8 @@ def _manifest_tasks(source: str, manifest: dict[str, Any]) -> set[int]:
     if source == "domain":
         return set(range(len(manifest["domains"])))
     L, corpora = len(manifest["langs"]), manifest.get("corpora", [])
+    if source == "other_lang":  # either side may be the non-pivot one
+        return {int(c[k]) for c in corpora for k in ("src_lang_id", "tgt_lang_id")}
     key = {"tgt_lang": lambda c: int(c["tgt_lang_id"]),
            "src_lang": lambda c: int(c["src_lang_id"]),
            "lang_pair": lambda c: int(c["src_lang_id"]) * L + int(c["tgt_lang_id"])}[source]

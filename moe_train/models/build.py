@@ -93,12 +93,23 @@ def thor_num_tasks(cfg: ExperimentConfig, manifest: dict[str, Any]) -> int:
     if cfg.thor.num_tasks:
         return cfg.thor.num_tasks
     langs, domains = len(manifest.get("langs", [])), len(manifest.get("domains", []))
-    num = {"domain": domains, "tgt_lang": langs, "src_lang": langs,
+    num = {"domain": domains, "tgt_lang": langs, "src_lang": langs, "other_lang": langs,
            "lang_pair": langs * langs}[cfg.thor.task_source]
     if num < 1:
         raise ConfigError(f"thor.num_tasks: the data names no {cfg.thor.task_source} tasks; "
                           "expected a positive thor.num_tasks")
     return num
+
+
+def _pivot_id(cfg: ExperimentConfig, manifest: dict[str, Any]) -> int | None:
+    """The language id of thor.pivot_lang when the task is the other language of the pair."""
+    if cfg.thor.task_source != "other_lang":
+        return None
+    langs = list(manifest.get("langs", []))
+    if cfg.thor.pivot_lang not in langs:
+        raise ConfigError(f"thor.pivot_lang: expected one of the data's languages "
+                          f"({', '.join(langs) or 'none'}), got {cfg.thor.pivot_lang!r}")
+    return langs.index(cfg.thor.pivot_lang)
 
 
 def thor_predictor_layer(cfg: ExperimentConfig) -> int:
@@ -124,7 +135,7 @@ def build_model(cfg: ExperimentConfig, manifest: dict[str, Any]) -> Seq2SeqTrans
     providers = {}
     if cfg.uses_thor:
         providers[thor_predictor_layer(cfg)] = TaskPredictor(
-            cfg.model.d_model, thor_num_tasks(cfg, manifest), cfg.thor)
+            cfg.model.d_model, thor_num_tasks(cfg, manifest), cfg.thor, _pivot_id(cfg, manifest))
     return Seq2SeqTransformer(cfg.model, vocab_size=manifest["vocab_size"],
                               pad_id=manifest["pad_id"], ffn_factory=ffn_factory,
                               adapter_factory=adapters, providers=providers,

@@ -28,6 +28,7 @@ from torch import Tensor, nn
 
 from moe_train.config.moe import RouterConfig
 from moe_train.config.thor import ThorConfig
+from moe_train.errors import ConfigError
 from moe_train.models.context import ForwardContext
 from moe_train.moe import losses
 from moe_train.moe.gating import LinearGate, Router, _token_stats, top_k_ids, top_k_select
@@ -47,10 +48,15 @@ GOLD_TASK_KEY = "gold_task_B"
 class TaskPredictor(nn.Module):
     """[CLS] + max-pool -> W^p -> P^t over K tasks -> E_p; a context provider."""
 
-    def __init__(self, d_model: int, num_tasks: int, cfg: ThorConfig) -> None:
+    def __init__(self, d_model: int, num_tasks: int, cfg: ThorConfig,
+                 pivot_lang_id: int | None = None) -> None:
+        """`pivot_lang_id`: the id of `cfg.pivot_lang` (task_source other_lang only)."""
         super().__init__()
         self.cfg = cfg
         self.num_tasks = num_tasks
+        if cfg.task_source == "other_lang" and pivot_lang_id is None:
+            raise ValueError("TaskPredictor: task_source other_lang needs pivot_lang_id")
+        self.pivot_lang_id = pivot_lang_id
         self.proj = nn.Linear(d_model, num_tasks, bias=False)  # W^p
         self.task_embed_KD = nn.Parameter(torch.empty(num_tasks, d_model))  # EMB1
         nn.init.xavier_uniform_(self.proj.weight)
@@ -61,13 +67,13 @@ class TaskPredictor(nn.Module):
         h_BSD = x_BSD if pad_BS is None else x_BSD.masked_fill(pad_BS[..., None], float("-inf"))
         logits_BK = self.proj(h_BSD.amax(1)).float()  # Eq. 8 ([CLS] is never padding)
         probs_BK = logits_BK.softmax(-1)
-        gold_B = task_ids_from_context(ctx, self.cfg.task_source)
+        gold_B = self.gold_tasks(ctx)
         aux: dict[str, Tensor] = {}
         if gold_B is not None:
             gold_B = gold_B.long()
             bad = (gold_B < 0) | (gold_B >= self.num_tasks)
             if bool(bad.any()):
-                raise ValueError(f"thor.num_tasks: task id {int(gold_B[bad][0])} by "
+                raise ConfigError(f"thor.num_tasks: task id {int(gold_B[bad][0])} by "
                                  f"{self.cfg.task_source} outside 0 .. {self.num_tasks - 1}")
             if self.cfg.alpha > 0:  # Eq. 10
                 aux["thor_task"] = self.cfg.alpha * F.cross_entropy(logits_BK, gold_B)
@@ -75,8 +81,9 @@ class TaskPredictor(nn.Module):
         mode = self.cfg.task_repr
         if mode == "gold":
             if gold_B is None:
-                raise ValueError(f"thor.task_repr: gold needs the gold task ({self.cfg.task_source})"
-                                 " of every sentence, which this batch lacks")
+                raise ConfigError(f"thor.task_repr: gold needs the gold task "
+                                  f"({self.cfg.task_source}) of every sentence, which this input "
+                                  "lacks (raw text: pass --domain / --src-lang / --tgt-lang)")
             repr_BD = table_KD.index_select(0, gold_B)
         elif mode == "argmax":
             repr_BD = table_KD.index_select(0, probs_BK.argmax(-1))
@@ -87,6 +94,14 @@ class TaskPredictor(nn.Module):
         if gold_B is not None:
             extras[GOLD_TASK_KEY] = gold_B
         return extras, aux
+
+    def gold_tasks(self, ctx: ForwardContext) -> Tensor | None:
+        """The gold task of each sentence by `cfg.task_source`, None when the batch lacks it."""
+        if self.cfg.task_source != "other_lang":
+            return task_ids_from_context(ctx, self.cfg.task_source)
+        if ctx.src_lang_B is None or ctx.tgt_lang_B is None:
+            return None
+        return torch.where(ctx.src_lang_B == self.pivot_lang_id, ctx.tgt_lang_B, ctx.src_lang_B)
 
 
 class ThorRouter(Router):

@@ -196,7 +196,7 @@ def check_moe_against_data(cfg: Any, manifest: dict[str, Any]) -> None:
     moe = cfg.moe
     num_langs, num_domains = len(manifest["langs"]), len(manifest["domains"])
     needed = {"lang_pair": num_langs * num_langs, "tgt_lang": num_langs, "src_lang": num_langs,
-              "domain": num_domains}
+              "other_lang": num_langs, "domain": num_domains}
     if getattr(cfg, "uses_thor", False) and cfg.thor.num_tasks:
         source = cfg.thor.task_source
         if cfg.thor.num_tasks < needed[source]:

@@ -35,6 +35,7 @@ from tests.conftest import ROOT, cli_env
 
 CONFIG = str(ROOT / "configs" / "debug-cpu.yaml")
 MOA_CONFIG = str(ROOT / "configs" / "moa-synthetic.yaml")
+THOR_CONFIG = str(ROOT / "configs" / "thor-synthetic-cpu.yaml")
 MAX_POSITIONS = 128
 TINY_MODEL = ("model.d_model=32", "model.n_heads=2", "model.ffn_dim=32", "model.encoder_layers=1",
               "model.decoder_layers=1", f"model.max_positions={MAX_POSITIONS}",
@@ -280,6 +281,14 @@ CASES: dict[str, Case] = {
                                   ("nope.yaml", "not found")),
     "params_unknown_router": Case(["params", "--config", CONFIG, "moe.num_experts=4",
                                    "moe.decoder_router=top2"], ("moe.decoder_router", "top2")),
+    "params_thor_without_num_tasks": Case(["params", "--config", THOR_CONFIG,
+                                           "thor.num_tasks=0"], ("thor.num_tasks",)),
+    "params_thor_candidates_over_experts": Case(
+        ["params", "--config", THOR_CONFIG, "thor.num_candidates=9"],
+        ("thor.num_candidates", "at most moe.num_experts (8)")),
+    "params_thor_bad_task_repr": Case(
+        ["params", "--config", THOR_CONFIG, "thor.task_repr=soft"],
+        ("thor.task_repr", "mixed, argmax, gold, infuse")),
     "params_experts_not_divisible": Case(["params", "--config", CONFIG, "moe.num_experts=6",
                                           "moe.ep_size=4"], ("moe.num_experts", "moe.ep_size")),
     # pipeline

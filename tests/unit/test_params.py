@@ -187,10 +187,10 @@ def test_thor_base_multilingual_hand_computed() -> None:
     assert DENSE_BASE == 60_524_544
     assert _report("thor-base-multilingual.yaml", ["moe.num_experts=0"])["total"] == DENSE_BASE
     report = _report("thor-base-multilingual.yaml")
-    K = 289  # language pairs of 17 languages (task_source lang_pair)
+    K = 17  # the non-English language of the pair: 17 language ids (task_source other_lang)
     predictor, cls = 2 * K * D_BASE, D_BASE  # W^p K x D and EMB1 K x D; the [CLS] vector
     assert (report["thor_num_tasks"], report["thor_predictor"], report["thor_cls"]) == \
-        (K, 295_936, 512)
+        (K, 17_408, 512)
     assert report["thor_context_gates"] == MOE_LAYERS * CONTEXT_GATE_BASE == 3_148_800
     assert report["thor_task_gates"] == report["thor_token_gates"] == MOE_LAYERS * 32 * 512
     assert report["encoder_routers"] == report["decoder_routers"] == 3 * ROUTER_BASE \
@@ -198,7 +198,7 @@ def test_thor_base_multilingual_hand_computed() -> None:
     assert report["other"] == predictor + cls
     total = DENSE_BASE + MOE_LAYERS * ((E_BASE - 1) * EXPERT_BASE + ROUTER_BASE) \
         + predictor + cls
-    assert report["total"] == total == 454_712_832
+    assert report["total"] == total == 454_434_304
     # Every expert may be any sentence's candidate: nothing can be left out when serving.
     assert report["serving_all"] == report["total"]
     # Top-p inside |S^t| = 8: data-dependent, counted at its bound (8 of the 32 experts).
@@ -207,7 +207,7 @@ def test_thor_base_multilingual_hand_computed() -> None:
     assert report["active_all"] == total - MOE_LAYERS * (E_BASE - 8) * EXPERT_BASE
     top2 = _report("thor-base-multilingual-top2.yaml")
     assert top2["total"] == total and top2["decoder_experts_per_token_exact"]
-    assert top2["active_all"] == total - MOE_LAYERS * (E_BASE - 2) * EXPERT_BASE == 76_764_672
+    assert top2["active_all"] == total - MOE_LAYERS * (E_BASE - 2) * EXPERT_BASE == 76_486_144
     # The multi-domain variant differs only in K = 5 domains.
     domain = _report("thor-base-multidomain.yaml")
     assert domain["thor_predictor"] == 2 * 5 * D_BASE

@@ -51,7 +51,7 @@ def test_multilingual_base_is_003_table_2() -> None:
     assert (thor.alpha, thor.beta, thor.gamma, thor.delta) == (1e-2, 5e-2, 5e-2, 1e-4)
     assert (thor.task_repr, thor.hierarchy, thor.context, thor.context_gate) == \
         ("mixed", True, True, "vector")
-    assert thor.task_source == "lang_pair" and thor.num_tasks == 17 * 17  # OD-2, see the file
+    assert (thor.task_source, thor.pivot_lang, thor.num_tasks) == ("other_lang", "en", 17)  # OD-2
     top2 = load_config(CONFIGS / "thor-base-multilingual-top2.yaml")
     assert (top2.thor.token_routing, top2.moe.k) == ("topk", 2)
     assert top2.to_dict() | {"thor": None, "moe": None} == cfg.to_dict() | {"thor": None,

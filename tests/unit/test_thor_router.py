@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from moe_train.config import RouterConfig, ThorConfig
+from moe_train.errors import ConfigError
 from moe_train.models.context import ForwardContext
 from moe_train.moe.dispatcher import LocalDispatcher
 from moe_train.moe.experts import Experts
@@ -314,7 +315,7 @@ def test_task_representations(task_repr: str, gold: list[int] | None,
 
 
 def test_gold_representation_without_gold_is_a_clear_error() -> None:
-    with pytest.raises(ValueError, match="gold.*domain"):
+    with pytest.raises(ConfigError, match="gold.*domain"):
         _predictor("gold")(X_BSD, _pctx(None))
 
 
@@ -328,7 +329,7 @@ def test_task_prediction_loss_is_alpha_times_cross_entropy() -> None:
 
 
 def test_out_of_range_gold_task_is_an_error() -> None:
-    with pytest.raises(ValueError, match="num_tasks"):
+    with pytest.raises(ConfigError, match="num_tasks"):
         _predictor()(X_BSD, _pctx([0, 2]))
 
 
@@ -454,3 +455,24 @@ def test_experts_receive_x_not_the_context_fused_input() -> None:
                     counts[e] = 1
                     want += w * experts(x_TD[t:t + 1], counts)[0]
         torch.testing.assert_close(y_BLD.reshape(6, D)[t], want, rtol=0, atol=1e-6)
+
+
+def test_other_lang_task_is_the_non_pivot_side_of_each_pair() -> None:
+    """OD-2: with task_source other_lang the gold task is the language that is not the pivot
+    (En->XX and XX->En of one language share a task); build takes the pivot id from the data."""
+    from moe_train.config import load_config
+
+    from moe_train.models.build import build_model
+    from moe_train.models.context import ForwardContext
+
+    overrides = ["model.d_model=8", "model.n_heads=2", "model.ffn_dim=16", "model.encoder_layers=2",
+                 "model.decoder_layers=2", "moe.num_experts=4", "moe.encoder_router=thor",
+                 "moe.decoder_router=thor", "thor.num_candidates=2", "thor.task_source=other_lang"]
+    manifest = {"vocab_size": 20, "pad_id": 0, "domains": ["d"], "langs": ["de", "en", "fr"]}
+    model = build_model(load_config(None, overrides), manifest)
+    predictor = next(m for m in model.modules() if isinstance(m, TaskPredictor))
+    assert (predictor.num_tasks, predictor.pivot_lang_id) == (3, 1)
+    ctx = ForwardContext(src_lang_B=torch.tensor([1, 0, 1, 2]), tgt_lang_B=torch.tensor([0, 1, 2, 1]))
+    assert predictor.gold_tasks(ctx).tolist() == [0, 0, 2, 2]  # en-de, de-en, en-fr, fr-en
+    with pytest.raises(ConfigError, match="thor.pivot_lang: expected one of the data's languages"):
+        build_model(load_config(None, [*overrides, "thor.pivot_lang=xx"]), manifest)
