@@ -33,7 +33,8 @@ from moe_train.models.context import ForwardContext
 from moe_train.moe import losses
 from moe_train.moe.gating import LinearGate, Router, _token_stats, top_k_ids, top_k_select
 from moe_train.moe.gating import top_p_select
-from moe_train.moe.routing import Routing, RoutingContext, context_mean, task_ids_from_context
+from moe_train.moe.routing import (Routing, RoutingContext, context_mean, sentence_mean,
+                                   task_ids_from_context)
 
 TASK_PROBS_KEY = "task_probs_BK"
 """Extras key of the predicted task distribution P^t (float32)."""
@@ -138,10 +139,18 @@ class ThorRouter(Router):
     def router_input(self, x_TD: Tensor, rctx: RoutingContext) -> Tensor:
         """What the token gate reads: the context-fused state (U3), + E_p for "infuse"."""
         h_TD = x_TD
-        if self.context_gate is not None:
-            ctx_TD = context_mean(x_TD, rctx)
-            g_TX = torch.sigmoid(self.context_gate(torch.cat([x_TD, ctx_TD], dim=-1)))
-            h_TD = g_TX * x_TD + (1.0 - g_TX) * ctx_TD
+        if self.context_gate is not None:  # [x; H] W^g as x W_x + H W_h: no (T, 2D) copy
+            D, sid_T = x_TD.size(1), rctx.sentence_ids_T
+            w_x, w_h = self.context_gate.weight[:, :D], self.context_gate.weight[:, D:]
+            if rctx.side == "encoder":  # H is per sentence: project B rows, not T
+                mean_BD = sentence_mean(x_TD, sid_T, rctx.num_sentences, rctx.pad_mask_T)
+                ctx_TD = mean_BD.index_select(0, sid_T)
+                gate_h_TX = F.linear(mean_BD, w_h).index_select(0, sid_T)
+            else:
+                ctx_TD = context_mean(x_TD, rctx)
+                gate_h_TX = F.linear(ctx_TD, w_h)
+            g_TX = torch.sigmoid(F.linear(x_TD, w_x, self.context_gate.bias) + gate_h_TX)
+            h_TD = torch.lerp(ctx_TD, x_TD, g_TX)  # g * x + (1 - g) * H_ctx
         if self.thor.task_repr == "infuse":
             repr_BD = rctx.require(TASK_REPR_KEY, self.name)
             h_TD = h_TD + repr_BD.to(h_TD.dtype).index_select(0, rctx.sentence_ids_T)
