@@ -1,7 +1,7 @@
 """Recorded THOR-MoE runs (seed 003): baselines and THOR variants, each trained for a fixed budget.
 
     .venv/bin/python benchmarks/thor.py --data synthetic --fresh [--minutes 3.5]
-    .venv/bin/python benchmarks/thor.py --data opus --fresh [--minutes 15]
+    .venv/bin/python benchmarks/thor.py --data opus --fresh [--minutes 8]
     .venv/bin/python benchmarks/thor.py --data synthetic --quick --fresh   # checks the script
     .venv/bin/python benchmarks/thor.py --data opus --test-dir DIR        # + an external test set
 
@@ -63,7 +63,7 @@ ABLATION_FILES = {"thor_top2": "top2", "thor_topp_no_context": "no-context",
 """THOR variants also shipped as configs: <config stem>-<suffix>.yaml."""
 DATASETS = {
     "synthetic": {"config": "configs/thor-synthetic-cpu.yaml", "minutes": 3.5},
-    "opus": {"config": "configs/thor-opus-de-en-cpu.yaml", "minutes": 15.0},
+    "opus": {"config": "configs/thor-opus-de-en-cpu.yaml", "minutes": 8.0},
 }
 SYNTHETIC = {"num_domains": 5, "target_langs": ["de"], "train_per_domain": 3000,
              "dev_per_domain": 100, "test_per_domain": 100, "seed": 1}
@@ -87,6 +87,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--data", choices=sorted(DATASETS), default="synthetic")
     ap.add_argument("--minutes", type=float, default=None,
                     help="training budget per variant (default: synthetic 3.5, opus 15)")
+    ap.add_argument("--steps", type=int, default=None,
+                    help="a step budget per variant (train.max_steps); --minutes is then a "
+                         "guard that the record flags when it cut a variant short")
     ap.add_argument("--variants", default=",".join(VARIANTS),
                     help=f"comma-separated subset of {', '.join(VARIANTS)}")
     ap.add_argument("--opus-dir", default=str(DEFAULT_DATA), help="the OPUS multi-domain data")
@@ -96,6 +99,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--work", default=None, help="default work/thor-<data>[-quick]")
     ap.add_argument("--out", default=None,
                     help="default benchmarks/results/thor_<data>_cpu[_quick].json")
+    ap.add_argument("--set", dest="extra", action="append", default=[], metavar="KEY=VALUE",
+                    help="an extra config override for every variant (repeatable)")
     ap.add_argument("--fresh", action="store_true", help="delete the work directory first")
     ap.add_argument("--quick", action="store_true",
                     help="tiny corpus / model, a few steps per variant: checks the script")
@@ -107,8 +112,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                  f"(known: {', '.join(VARIANTS)})")
     if args.minutes is None:
         args.minutes = DATASETS[args.data]["minutes"]
-    if args.minutes <= 0 or (args.beam is not None and args.beam < 1):
-        ap.error("--minutes must be positive and --beam at least 1")
+    if args.minutes <= 0 or (args.beam is not None and args.beam < 1) or \
+            (args.steps is not None and args.steps < 1):
+        ap.error("--minutes must be positive, --steps and --beam at least 1")
     return args
 
 
@@ -156,8 +162,9 @@ def train_variant(args: argparse.Namespace, config: str, prepared: Path, vdir: P
     overrides = [*VARIANTS[name], f"data.prepared_dir={prepared}",
                  f"checkpoint.dir={vdir / 'checkpoints'}",
                  f"logging.tensorboard_dir={vdir / 'tensorboard'}",
-                 f"train.max_minutes={args.minutes}", *BENCH_TRAIN,
-                 *(QUICK_TRAIN if args.quick else [])]
+                 f"train.max_minutes={args.minutes}", *BENCH_TRAIN, *args.extra,
+                 *(QUICK_TRAIN if args.quick else []),
+                 *([f"train.max_steps={args.steps}"] if args.steps else [])]
     done = vdir / SUMMARY
     if done.is_file():
         record = json.loads(done.read_text())
@@ -166,12 +173,15 @@ def train_variant(args: argparse.Namespace, config: str, prepared: Path, vdir: P
             return record | {"reused": True}
     if vdir.exists():  # unfinished, or trained with other settings: start again
         shutil.rmtree(vdir)
-    print(f"== {name}: training for {args.minutes} min", flush=True)
+    budget = f"{args.steps} steps (guard {args.minutes} min)" if args.steps \
+        else f"{args.minutes} min"
+    print(f"== {name}: training for {budget}", flush=True)
     t0 = time.time()
     summary = last_json(cli(["train", "--config", config, *overrides], vdir / "train.log"))
     keep = ("step", "train_seconds", "train_tokens_per_s", "dev/loss", "dev/ppl",
             "dev/task_accuracy", "dev/bleu", "dev/chrf")
-    record = {"overrides": overrides, "minutes": args.minutes,
+    record = {"overrides": overrides, "minutes": args.minutes, "steps": args.steps,
+              "cut_by_time_guard": bool(args.steps) and summary["step"] < args.steps,
               "summary": {k: summary[k] for k in keep if k in summary},
               "wall_seconds": round(time.time() - t0, 1), "export": summary["export"]}
     write_json(done, record)
@@ -219,6 +229,8 @@ def acceptance(variants: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {"task_accuracy": {
         name: v["test"]["task_accuracy"]["all"] for name, v in variants.items()
         if v["test"].get("task_accuracy")}}
+    out["variants_cut_by_time_guard"] = sorted(
+        n for n, v in variants.items() if v["training"].get("cut_by_time_guard"))
     acc = out["task_accuracy"].get("thor_topp")
     out["thor_topp_task_accuracy_ge_0.95"] = None if acc is None else acc >= 0.95
     if thor is None or topp is None:
@@ -274,7 +286,8 @@ def run(args: argparse.Namespace, argv: list[str] | None) -> None:
         trained = train_variant(args, config, prepared, work / name, name)
         print(f"== {name}: scoring the test split (beam {beam})", flush=True)
         variants[name] = {"training": {k: trained[k] for k in (
-                              "minutes", "summary", "wall_seconds", "reused", "overrides")},
+                              "minutes", "steps", "cut_by_time_guard", "summary",
+                              "wall_seconds", "reused", "overrides")},
                           **evaluate_variant(args, Path(trained["export"]), prepared, beam,
                                              tests)}
         test = variants[name]["test"]
@@ -293,9 +306,11 @@ def run(args: argparse.Namespace, argv: list[str] | None) -> None:
         "benchmark": f"thor_{args.data}_cpu{suffix}",
         "config": {"file": config, "data": args.data, "source": data_info["source"],
                    "synthetic": data_info.get("synthetic"), "minutes_per_variant": args.minutes,
+                   "steps_per_variant": args.steps,
                    "beam": beam, "quick": args.quick, "test_dir": args.test_dir,
                    "variants": {n: list(VARIANTS[n]) for n in args.variant_list},
                    "bench_train_overrides": BENCH_TRAIN,
+                   "extra_overrides": args.extra,
                    "quick_overrides": (QUICK_PREPARE[args.data] + QUICK_TRAIN) if args.quick
                    else []},
         "measured": {"experts_per_token": "teacher-forced pass over the split, forward hooks "

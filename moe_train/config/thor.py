@@ -20,6 +20,7 @@ TASK_REPRS = ("mixed", "argmax", "gold", "infuse")
 from the gold task, or added to the token state with no task-level routing (infuse)."""
 TOKEN_SELECTIONS = ("topk", "topp")
 CONTEXT_GATES = ("vector", "scalar")
+CONTEXT_GATE_INITS = ("open", "xavier")
 
 
 def _expect(cond: bool, path: str, expected: str, got: object) -> None:
@@ -53,6 +54,13 @@ class ThorConfig:
     mean; encoder: masked source mean)."""
     context_gate: str = "vector"
     """Gate g: vector (W^g 2D x D, as written) or scalar (2D x 1, a cheap ablation)."""
+    context_gate_init: str = "xavier"
+    """Initial W^g: "xavier" (003 leaves it open; a random gate per token and dimension from
+    step 0) or "open" (zeros: every gate starts at sigmoid(context_gate_bias) and the gate
+    learns how much context to take)."""
+    context_gate_bias: float = 0.0
+    """Initial b^g (0: the gate starts around one half; with "open" and 2.0 the router starts
+    reading 0.88 x + 0.12 H_ctx)."""
     renormalize: bool = False
     """Divide the combine weights g^t_i * g_j of a token by their sum (OD-4 option)."""
     predictor_layer: int = -1
@@ -76,6 +84,8 @@ class ThorConfig:
                 f"one of {', '.join(TOKEN_SELECTIONS)}", self.token_routing)
         _expect(self.context_gate in CONTEXT_GATES, "thor.context_gate",
                 f"one of {', '.join(CONTEXT_GATES)}", self.context_gate)
+        _expect(self.context_gate_init in CONTEXT_GATE_INITS, "thor.context_gate_init",
+                f"one of {', '.join(CONTEXT_GATE_INITS)}", self.context_gate_init)
         _expect(isinstance(self.pivot_lang, str) and self.pivot_lang != "", "thor.pivot_lang",
                 "a language code", self.pivot_lang)
         _expect(self.num_tasks >= 0, "thor.num_tasks", "a non-negative integer (0: from the data)",

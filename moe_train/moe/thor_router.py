@@ -124,8 +124,11 @@ class ThorRouter(Router):
         if self.thor.context:  # U3: W^g (2D x D, or 2D x 1) and b^g
             width = d_model if self.thor.context_gate == "vector" else 1
             self.context_gate = nn.Linear(2 * d_model, width)
-            nn.init.xavier_uniform_(self.context_gate.weight)
-            nn.init.zeros_(self.context_gate.bias)
+            if self.thor.context_gate_init == "xavier":
+                nn.init.xavier_uniform_(self.context_gate.weight)
+            else:  # "open": W^g = 0, so every token's gate starts at sigmoid(b^g)
+                nn.init.zeros_(self.context_gate.weight)
+            nn.init.constant_(self.context_gate.bias, self.thor.context_gate_bias)
 
     def candidate_sets(self, repr_BD: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """(task probabilities over all E (float32), candidates_BC, g^t_BE: the probabilities
@@ -136,9 +139,10 @@ class ThorRouter(Router):
         g_BE = probs_BE * in_set_BE
         return probs_BE, cand_BC, g_BE / g_BE.sum(-1, keepdim=True)
 
-    def router_input(self, x_TD: Tensor, rctx: RoutingContext) -> Tensor:
-        """What the token gate reads: the context-fused state (U3), + E_p for "infuse"."""
-        h_TD = x_TD
+    def router_input(self, x_TD: Tensor, rctx: RoutingContext) -> tuple[Tensor, Tensor | None]:
+        """What the token gate reads: the context-fused state (U3), + E_p for "infuse"; and
+        the context gate g (None without context)."""
+        h_TD, g_TX = x_TD, None
         if self.context_gate is not None:  # [x; H] W^g as x W_x + H W_h: no (T, 2D) copy
             D, sid_T = x_TD.size(1), rctx.sentence_ids_T
             w_x, w_h = self.context_gate.weight[:, :D], self.context_gate.weight[:, D:]
@@ -154,14 +158,15 @@ class ThorRouter(Router):
         if self.thor.task_repr == "infuse":
             repr_BD = rctx.require(TASK_REPR_KEY, self.name)
             h_TD = h_TD + repr_BD.to(h_TD.dtype).index_select(0, rctx.sentence_ids_T)
-        return h_TD
+        return h_TD, g_TX
 
     def forward(self, x_TD: Tensor, rctx: RoutingContext | None = None) -> Routing:
         if rctx is None or rctx.sentence_ids_T is None:
             raise ValueError("the thor router needs a RoutingContext with sentence ids "
                              "(RoutingContext.from_forward)")
         pad_T, sid_T, E = rctx.pad_mask_T, rctx.sentence_ids_T, self.num_experts
-        clean_TE, logits_TE = self.gate(self.router_input(x_TD, rctx))
+        h_TD, g_TX = self.router_input(x_TD, rctx)
+        clean_TE, logits_TE = self.gate(h_TD)
         aux: dict[str, Tensor] = {}
         g_task_TE = in_set_TE = cand_BC = None
         if self.candidates:
@@ -198,19 +203,23 @@ class ThorRouter(Router):
             aux["z_loss"] = self.loss_scale * self.cfg.z_loss_coef * losses.z_loss(clean_TE, pad_T)
         return Routing(expert_ids_TK=ids_TK, weights_TK=weights_TK.to(x_TD.dtype),
                        probs_TE=probs_TE, num_experts=E, aux_losses=aux,
-                       stats=self._stats(ids_TK, probs_TE, counts_E, cand_BC, rctx))
+                       stats=self._stats(ids_TK, probs_TE, counts_E, cand_BC, g_TX, rctx))
 
     @torch.no_grad()
     def _stats(self, ids_TK: Tensor, probs_TE: Tensor, counts_E: Tensor, cand_BC: Tensor | None,
-               rctx: RoutingContext) -> dict[str, Tensor]:
-        """Tokens per expert, entropy, experts per real token (003 Table 7) and, with candidate
-        sets, how many real sentences hold each expert as a candidate and the share of
-        (sentence, candidate) pairs that received a token (candidate usage)."""
+               g_TX: Tensor | None, rctx: RoutingContext) -> dict[str, Tensor]:
+        """Tokens per expert, entropy, experts per real token (003 Table 7), the mean context
+        gate (the share of x in the router input) and, with candidate sets, how many real
+        sentences hold each expert as a candidate and the share of (sentence, candidate) pairs
+        that received a token (candidate usage)."""
         pad_T, sid_T = rctx.pad_mask_T, rctx.sentence_ids_T
         stats = _token_stats(ids_TK, self.num_experts, pad_T, probs_TE, counts_E=counts_E)
         keep_T = torch.ones_like(sid_T, dtype=torch.float32) if pad_T is None else (~pad_T).float()
         used_T = (ids_TK >= 0).sum(-1).float()
         stats["experts_per_token"] = (used_T * keep_T).sum() / keep_T.sum().clamp_min(1.0)
+        if g_TX is not None:
+            stats["context_gate_mean"] = (g_TX.float().mean(-1) * keep_T).sum() \
+                / keep_T.sum().clamp_min(1.0)
         if cand_BC is not None:
             B, E = rctx.num_sentences, self.num_experts
             real_B = keep_T.new_zeros(B).index_add_(0, sid_T, keep_T) > 0

@@ -1,4 +1,4 @@
-"""benchmarks/thor.py end to end at --quick sizes (tiny corpus and model, 4 steps per variant):
+"""benchmarks/thor.py end to end at --quick sizes (tiny corpus and model, a 3-step budget per variant):
 the JSON holds per-domain scores, experts per token, task accuracy, an external --test-dir and
 the TF-IDF classifier, each consistent with the others."""
 
@@ -22,7 +22,7 @@ def test_quick_run(tmp_path) -> None:
     out = tmp_path / "r.json"
     proc = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "thor.py"), "--data", "synthetic", "--quick",
-         "--variants", "thor_topp,topp,dense", "--work", str(tmp_path / "w"), "--out", str(out),
+         "--variants", "thor_topp,topp,dense", "--steps", "3", "--work", str(tmp_path / "w"), "--out", str(out),
          "--test-dir", str(ext)], cwd=tmp_path, env=cli_env(), capture_output=True, text=True,
         timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -32,7 +32,8 @@ def test_quick_run(tmp_path) -> None:
     assert len(domains) == 5 and r["splits"]["test"] == 50
     thor, topp, dense = (r["variants"][n] for n in ("thor_topp", "topp", "dense"))
     for v in (thor, topp, dense):
-        assert v["training"]["summary"]["step"] == 4 and not v["training"]["reused"]
+        assert v["training"]["summary"]["step"] == 3 and not v["training"]["reused"]
+        assert v["training"]["steps"] == 3 and not v["training"]["cut_by_time_guard"]
         assert set(v["test"]["bleu"]) == set(v["test"]["chrf"]) == {*domains, "all"}
         assert v["test"]["sentences"] == 50
     # THOR top-p: 1 MoE layer per side at --quick sizes, 1 to |S^t| = 4 experts per token.
@@ -57,6 +58,7 @@ def test_quick_run(tmp_path) -> None:
     assert clf["test"]["sentences"] == 50 and clf["test_dir"]["sentences"] == 20
     assert 0.0 <= clf["test"]["all"] <= 1.0
     acc = r["acceptance"]
+    assert acc["variants_cut_by_time_guard"] == [] and r["config"]["steps_per_variant"] == 3
     assert acc["thor_topp_fewer_experts_than_topp"] == \
         (ept["mean"] < topp["test"]["experts_per_token"]["mean"])
     assert acc["thor_topp_task_accuracy_ge_0.95"] == (task["all"] >= 0.95)

@@ -30,8 +30,12 @@ def test_arguments(bench) -> None:
     args = bench.parse_args(["--data", "opus", "--minutes", "0.3", "--variants", "topp,thor_topp",
                              "--test-dir", "x"])
     assert (args.minutes, args.variant_list, args.test_dir) == (0.3, ["topp", "thor_topp"], "x")
-    assert bench.parse_args(["--data", "opus"]).minutes == 15.0
+    assert bench.parse_args(["--data", "opus"]).minutes == 8.0
+    args = bench.parse_args(["--steps", "900", "--set", "thor.alpha=0.1", "--set", "moe.k=1"])
+    assert (args.steps, args.extra) == (900, ["thor.alpha=0.1", "moe.k=1"])
+    assert bench.parse_args([]).steps is None
     for bad in (["--variants", "topp,nope"], ["--variants", ","], ["--minutes", "0"],
+                ["--steps", "0"],
                 ["--data", "wmt"], ["--beam", "0"]):
         with pytest.raises(SystemExit) as exc:
             bench.parse_args(bad)

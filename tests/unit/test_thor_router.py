@@ -342,7 +342,7 @@ def test_infuse_routes_from_x_plus_e_p_over_all_experts() -> None:
     x_TD = torch.zeros(2, E)
     repr_BD = torch.stack([ln(.1, .2, .3, .4), ln(.4, .3, .2, .1)])
     rctx = _rctx(repr_BD, 1)
-    torch.testing.assert_close(router.router_input(x_TD, rctx), x_TD + repr_BD)
+    torch.testing.assert_close(router.router_input(x_TD, rctx)[0], x_TD + repr_BD)
     routing = router(x_TD, rctx)
     assert slots(routing) == [{0, 1, 2, 3}, {0, 1, 2, 3}]
     _close(dense(routing), [[.1, .2, .3, .4], [.4, .3, .2, .1]])
@@ -382,7 +382,7 @@ def test_vector_context_gate_on_the_encoder() -> None:
     with torch.no_grad():
         router.context_gate.weight.zero_()
         router.context_gate.bias.copy_(torch.tensor([0.0, math.log(3), -math.log(3), 0.0]))
-    h_TD = router.router_input(XC_TD, _rctx(REPR_BD, 3, PADC_BL))
+    h_TD, _ = router.router_input(XC_TD, _rctx(REPR_BD, 3, PADC_BL))
     g = torch.tensor([.5, .75, .25, .5])
     torch.testing.assert_close(h_TD[0], torch.tensor([2.0, .25, .75, .5]))
     torch.testing.assert_close(h_TD[:5], g * XC_TD[:5] + (1 - g) * torch.ones(4))
@@ -399,10 +399,35 @@ def test_scalar_context_gate_reads_x_and_h_ctx() -> None:
         router.context_gate.weight[0, 0] = 1.0
         router.context_gate.weight[0, D + 3] = 1.0
         router.context_gate.bias.fill_(-4.0)
-    h_TD = router.router_input(XC_TD, _rctx(REPR_BD, 3, PADC_BL))
+    h_TD, _ = router.router_input(XC_TD, _rctx(REPR_BD, 3, PADC_BL))
     torch.testing.assert_close(h_TD[0], torch.tensor([2.0, .5, .5, .5]))
     s = 1 / (1 + math.e)
     torch.testing.assert_close(h_TD[3], s * XC_TD[3] + (1 - s) * torch.ones(4))
+
+
+@pytest.mark.parametrize("gate", ["vector", "scalar"])
+def test_context_gate_initialisation(gate: str) -> None:
+    """"xavier" (default, b^g = 0): a random gate around one half; "open" with b^g = 2: W^g = 0
+    and every token's g is sigmoid(2) on every dimension, so the router reads 0.88 x +
+    0.12 H_ctx; the mean gate over real tokens is a routing statistic."""
+    torch.manual_seed(0)
+    xavier = _context_router(gate)
+    assert xavier.context_gate.weight.abs().sum() > 0
+    assert torch.equal(xavier.context_gate.bias, torch.zeros_like(xavier.context_gate.bias))
+    router = _context_router(gate, context_gate_init="open", context_gate_bias=2.0)
+    assert torch.equal(router.context_gate.weight, torch.zeros_like(router.context_gate.weight))
+    rctx = _rctx(REPR_BD, 3, PADC_BL)
+    h_TD, g_TX = router.router_input(XC_TD, rctx)
+    s = 1 / (1 + math.exp(-2.0))
+    torch.testing.assert_close(g_TX, torch.full_like(g_TX, s))
+    torch.testing.assert_close(h_TD[:3], s * XC_TD[:3] + (1 - s) * torch.ones(4))
+    torch.testing.assert_close(router(XC_TD, rctx).stats["context_gate_mean"], torch.tensor(s))
+    assert "context_gate_mean" not in _router()(X_TD, _rctx(REPR_BD, 1)).stats
+
+
+def test_context_gate_init_is_checked() -> None:
+    with pytest.raises(ConfigError, match="thor.context_gate_init"):
+        ThorConfig(context_gate_init="zeros")
 
 
 def test_decoder_context_is_the_inclusive_causal_prefix_mean() -> None:
@@ -416,7 +441,7 @@ def test_decoder_context_is_the_inclusive_causal_prefix_mean() -> None:
     x_TD = torch.tensor([[4.0, 0, 0, 0], [0, 4, 0, 0], [0, 0, 0, 8],
                          [2.0, 2, 2, 2], [50.0, 50, 50, 50], [50.0, 50, 50, 50]])
     pad_BL = torch.tensor([[False, False, False], [False, True, True]])
-    h_TD = router.router_input(x_TD, _rctx(REPR_BD, 3, pad_BL, side="decoder"))
+    h_TD, _ = router.router_input(x_TD, _rctx(REPR_BD, 3, pad_BL, side="decoder"))
     want = [[4, 0, 0, 0], [1, 3, 0, 0], [2 / 3, 2 / 3, 0, 16 / 3], [2, 2, 2, 2]]
     _close(h_TD[:4], want)
     _close(h_TD[4:], [[26, 26, 26, 26]] * 2)  # padding's own input: (50 + 2) / 2 (never routed)
@@ -438,7 +463,7 @@ def test_experts_receive_x_not_the_context_fused_input() -> None:
     y_BLD, _ = layer(x_BLD, ctx)
     x_TD = x_BLD.reshape(6, D)
     rctx = _rctx(REPR_BD, 3, PADC_BL)
-    fused_TD = router.router_input(x_TD, rctx)
+    fused_TD, _ = router.router_input(x_TD, rctx)
     assert (fused_TD - x_TD).abs().max() > 0.1  # the check below can tell them apart
     routing = router(x_TD, rctx)
     real = [t for t in range(6) if not PADC_BL.view(-1)[t]]
