@@ -1,6 +1,6 @@
 """Recorded THOR-MoE runs (seed 003): baselines and THOR variants, each trained for a fixed budget.
 
-    .venv/bin/python benchmarks/thor.py --data synthetic --fresh [--minutes 3.5]
+    .venv/bin/python benchmarks/thor.py --data synthetic --fresh [--steps 1000 --minutes 10]
     .venv/bin/python benchmarks/thor.py --data opus --fresh [--minutes 8]
     .venv/bin/python benchmarks/thor.py --data synthetic --quick --fresh   # checks the script
     .venv/bin/python benchmarks/thor.py --data opus --test-dir DIR        # + an external test set
@@ -14,8 +14,9 @@ thor_topp_no_hierarchy (003 Tables 2 and 4). Data:
 - opus: ../shared/data/opus-multidomain de-en (7 domains), configs/thor-opus-de-en-cpu.yaml,
   dev / test carved from the training files (200 pairs per domain each) as
   benchmarks/real_data.py does; skipped with one line when the data is absent.
-Each variant trains in its own `python -m moe_train train` subprocess for `--minutes` of
-wall-clock time (train.max_minutes), then this process scores its export on the test split
+Each variant trains in its own `python -m moe_train train` subprocess for `--steps` steps with
+`--minutes` as a guard (synthetic), or for `--minutes` of wall-clock time (OPUS; `--steps 0`),
+then this process scores its export on the test split
 (benchmarks/thor_eval.py): BLEU / chrF per domain (beam search), experts per token per MoE
 layer and their mean (teacher-forced, forward hooks on the routers), task-prediction accuracy;
 `--test-dir DIR` (OPUS layout with `test` files) scores the same models on DIR too. A TF-IDF +
@@ -62,9 +63,12 @@ ABLATION_FILES = {"thor_top2": "top2", "thor_topp_no_context": "no-context",
                   "thor_topp_no_hierarchy": "no-hierarchy"}
 """THOR variants also shipped as configs: <config stem>-<suffix>.yaml."""
 DATASETS = {
-    "synthetic": {"config": "configs/thor-synthetic-cpu.yaml", "minutes": 3.5},
-    "opus": {"config": "configs/thor-opus-de-en-cpu.yaml", "minutes": 8.0},
+    "synthetic": {"config": "configs/thor-synthetic-cpu.yaml", "minutes": 10.0, "steps": 1000},
+    "opus": {"config": "configs/thor-opus-de-en-cpu.yaml", "minutes": 8.0, "steps": None},
 }
+"""Default budgets. Synthetic: 1000 steps (the models are near their plateau there), 10 minutes
+as a guard, so the comparison does not move with the machine's load; OPUS: 8 minutes of
+training per variant (a few hundred steps on two cores)."""
 SYNTHETIC = {"num_domains": 5, "target_langs": ["de"], "train_per_domain": 3000,
              "dev_per_domain": 100, "test_per_domain": 100, "seed": 1}
 """The synthetic corpus (moe_train.data.synthetic.generate_synthetic arguments)."""
@@ -86,10 +90,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--data", choices=sorted(DATASETS), default="synthetic")
     ap.add_argument("--minutes", type=float, default=None,
-                    help="training budget per variant (default: synthetic 3.5, opus 15)")
+                    help="training time per variant (default: synthetic 10 as a guard, opus 8)")
     ap.add_argument("--steps", type=int, default=None,
-                    help="a step budget per variant (train.max_steps); --minutes is then a "
-                         "guard that the record flags when it cut a variant short")
+                    help="a step budget per variant (train.max_steps; default: synthetic 1000, "
+                         "opus 0 = none); --minutes is then a guard that the record flags when "
+                         "it cut a variant short")
     ap.add_argument("--variants", default=",".join(VARIANTS),
                     help=f"comma-separated subset of {', '.join(VARIANTS)}")
     ap.add_argument("--opus-dir", default=str(DEFAULT_DATA), help="the OPUS multi-domain data")
@@ -113,8 +118,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.minutes is None:
         args.minutes = DATASETS[args.data]["minutes"]
     if args.minutes <= 0 or (args.beam is not None and args.beam < 1) or \
-            (args.steps is not None and args.steps < 1):
-        ap.error("--minutes must be positive, --steps and --beam at least 1")
+            (args.steps is not None and args.steps < 0):
+        ap.error("--minutes must be positive, --beam at least 1, --steps 0 or more")
+    if args.steps is None:
+        args.steps = DATASETS[args.data]["steps"]
+    args.steps = args.steps or None  # 0: the time budget alone
     return args
 
 

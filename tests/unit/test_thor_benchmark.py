@@ -24,18 +24,20 @@ def bench():
 
 def test_arguments(bench) -> None:
     args = bench.parse_args([])
-    assert (args.data, args.minutes, args.quick, args.test_dir) == ("synthetic", 3.5, False, None)
+    assert (args.data, args.minutes, args.steps, args.quick, args.test_dir) == \
+        ("synthetic", 10.0, 1000, False, None)
+    assert bench.parse_args(["--steps", "0"]).steps is None  # the time budget alone
     assert args.variant_list == ["dense", "top2", "topp", "thor_top2", "thor_topp",
                                  "thor_topp_no_context", "thor_topp_no_hierarchy"]
     args = bench.parse_args(["--data", "opus", "--minutes", "0.3", "--variants", "topp,thor_topp",
                              "--test-dir", "x"])
     assert (args.minutes, args.variant_list, args.test_dir) == (0.3, ["topp", "thor_topp"], "x")
-    assert bench.parse_args(["--data", "opus"]).minutes == 8.0
+    assert (bench.parse_args(["--data", "opus"]).minutes,
+            bench.parse_args(["--data", "opus"]).steps) == (8.0, None)
     args = bench.parse_args(["--steps", "900", "--set", "thor.alpha=0.1", "--set", "moe.k=1"])
     assert (args.steps, args.extra) == (900, ["thor.alpha=0.1", "moe.k=1"])
-    assert bench.parse_args([]).steps is None
     for bad in (["--variants", "topp,nope"], ["--variants", ","], ["--minutes", "0"],
-                ["--steps", "0"],
+                ["--steps", "-1"],
                 ["--data", "wmt"], ["--beam", "0"]):
         with pytest.raises(SystemExit) as exc:
             bench.parse_args(bad)
