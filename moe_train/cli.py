@@ -1,4 +1,4 @@
-"""`moe-train`: prepare, train, translate, evaluate, demo.
+"""`moe-train`: synth, prepare, train, translate, evaluate, demo, params, routing-stats, pipeline.
 
 User errors (bad config field, bad data line, missing artifact) print one line, ``error: ...``,
 and exit with status 2; no traceback.
@@ -137,6 +137,28 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
     p.add_argument("overrides", nargs="*", help="a.b=value overrides of the demo recipe")
 
 
+def _add_synth(sub: argparse._SubParsersAction) -> None:
+    from moe_train.data.synthetic import DOMAINS, TARGET_LANGS
+
+    p = sub.add_parser("synth", help="write the synthetic multi-domain corpus (OPUS layout)",
+                       description="Write the embedded synthetic corpus (English source; domains "
+                       f"{', '.join(DOMAINS)}; targets {', '.join(TARGET_LANGS)}) as "
+                       "{domain}/{domain}.en-{xx}.{split}.{lang} files plus domains.json, ready "
+                       "for `moe-train prepare --data DIR`. The same seed gives the same corpus.")
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--domains", type=_int_at_least(1), default=5,
+                   help=f"how many domains, the first N of the list (1..{len(DOMAINS)}; default 5)")
+    p.add_argument("--langs", default="de",
+                   help="comma-separated target languages (default de)")
+    p.add_argument("--train", type=_int_at_least(1), default=3000,
+                   help="training pairs per domain (default 3000)")
+    p.add_argument("--dev", type=_int_at_least(0), default=100, help="dev pairs per domain")
+    p.add_argument("--test", type=_int_at_least(0), default=100, help="test pairs per domain")
+    p.add_argument("--seed", type=int, default=0, help="generator seed (default 0)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an existing synthetic corpus at --out")
+
+
 def _add_params(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("params", help="total, per-side and serving parameter counts",
                        description="Count parameters of the model a config describes (built on "
@@ -175,8 +197,8 @@ def _add_pipeline(sub: argparse._SubParsersAction) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="moe-train", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    for add in (_add_prepare, _add_train, _add_translate, _add_evaluate, _add_demo, _add_params,
-                _add_routing_stats, _add_pipeline):
+    for add in (_add_synth, _add_prepare, _add_train, _add_translate, _add_evaluate, _add_demo,
+                _add_params, _add_routing_stats, _add_pipeline):
         add(sub)
     return parser
 

@@ -27,6 +27,22 @@ def _runtime():
     return ParallelRuntime()
 
 
+def cmd_synth(args: argparse.Namespace) -> int:
+    from moe_train.data.synthetic_dir import write_synthetic
+
+    langs = [lang.strip() for lang in args.langs.split(",") if lang.strip()]
+    info = write_synthetic(args.out, overwrite=args.overwrite, num_domains=args.domains,
+                           target_langs=langs, train_per_domain=args.train,
+                           dev_per_domain=args.dev, test_per_domain=args.test, seed=args.seed)
+    for dom in info["domains"]:
+        sizes = dom["sizes"]
+        print(f"| {dom['name']:<10} train {sizes['train']:>6} | dev {sizes['dev']:>5} | "
+              f"test {sizes['test']:>5} | {dom['src_word_types']:>5} source word types")
+    print(f"| pairs {', '.join(info['pairs'])} | seed {info['seed']} | wrote {args.out} "
+          f"(next: moe-train prepare --data {args.out} --out PREPARED --config CONFIG)")
+    return 0
+
+
 def cmd_prepare(args: argparse.Namespace) -> int:
     from moe_train.data.corpus import discover, plain_corpus
     from moe_train.data.prepare import prepare

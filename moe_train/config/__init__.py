@@ -2,6 +2,7 @@
 
 from moe_train.config.loader import config_from_dict, load_config, parse_overrides
 from moe_train.config.moe import MoEConfig, RouterConfig
+from moe_train.config.gated import GatedConfig
 from moe_train.config.thor import ThorConfig
 from moe_train.config.schema import (
     CheckpointConfig,
@@ -15,7 +16,8 @@ from moe_train.config.schema import (
 )
 
 __all__ = [
-    "CheckpointConfig", "DataConfig", "EvalConfig", "ExperimentConfig", "LoggingConfig",
+    "CheckpointConfig", "DataConfig", "EvalConfig", "ExperimentConfig", "GatedConfig",
+    "LoggingConfig",
     "ModelConfig", "MoEConfig", "OptimConfig", "RouterConfig", "ThorConfig", "TrainConfig",
     "config_from_dict", "load_config",
     "parse_overrides",

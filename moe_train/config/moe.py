@@ -19,8 +19,8 @@ domain, or explicit task ids supplied with the batch."""
 
 LAYER_PATTERNS = ("every_other", "all")
 
-ROUTER_NAMES = ("gshard", "gumbel", "sentence", "single", "switch", "task", "thor", "topk",
-                "topp")
+ROUTER_NAMES = ("gated", "gshard", "gumbel", "sentence", "single", "switch", "task", "thor",
+                "topk", "topp")
 """The names moe_train.moe.registry.ROUTERS registers (kept equal by a test); checked here so
 a misspelt router fails when the config is read, naming its field."""
 

@@ -12,6 +12,7 @@ from typing import Any
 
 from moe_train.config.adapters import AdapterConfig, MoAConfig
 from moe_train.config.moe import ROUTER_NAMES, MoEConfig
+from moe_train.config.gated import GatedConfig
 from moe_train.config.thor import ThorConfig
 from moe_train.errors import ConfigError
 
@@ -249,6 +250,7 @@ class ExperimentConfig:
     adapters: AdapterConfig = field(default_factory=AdapterConfig)
     moa: MoAConfig = field(default_factory=MoAConfig)
     thor: ThorConfig = field(default_factory=ThorConfig)
+    gated: GatedConfig = field(default_factory=GatedConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -274,6 +276,13 @@ class ExperimentConfig:
         if self.adapters.enabled:
             _check(self.adapters.num_experts % self.moe.ep_size == 0, "adapters.num_experts",
                    f"a multiple of moe.ep_size ({self.moe.ep_size})", self.adapters.num_experts)
+        if self.adapters.enabled and self.adapters.router == "gated":
+            _check(self.moe.ep_size == 1, "moe.ep_size", "1 with adapters.router gated (every "
+                   "token uses every adapter: the adapters stay on each rank)", self.moe.ep_size)
+        _check(self.moe.encoder_router != "gated" and self.moe.decoder_router != "gated"
+               or not self.moe.enabled, "moe.encoder_router",
+               "an FFN router other than gated (gated mixes adapters: adapters.router)",
+               (self.moe.encoder_router, self.moe.decoder_router))
 
     @property
     def uses_thor(self) -> bool:

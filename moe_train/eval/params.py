@@ -111,6 +111,8 @@ def experts_per_token(router: nn.Module, num_experts: int) -> tuple[int, bool, s
         return space, False, f"top-p p={router.cfg.top_p} {inside}"
     if name == "topp":
         return num_experts, False, f"top-p p={router.cfg.top_p} over all {num_experts}"
+    if name == "gated":  # Gated Adapters: a soft mixture of all adapters
+        return num_experts, True, f"all {num_experts} (soft gate)"
     if name == "gumbel":  # MoA: one adapter per sentence, drawn among the k best
         return 1, True, f"1 of the top-{min(router.k, num_experts)} (Gumbel-Max)"
     k = min(int(getattr(router, "k", num_experts)), num_experts)

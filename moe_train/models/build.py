@@ -21,7 +21,7 @@ from torch import nn
 from moe_train.config.schema import ExperimentConfig, ModelConfig
 from moe_train.models.transformer import Seq2SeqTransformer, dense_ffn_factory
 from moe_train.moe.adapters import AdapterExperts, AdapterSlot
-from moe_train.moe.dispatcher import LocalDispatcher
+from moe_train.moe.dispatcher import DenseDispatcher, LocalDispatcher
 from moe_train.moe.experts import Experts
 from moe_train.moe.layer import MoELayer
 from moe_train.moe.registry import build_router, build_shared_router
@@ -59,17 +59,24 @@ def moe_ffn_factory(cfg: ExperimentConfig):
 
 
 def adapter_factory(cfg: ExperimentConfig):
-    """An adapter_factory putting an `AdapterSlot` after every layer of `adapters.sides`."""
+    """An adapter_factory putting an `AdapterSlot` after every layer of `adapters.sides`:
+    sentence-level routers are shared by a side's layers; a `gated` router is one soft gate
+    per layer over all adapters (`DenseDispatcher`)."""
     acfg = cfg.adapters
     shared: dict[str, nn.Module] = {}
 
     def factory(side: str, layer_idx: int, mcfg: ModelConfig) -> nn.Module | None:
         if not acfg.on_side(side):
             return None
+        experts = AdapterExperts(acfg.num_experts, mcfg.d_model, acfg.dim)
+        if acfg.router == "gated":
+            router = build_router("gated", mcfg.d_model, acfg.num_experts, acfg.router_config(),
+                                  gated=cfg.gated)
+            return AdapterSlot(MoELayer(router, DenseDispatcher(acfg.num_experts), experts,
+                                        dropout=0.0))
         if side not in shared:
             shared[side] = build_shared_router(acfg.router, mcfg.d_model, acfg.num_experts,
                                                acfg.router_config())
-        experts = AdapterExperts(acfg.num_experts, mcfg.d_model, acfg.dim)
         dispatcher = LocalDispatcher(acfg.num_experts, acfg.capacity_factor)
         return AdapterSlot(MoELayer(shared[side], dispatcher, experts, dropout=0.0))
 

@@ -54,7 +54,11 @@ class AdapterExperts(StackedExperts):
         nn.init.zeros_(self.b_down_ER)
         nn.init.zeros_(self.b_up_ED)
 
-    def forward(self, x_ND: Tensor, counts_E: Tensor) -> Tensor:
+    def forward(self, x_ND: Tensor, counts_E: Tensor | None) -> Tensor:
+        """Rows grouped by expert (`counts_E`) -> (N, D); with counts_E None every adapter
+        runs on all rows (`DenseDispatcher`) -> (E, N, D)."""
+        if counts_E is None:
+            return self.all_experts(x_ND)
         self._check_rows(x_ND, counts_E)
         expert_N = rows_expert(counts_E, x_ND.size(0))
         z_ND = F.layer_norm(x_ND, x_ND.shape[-1:], eps=self.eps)
@@ -63,6 +67,14 @@ class AdapterExperts(StackedExperts):
         h_NR = F.relu(grouped_gemm(z_ND, self.w_down_EDR, counts_E, self.b_down_ER,
                                    backend=self.backend))
         return grouped_gemm(h_NR, self.w_up_ERD, counts_E, self.b_up_ED, backend=self.backend)
+
+    def all_experts(self, x_TD: Tensor) -> Tensor:
+        """Every adapter on every row, (E, T, D): the normalisation once, then one batched
+        GEMM per projection over the E adapters (Gated Adapters' "parallel" adapters)."""
+        z_TD = F.layer_norm(x_TD, x_TD.shape[-1:], eps=self.eps)
+        z_ETD = torch.addcmul(self.ln_bias_ED[:, None], z_TD[None], self.ln_weight_ED[:, None])
+        h_ETR = torch.baddbmm(self.b_down_ER[:, None], z_ETD, self.w_down_EDR).relu_()
+        return torch.baddbmm(self.b_up_ED[:, None], h_ETR, self.w_up_ERD)
 
 
 

@@ -1,7 +1,9 @@
 """Local token dispatch: group routed token copies by expert, and combine expert outputs back.
 
 `LocalDispatcher` (expert parallelism 1) is the default and the reference the all-to-all
-dispatcher (moe_train.parallel.expert_parallel) is tested against. Dropless by default; with a
+dispatcher (moe_train.parallel.expert_parallel) is tested against. `DenseDispatcher` serves
+soft routers that weigh every expert for every token (Gated Adapters): nothing to sort, the
+experts get all rows at once. Dropless by default; with a
 capacity factor c, expert e keeps at most ceil(c * routed_slots / E) copies (first come, first
 served in token order) and the overflow is dropped and counted: a dropped copy contributes
 nothing to its token's output (the residual carries the token on). The limit applies while
@@ -98,3 +100,37 @@ class LocalDispatcher:
     def combine(self, y_ND: Tensor, meta: DispatchMeta) -> Tensor:
         """y_TD[t] = sum_k weights_TK[t, k] * y_ND[row(t, k)]."""
         return unpermute(y_ND, meta.row_map_N, meta.weights_TK, meta.num_tokens)
+
+
+@dataclass(frozen=True)
+class DenseMeta:
+    """What `DenseDispatcher.combine` needs."""
+
+    weights_TE: Tensor
+    """Each token's weight for each expert (0 at padding)."""
+    dropped: Tensor
+    """Always 0: dense routing drops nothing."""
+
+
+class DenseDispatcher:
+    """Every token to every expert in order, e.g. a soft gate over all adapters: no sort, no
+    copy. `dispatch` hands the experts the T rows themselves with ``counts_E`` None, which
+    asks a `StackedExperts` module for all experts on all rows at once, (E, T, D) (see
+    `AdapterExperts.forward`); `combine` sums them with the weights. Local only (ep_size 1)."""
+
+    def __init__(self, num_experts: int) -> None:
+        self.num_experts = num_experts
+
+    def dispatch(self, x_TD: Tensor, routing: Routing, drop: bool = True
+                 ) -> tuple[Tensor, None, DenseMeta]:
+        ids_TE = routing.expert_ids_TK
+        if routing.top_k != self.num_experts:
+            raise ValueError(f"DenseDispatcher: routing has {routing.top_k} slots per token, "
+                             f"expected one per expert ({self.num_experts}), in expert order")
+        weights_TE = torch.where(ids_TE >= 0, routing.weights_TK, 0.0)  # padding: -1
+        return x_TD, None, DenseMeta(weights_TE, torch.zeros((), dtype=torch.long,
+                                                             device=x_TD.device))
+
+    def combine(self, y_ETD: Tensor, meta: DenseMeta) -> Tensor:
+        """y_TD[t] = sum_e weights_TE[t, e] * y_ETD[e, t]."""
+        return torch.einsum("etd,te->td", y_ETD, meta.weights_TE.to(y_ETD.dtype))

@@ -125,3 +125,15 @@ def task_balance_loss(task_probs_KE: Tensor, candidates_KC: Tensor) -> Tensor:
     K, E = task_probs_KE.shape
     in_set_KE = torch.zeros_like(task_probs_KE).scatter_(1, candidates_KC, 1.0)
     return E * ((in_set_KE.mean(0)) * task_probs_KE.float().mean(0)).sum()
+
+
+def distillation_kl(logits_NE: Tensor, teacher_NE: Tensor, tau: float,
+                    teacher_as_logits: bool = False) -> Tensor:
+    """Per-row KL(P_t,tau || P_s,tau) (Gated Adapters Eq. 4, without the tau^2): the student
+    P_s,tau = softmax(logits / tau); the teacher's probabilities softened as softmax(log p / tau)
+    or, `teacher_as_logits` (the reference code), softmax(p / tau). float32, (N,)."""
+    t32_NE = teacher_NE.float()
+    t_logits_NE = t32_NE if teacher_as_logits else t32_NE.clamp_min(1e-12).log()
+    log_t_NE = torch.log_softmax(t_logits_NE / tau, -1)
+    log_s_NE = torch.log_softmax(logits_NE.float() / tau, -1)
+    return (log_t_NE.exp() * (log_t_NE - log_s_NE)).sum(-1)

@@ -6,6 +6,7 @@ from typing import Any
 
 from moe_train.config.moe import RouterConfig
 from moe_train.errors import ConfigError
+from moe_train.moe.gated_router import GatedRouter
 from moe_train.moe.gating import Router, _expect
 from moe_train.moe.moa_router import GumbelMaxRouter, SharedRouter, SingleRouter
 from moe_train.moe.router import GShardRouter, SwitchRouter, TopKRouter, TopPRouter
@@ -13,6 +14,7 @@ from moe_train.moe.sentence_router import SentenceRouter, TaskRouter
 from moe_train.moe.thor_router import ThorRouter
 
 ROUTERS: dict[str, type[Router]] = {
+    "gated": GatedRouter,
     "gshard": GShardRouter,
     "gumbel": GumbelMaxRouter,
     "sentence": SentenceRouter,
@@ -24,7 +26,7 @@ ROUTERS: dict[str, type[Router]] = {
     "topp": TopPRouter,
 }
 """Router name (``moe.router``) -> class; every class takes (d_model, num_experts, cfg), and
-some keyword settings of their own (thor: ``thor``, ``loss_scale``)."""
+some keyword settings of their own (thor: ``thor``, ``loss_scale``; gated: ``gated``)."""
 
 
 def build_router(name: str, d_model: int, num_experts: int, cfg: RouterConfig,

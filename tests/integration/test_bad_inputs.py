@@ -165,6 +165,18 @@ RAW = evaluate("--src", "{tmp}/src.txt", "--ref", "{tmp}/ref.txt")
 ONE = b"a b\n"
 
 CASES: dict[str, Case] = {
+    # synth
+    "synth_unknown_language": Case(["synth", "--out", "{tmp}/c", "--langs", "de,xx"],
+                                   ("target_langs", "de, fr, es, cs, ja", "xx")),
+    "synth_too_many_domains": Case(["synth", "--out", "{tmp}/c", "--domains", "9"],
+                                   ("num_domains", "1..7", "9")),
+    "synth_negative_split": Case(["synth", "--out", "{tmp}/c", "--dev", "-1"],
+                                 ("--dev", "integer >= 0", "-1")),
+    "synth_out_is_not_a_corpus": Case(["synth", "--out", "{tmp}/c", "--overwrite"],
+                                      ("{tmp}/c", "domains.json", "refusing"),
+                                      {"c/notes.txt": "mine\n"}),
+    "synth_corpus_exists": Case(["synth", "--out", "{tmp}/c"], ("{tmp}/c", "--overwrite"),
+                                {"c/domains.json": "{}\n"}),
     # prepare
     "prepare_non_utf8_line": Case(prepare(), ("{tmp}/a.src:2", "UTF-8"),
                                   {**PAIR, "a.src": b"a b\nc \xff d\ne f\n"}),
@@ -406,5 +418,5 @@ def test_router_names_match_registry():
 def test_every_command_has_cases():
     commands = {case.args[0] for case in CASES.values()}
     assert len(CASES) >= 20
-    assert commands == {"prepare", "train", "translate", "evaluate", "routing-stats", "params",
-                        "pipeline"}
+    assert commands == {"synth", "prepare", "train", "translate", "evaluate", "routing-stats",
+                        "params", "pipeline"}

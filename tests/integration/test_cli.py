@@ -20,9 +20,39 @@ def _one_line_error(proc, *needles):
 
 
 def test_help_for_every_command(tmp_path):
-    for cmd in ("prepare", "train", "translate", "evaluate", "demo"):
+    for cmd in ("synth", "prepare", "train", "translate", "evaluate", "demo"):
         proc = run_cli([cmd, "--help"], cwd=tmp_path)
         assert "usage: moe-train" in proc.stdout
+
+
+def _files(root):
+    return {p.relative_to(root): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_synth_writes_the_generator_corpus_that_prepare_reads(tmp_path):
+    """`synth` writes exactly what generate_synthetic writes for the same options (the same
+    seed, the same bytes), refuses to replace it without --overwrite, and prepare reads it."""
+    from moe_train.data.synthetic import generate_synthetic
+
+    out = tmp_path / "corpus"
+    args = ["synth", "--out", str(out), "--domains", "2", "--langs", "de,fr", "--train", "30",
+            "--dev", "3", "--test", "4", "--seed", "11"]
+    proc = run_cli(args, cwd=tmp_path)
+    assert f"wrote {out}" in proc.stdout and "de-en, en-fr" in proc.stdout
+    generate_synthetic(tmp_path / "ref", num_domains=2, target_langs=["de", "fr"],
+                       train_per_domain=30, dev_per_domain=3, test_per_domain=4, seed=11)
+    files = _files(out)
+    assert files == _files(tmp_path / "ref")
+    assert len(files) == 1 + 2 * 2 * 3 * 2  # domains.json + domains x pairs x splits x sides
+    assert (out / "medical" / "medical.en-fr.test.fr").read_text().count("\n") == 4
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no temp left
+    _one_line_error(run_cli(args, cwd=tmp_path, check=False), str(out), "--overwrite")
+    run_cli([*args[:-1], "12", "--overwrite"], cwd=tmp_path)
+    assert _files(out) != files  # another seed, replaced whole
+    run_cli(["prepare", "--data", str(out), "--out", str(tmp_path / "prepared"),
+             "data.vocab_size=200"], cwd=tmp_path)
+    manifest = json.loads((tmp_path / "prepared" / "manifest.json").read_text())
+    assert sorted(manifest["domains"]) == ["law", "medical"]
 
 
 @pytest.mark.parametrize("case", ["mismatch", "utf8", "empty", "missing"])

@@ -1,6 +1,7 @@
 """Incremental decoding (DecoderCache) equals full teacher-forced decoding for every router and
 slot kind: token routers (switch, gshard, topk, topp), sentence, task (learned and fixed),
-gumbel and the MoA adapters (decoder only and both sides), not only the dense model.
+gumbel, the MoA adapters (decoder only and both sides) and the gated adapters (a per-layer
+prefix-mean gate kept in the routing state), not only the dense model.
 
 Each model is built from its config by `build_model`, its routed parts randomised so that the
 adapters are no identities and sentences go to several experts; fp32, eval mode, dropless. Per position,
@@ -67,6 +68,10 @@ VARIANTS = {
                                         "thor.num_tasks=4", "thor.task_repr=infuse"],
     "thor top-p gold, no context": _moe("thor", "thor.num_tasks=4", "thor.num_candidates=3",
                                         "thor.task_repr=gold", "thor.context=false"),
+    "gated adapters, both sides (GAD)": ["adapters.num_experts=4", "adapters.router=gated",
+                                         "adapters.sides=both", "adapters.dim=8"],
+    "gated adapters, decoder, beta 1": ["adapters.num_experts=3", "adapters.router=gated",
+                                        "adapters.dim=8", "gated.temperature=1.0"],
     "moe topk + adapters gumbel": [*_moe("topk"), "adapters.num_experts=4",
                                    "adapters.router=gumbel", "adapters.dim=4"],
 }

@@ -137,7 +137,7 @@ def test_model_places_moe_layers_from_config():
 @pytest.mark.parametrize("override, message", [
     (["moe.num_experts=6", "moe.ep_size=4"], "moe.num_experts: expected a multiple of moe.ep_size"),
     (["moe.num_experts=4", "moe.k=5"], "moe.k: expected at most moe.num_experts (4), got 5"),
-    (["moe.num_experts=4", "moe.encoder_router=hash"], "moe.encoder_router: expected dense or one of gshard"),
+    (["moe.num_experts=4", "moe.encoder_router=hash"], "moe.encoder_router: expected dense or one of gated, gshard"),
     (["moe.layers=odd"], "moe.layers: expected every_other, all, or a comma list"),
 ])
 def test_bad_moe_configs_fail_in_one_line(override, message):

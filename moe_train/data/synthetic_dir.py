@@ -1,0 +1,35 @@
+"""`moe-train synth`: the synthetic corpus written as a whole directory, or not at all."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from moe_train.data.synthetic import generate_synthetic
+from moe_train.errors import ConfigError
+from moe_train.utils.atomic import atomic_dir
+
+
+def write_synthetic(out_dir: str | os.PathLike, overwrite: bool = False,
+                    **options: Any) -> dict[str, Any]:
+    """`generate_synthetic(**options)` into a temporary directory renamed onto `out_dir` once
+    complete, so a killed or failed run leaves nothing under the final name. An existing
+    non-empty `out_dir` is replaced only when it is a synthetic corpus (has ``domains.json``)
+    and `overwrite` is set; an empty one is replaced silently."""
+    out = Path(out_dir)
+    replace = False
+    if out.exists():
+        if not out.is_dir():
+            raise ConfigError(f"synth --out {out}: exists and is not a directory")
+        replace = not any(out.iterdir())
+        if not replace:
+            if not (out / "domains.json").is_file():
+                raise ConfigError(f"synth --out {out}: exists, is not empty and holds no "
+                                  "synthetic corpus (domains.json); refusing to replace it")
+            if not overwrite:
+                raise ConfigError(f"synth --out {out}: already holds a synthetic corpus; use "
+                                  "--overwrite to replace it")
+            replace = True
+    with atomic_dir(out, overwrite=replace) as tmp:
+        return generate_synthetic(tmp, **options)

@@ -1,0 +1,102 @@
+"""Gated Adapters (seed 004): a dense, soft mixture over per-domain adapters, one gate per layer.
+
+`GatedRouter` ("gated") weighs all E adapters of its layer with g = softmax(W_g agg(x) / beta)
+(Eq. 3): agg is the masked mean of the layer's adapter input over the source in the encoder
+(one gate per sentence) and the inclusive causal prefix mean in the decoder (one gate per
+target position; while decoding incrementally the running sum and count live in the slot's
+routing state, reordered with the beams). Every token goes to every adapter, so the layer uses
+a `DenseDispatcher` (no sort) and the adapters run as one batched GEMM per projection.
+
+The gate is trained by distillation from a domain classifier: with the teacher's per-sentence
+distribution in ``ForwardContext.extras[TEACHER_PROBS_KEY]`` (a trainer hook puts it there),
+each gate adds alpha * tau^2 * KL(P_clf,tau || P_g,tau) (Eqs. 4-5), P_g,tau = softmax(W_g agg /
+tau), averaged over the gate's rows (sentences in the encoder, real target positions in the
+decoder) and summed over gates; or alpha * CE(W_g agg, gold domain) (gate_loss ce). Without the
+teacher (inference, evaluation) there is no gate loss.
+
+Shape legend: T tokens (flattened B x length), B sentences, D model dim, E adapters (domains).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from moe_train.config.gated import GatedConfig
+from moe_train.config.moe import RouterConfig
+from moe_train.errors import ConfigError
+from moe_train.moe import losses
+from moe_train.moe.gating import Router, _require_sentences, _sentence_pad_mask
+from moe_train.moe.routing import Routing, RoutingContext, prefix_mean, sentence_mean
+
+TEACHER_PROBS_KEY = "teacher_probs_BE"
+"""Extras key of the domain classifier's distribution over the E domains, per sentence."""
+
+
+class GatedRouter(Router):
+    """Soft per-layer domain gate over all E adapters (see the module docstring)."""
+
+    name = "gated"
+
+    def __init__(self, d_model: int, num_experts: int, cfg: RouterConfig,
+                 gated: GatedConfig | None = None) -> None:
+        super().__init__(num_experts)
+        self.cfg, self.gated = cfg, gated or GatedConfig()
+        self.k = num_experts
+        self.gate = nn.Linear(d_model, num_experts, bias=False)  # W_g, no bias (Eq. 3)
+        if self.gated.gate_loss == "ce":
+            self.task_source = "domain"  # the gold domain reaches RoutingContext.task_ids_B
+
+    def gate_logits(self, x_TD: Tensor, rctx: RoutingContext) -> tuple[Tensor, Tensor]:
+        """(W_g agg(x) of every token (T, E), and of the rows the gate loss averages over:
+        sentences (B, E) in the encoder, tokens in the decoder), float32."""
+        if rctx.side == "encoder":  # one gate per sentence: project B rows, not T
+            mean_BD = sentence_mean(x_TD, rctx.sentence_ids_T, rctx.num_sentences,
+                                    rctx.pad_mask_T)
+            logits_BE = self.gate(mean_BD).float()
+            return logits_BE.index_select(0, rctx.sentence_ids_T), logits_BE
+        logits_TE = self.gate(prefix_mean(x_TD, rctx)).float()
+        return logits_TE, logits_TE
+
+    def forward(self, x_TD: Tensor, rctx: RoutingContext | None = None) -> Routing:
+        rctx = _require_sentences(rctx, self.name)
+        logits_TE, rows_NE = self.gate_logits(x_TD, rctx)
+        probs_TE = (logits_TE / self.gated.temperature).softmax(-1)
+        T, E = probs_TE.shape
+        ids_TE = torch.arange(E, device=x_TD.device).expand(T, E)
+        aux = self.gate_loss(rows_NE, rctx) if self.training else {}
+        with torch.no_grad():  # every real token reaches every adapter
+            stats = {"tokens_per_expert": losses.tokens_per_expert(ids_TE, E, rctx.pad_mask_T),
+                     "routing_entropy": losses.routing_entropy(probs_TE, rctx.pad_mask_T)}
+        return Routing(expert_ids_TK=ids_TE, weights_TK=probs_TE.to(x_TD.dtype),
+                       probs_TE=probs_TE, num_experts=E, aux_losses=aux, stats=stats)
+
+    def gate_loss(self, logits_NE: Tensor, rctx: RoutingContext) -> dict[str, Tensor]:
+        """alpha * (tau^2 KL to the teacher | CE on the gold domain), over real rows."""
+        g = self.gated
+        if g.gate_loss == "none" or g.alpha == 0:
+            return {}
+        per_sentence = rctx.side == "encoder"
+        pad_N = _sentence_pad_mask(rctx) if per_sentence else rctx.pad_mask_T
+        if g.gate_loss == "ce":
+            if rctx.task_ids_B is None:
+                raise ConfigError("gated.gate_loss: ce needs the gold domain of every sentence, "
+                                  "which this batch lacks")
+            gold_N = rctx.task_ids_B.long()
+            if not per_sentence:
+                gold_N = gold_N.index_select(0, rctx.sentence_ids_T)
+            ce_N = F.cross_entropy(logits_NE, gold_N, reduction="none")
+            return {"gad_gate_ce": g.alpha * losses.masked_mean(ce_N, pad_N)}
+        teacher_BE = rctx.extras.get(TEACHER_PROBS_KEY)
+        if teacher_BE is None:
+            return {}  # no teacher for this batch (e.g. a dev pass): translation loss alone
+        if teacher_BE.shape != (rctx.num_sentences, self.num_experts):
+            raise ConfigError(f"gated: teacher probabilities of shape {tuple(teacher_BE.shape)}"
+                              f", expected ({rctx.num_sentences}, {self.num_experts}): one "
+                              "probability per domain adapter (adapters.num_experts)")
+        if not per_sentence:
+            teacher_BE = teacher_BE.index_select(0, rctx.sentence_ids_T)
+        kl_N = losses.distillation_kl(logits_NE, teacher_BE, g.tau, g.teacher_as_logits)
+        return {"gad_gate_kd": g.alpha * g.tau ** 2 * losses.masked_mean(kl_N, pad_N)}
+
