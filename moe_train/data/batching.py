@@ -66,6 +66,9 @@ class Batch:
     normaliser); equals n_tgt_tokens for evaluation batches."""
     is_padding: bool = False
     """A filler batch (evaluation only) that keeps ranks in lockstep; its outputs are ignored."""
+    split: str = ""
+    """The dataset split the rows come from (train, dev, test; "" when the dataset names
+    none): `indices_B` index that split."""
 
     def __len__(self) -> int:
         return int(self.src_tokens_BS.shape[0])
@@ -118,7 +121,7 @@ def collate(dataset: ParallelDataset, indices: Sequence[int] | np.ndarray, pad_i
                  domain_ids_B=meta(dataset.domain_ids), src_lang_B=meta(dataset.src_lang_ids),
                  tgt_lang_B=meta(dataset.tgt_lang_ids), corpus_ids_B=meta(dataset.corpus_ids),
                  n_src_tokens=int(src_len_B.sum()) + len(idx_B), n_tgt_tokens=n_tgt,
-                 step_tgt_tokens=n_tgt)
+                 step_tgt_tokens=n_tgt, split=str(getattr(dataset, "split", "")))
 
 
 # ------------------------------------------------------------------------------------- sampling

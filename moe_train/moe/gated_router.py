@@ -84,6 +84,10 @@ class GatedRouter(Router):
                 raise ConfigError("gated.gate_loss: ce needs the gold domain of every sentence, "
                                   "which this batch lacks")
             gold_N = rctx.task_ids_B.long()
+            if bool((gold_N >= self.num_experts).any()):
+                raise ConfigError(f"adapters.num_experts: domain id {int(gold_N.max())} has no "
+                                  f"adapter (expected one adapter per domain, got "
+                                  f"{self.num_experts})")
             if not per_sentence:
                 gold_N = gold_N.index_select(0, rctx.sentence_ids_T)
             ce_N = F.cross_entropy(logits_NE, gold_N, reduction="none")

@@ -13,13 +13,17 @@ over the log window (train) or the dev set (all ranks) and logged as their ratio
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
 from moe_train.data.batching import Batch
+from moe_train.errors import DataError
 from moe_train.models.transformer import ModelOutput
+from moe_train.moe.gated_router import TEACHER_PROBS_KEY
 from moe_train.moe.thor_router import GOLD_TASK_KEY, TASK_PROBS_KEY
 
 Ratio = tuple[float, float]
@@ -102,6 +106,40 @@ class TaskAccuracy(TrainerHooks):
         with torch.no_grad():
             correct = (probs_BK.argmax(-1) == gold_B.to(probs_BK.device)).sum().item()
         return {"task_accuracy": (float(correct), float(gold_B.numel()))}
+
+
+class TeacherProbs(TrainerHooks):
+    """A teacher's per-sentence distribution over E domains for the training split (Gated
+    Adapters' distillation target), handed to the gates as ``extras[TEACHER_PROBS_KEY]`` by
+    `Batch.indices_B`; dev and test batches get none (their indices are another split's)."""
+
+    def __init__(self, probs_NE: np.ndarray | Tensor) -> None:
+        self.probs_NE = torch.as_tensor(np.asarray(probs_NE, dtype=np.float32))
+
+    @classmethod
+    def from_file(cls, path: str | Path, num_sentences: int, num_domains: int) -> TeacherProbs:
+        """Load an (N, E) float array saved with numpy (never unpickled) and check it: one row
+        per training sentence, one column per domain adapter, rows of probabilities."""
+        try:
+            probs = np.load(path, allow_pickle=False)
+        except (OSError, ValueError) as exc:
+            raise DataError(f"{path}: not a readable numpy array of teacher probabilities "
+                            f"({exc})") from None
+        if probs.ndim != 2 or probs.shape != (num_sentences, num_domains):
+            raise DataError(f"{path}: teacher probabilities of shape {probs.shape}, expected "
+                            f"({num_sentences}, {num_domains}): one row per training sentence, "
+                            "one column per domain adapter")
+        if not np.all(np.isfinite(probs)) or probs.min() < 0 or \
+                np.abs(probs.sum(1) - 1.0).max() > 1e-3:
+            raise DataError(f"{path}: teacher probabilities must be finite, non-negative and "
+                            "sum to 1 per row")
+        return cls(probs)
+
+    def batch_extras(self, batch: Batch) -> dict[str, Any]:
+        if batch.split != "train" or batch.is_padding:
+            return {}
+        idx_B = batch.indices_B
+        return {TEACHER_PROBS_KEY: self.probs_NE.index_select(0, idx_B.cpu()).to(idx_B.device)}
 
 
 def hooks_for(cfg: Any, extra: Sequence[TrainerHooks] = ()) -> HookList:

@@ -204,6 +204,8 @@ def test_ce_gate_loss_on_the_gold_domain() -> None:
     assert abs(routing.aux_losses["gad_gate_ce"].item() - want) < 1e-6
     with pytest.raises(ConfigError, match="gold domain"):
         router(X_TD, _rctx())
+    with pytest.raises(ConfigError, match="adapters.num_experts: domain id 4"):
+        router(X_TD, _rctx(task_ids_B=torch.tensor([4, 0])))
 
 
 def test_no_gate_loss_without_teacher_in_eval_or_when_off() -> None:
@@ -247,3 +249,54 @@ def test_build_gives_one_gate_per_layer_on_both_sides() -> None:
     assert all(isinstance(s.moe.dispatcher, DenseDispatcher) for s in slots)
     assert all(s.moe.router.gate.weight.shape == (5, 16) and s.moe.router.gate.bias is None
                for s in slots)
+
+
+def _train_batch(indices: list[int], split: str = "train", is_padding: bool = False):
+    from moe_train.data.batching import Batch
+
+    B = len(indices)
+    tok, ids = torch.ones(B, 2, dtype=torch.long), torch.zeros(B, dtype=torch.long)
+    return Batch(tok, tok, tok, torch.tensor(indices), ids, ids, ids, ids, 2 * B, 2 * B, 2 * B,
+                 is_padding=is_padding, split=split)
+
+
+def test_teacher_probs_hook_looks_up_training_rows_only(tmp_path) -> None:
+    """The hook hands each training batch its sentences' teacher rows (by dataset index);
+    dev/test and filler batches get none; a bad file is one DataError naming it."""
+    import numpy as np
+
+    from moe_train.errors import DataError
+    from moe_train.train.hooks import TeacherProbs
+
+    probs = np.array([[0.7, 0.3], [0.2, 0.8], [0.5, 0.5]], dtype=np.float32)
+    path = tmp_path / "teacher.npy"
+    np.save(path, probs)
+    hook = TeacherProbs.from_file(path, num_sentences=3, num_domains=2)
+    got = hook.batch_extras(_train_batch([2, 0]))[TEACHER_PROBS_KEY]
+    torch.testing.assert_close(got, torch.tensor([[0.5, 0.5], [0.7, 0.3]]))
+    assert hook.batch_extras(_train_batch([2, 0], split="dev")) == {}
+    assert hook.batch_extras(_train_batch([2, 0], is_padding=True)) == {}
+    for bad, needle in ((probs[:2], "one row per training sentence"),
+                        (probs * 2, "sum to 1"), (probs[:, :1], "one column per domain")):
+        np.save(path, bad)
+        with pytest.raises(DataError, match=needle):
+            TeacherProbs.from_file(path, num_sentences=3, num_domains=2)
+    path.write_bytes(b"not numpy")
+    with pytest.raises(DataError, match=str(path)):
+        TeacherProbs.from_file(path, num_sentences=3, num_domains=2)
+
+
+def test_batches_name_their_split(tmp_path) -> None:
+    from moe_train.data.batching import collate
+
+    class Split:
+        split = "dev"
+        domain_ids = src_lang_ids = tgt_lang_ids = corpus_ids = [0, 0]
+
+        def src(self, i):
+            return [5, 6]
+
+        def tgt(self, i):
+            return [7]
+
+    assert collate(Split(), [1, 0], pad_id=0, bos_id=1, eos_id=2).split == "dev"
