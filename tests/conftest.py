@@ -13,6 +13,18 @@ ROOT = Path(__file__).resolve().parents[1]
 SHARED_DATA = ROOT.parent / "shared" / "data" / "opus-multidomain"
 
 
+@pytest.fixture
+def one_thread():
+    """Tiny matrices: one torch thread is fastest and does not fight other processes for
+    cores (use with ``pytestmark = pytest.mark.usefixtures("one_thread")``)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def tiny_corpus(tmp_path_factory) -> Path:
     """A 5-domain synthetic en->de corpus with train/dev/test splits (small)."""

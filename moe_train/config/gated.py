@@ -12,16 +12,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from moe_train.errors import ConfigError
+from moe_train.config.moe import _expect
 
 GATE_LOSSES = ("kl", "ce", "none")
 """kl: distil the teacher's domain distribution (Eq. 4); ce: train the gate as a classifier on
 the gold domain (004 Table 9 ablation); none: the translation loss alone."""
-
-
-def _expect(cond: bool, path: str, expected: str, got: object) -> None:
-    if not cond:
-        raise ConfigError(f"{path}: expected {expected}, got {got!r}")
 
 
 @dataclass

@@ -31,12 +31,7 @@ X_TD = torch.tensor([[4.0, 0, 0, 0], [0, 4, 0, 0], [0, 0, 0, 8],
 PAD_BL = torch.tensor([[False, False, False], [False, True, True]])
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _router(**gated: object) -> GatedRouter:

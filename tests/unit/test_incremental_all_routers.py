@@ -89,13 +89,7 @@ def _model(overrides: list[str]) -> torch.nn.Module:
     return model.eval()
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny matrices: one thread is fastest, and the test does not fight the others for cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _batch() -> tuple[torch.Tensor, torch.Tensor, ForwardContext]:

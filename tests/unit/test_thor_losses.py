@@ -30,13 +30,7 @@ X_TD = torch.stack([ln(1, 2, 3, 4), ln(3, 1, 1, 1), ln(4, 3, 2, 1), ln(1, 1, 1, 
 PAD_BL = torch.tensor([[False, False], [False, True]])
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny matrices: one thread is fastest and does not fight other processes for cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 THOR_KEYS = {"thor_task_balance", "thor_token_balance", "thor_topp_entropy", "z_loss"}

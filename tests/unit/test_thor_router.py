@@ -38,13 +38,7 @@ from moe_train.moe.thor_router import (
 E = D = 4
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny matrices: one thread is fastest and does not fight other processes for cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def ln(*p: float) -> torch.Tensor:
