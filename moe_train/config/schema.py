@@ -279,10 +279,11 @@ class ExperimentConfig:
         if self.adapters.enabled and self.adapters.router == "gated":
             _check(self.moe.ep_size == 1, "moe.ep_size", "1 with adapters.router gated (every "
                    "token uses every adapter: the adapters stay on each rank)", self.moe.ep_size)
-        _check(self.moe.encoder_router != "gated" and self.moe.decoder_router != "gated"
-               or not self.moe.enabled, "moe.encoder_router",
-               "an FFN router other than gated (gated mixes adapters: adapters.router)",
-               (self.moe.encoder_router, self.moe.decoder_router))
+        if self.moe.enabled:
+            sides = (self.moe.encoder_router, self.moe.decoder_router)
+            _check("gated" not in sides, "moe.encoder_router",
+                   "an FFN router other than gated (gated mixes adapters: adapters.router)",
+                   sides)
 
     @property
     def uses_thor(self) -> bool:

@@ -28,7 +28,7 @@ from moe_train.config.moe import RouterConfig
 from moe_train.errors import ConfigError
 from moe_train.moe import losses
 from moe_train.moe.gating import Router, _require_sentences, _sentence_pad_mask
-from moe_train.moe.routing import Routing, RoutingContext, prefix_mean, sentence_mean
+from moe_train.moe.routing import Routing, RoutingContext, context_rows, expand_rows
 
 TEACHER_PROBS_KEY = "teacher_probs_BE"
 """Extras key of the domain classifier's distribution over the E domains, per sentence."""
@@ -51,13 +51,9 @@ class GatedRouter(Router):
     def gate_logits(self, x_TD: Tensor, rctx: RoutingContext) -> tuple[Tensor, Tensor]:
         """(W_g agg(x) of every token (T, E), and of the rows the gate loss averages over:
         sentences (B, E) in the encoder, tokens in the decoder), float32."""
-        if rctx.side == "encoder":  # one gate per sentence: project B rows, not T
-            mean_BD = sentence_mean(x_TD, rctx.sentence_ids_T, rctx.num_sentences,
-                                    rctx.pad_mask_T)
-            logits_BE = self.gate(mean_BD).float()
-            return logits_BE.index_select(0, rctx.sentence_ids_T), logits_BE
-        logits_TE = self.gate(prefix_mean(x_TD, rctx)).float()
-        return logits_TE, logits_TE
+        agg_ND, row_T = context_rows(x_TD, rctx)  # encoder: one gate per sentence, B rows
+        logits_NE = self.gate(agg_ND).float()
+        return expand_rows(logits_NE, row_T), logits_NE
 
     def forward(self, x_TD: Tensor, rctx: RoutingContext | None = None) -> Routing:
         rctx = _require_sentences(rctx, self.name)

@@ -232,10 +232,23 @@ def prefix_mean(x_TD: Tensor, rctx: RoutingContext) -> Tensor:
     return (sums_BLD / counts_BL.clamp_min(1.0)[..., None]).view(T, D).to(x_TD.dtype)
 
 
-def context_mean(x_TD: Tensor, rctx: RoutingContext) -> Tensor:
-    """Each token's context state, (T, D): the masked mean of its sentence in the encoder (it
-    sees the whole source), the inclusive causal `prefix_mean` in the decoder."""
+def context_rows(x_TD: Tensor, rctx: RoutingContext) -> tuple[Tensor, Tensor | None]:
+    """The context state once per distinct row, and the row of each token: in the encoder
+    the masked mean of each sentence (it sees the whole source) and the sentence ids, (B, D)
+    and (T,); in the decoder the inclusive causal `prefix_mean`, (T, D), and None. A router
+    that maps the context (a gate, a projection) does so on these rows and `expand_rows` the
+    result: B rows instead of T in the encoder."""
     if rctx.side == "decoder":
-        return prefix_mean(x_TD, rctx)
+        return prefix_mean(x_TD, rctx), None
     means_BD = sentence_mean(x_TD, rctx.sentence_ids_T, rctx.num_sentences, rctx.pad_mask_T)
-    return means_BD.index_select(0, rctx.sentence_ids_T)
+    return means_BD, rctx.sentence_ids_T
+
+
+def expand_rows(rows_NX: Tensor, row_T: Tensor | None) -> Tensor:
+    """Per-token values (T, X) from `context_rows`' rows (row_T None: already per token)."""
+    return rows_NX if row_T is None else rows_NX.index_select(0, row_T)
+
+
+def context_mean(x_TD: Tensor, rctx: RoutingContext) -> Tensor:
+    """Each token's context state, (T, D) (see `context_rows`)."""
+    return expand_rows(*context_rows(x_TD, rctx))

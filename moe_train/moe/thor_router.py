@@ -33,7 +33,7 @@ from moe_train.models.context import ForwardContext
 from moe_train.moe import losses
 from moe_train.moe.gating import LinearGate, Router, _token_stats, top_k_ids, top_k_select
 from moe_train.moe.gating import top_p_select
-from moe_train.moe.routing import (Routing, RoutingContext, context_mean, sentence_mean,
+from moe_train.moe.routing import (Routing, RoutingContext, context_rows, expand_rows,
                                    task_ids_from_context)
 
 TASK_PROBS_KEY = "task_probs_BK"
@@ -144,15 +144,11 @@ class ThorRouter(Router):
         the context gate g (None without context)."""
         h_TD, g_TX = x_TD, None
         if self.context_gate is not None:  # [x; H] W^g as x W_x + H W_h: no (T, 2D) copy
-            D, sid_T = x_TD.size(1), rctx.sentence_ids_T
+            D = x_TD.size(1)
             w_x, w_h = self.context_gate.weight[:, :D], self.context_gate.weight[:, D:]
-            if rctx.side == "encoder":  # H is per sentence: project B rows, not T
-                mean_BD = sentence_mean(x_TD, sid_T, rctx.num_sentences, rctx.pad_mask_T)
-                ctx_TD = mean_BD.index_select(0, sid_T)
-                gate_h_TX = F.linear(mean_BD, w_h).index_select(0, sid_T)
-            else:
-                ctx_TD = context_mean(x_TD, rctx)
-                gate_h_TX = F.linear(ctx_TD, w_h)
+            ctx_ND, row_T = context_rows(x_TD, rctx)  # encoder: H per sentence, B rows
+            ctx_TD = expand_rows(ctx_ND, row_T)
+            gate_h_TX = expand_rows(F.linear(ctx_ND, w_h), row_T)
             g_TX = torch.sigmoid(F.linear(x_TD, w_x, self.context_gate.bias) + gate_h_TX)
             h_TD = torch.lerp(ctx_TD, x_TD, g_TX)  # g * x + (1 - g) * H_ctx
         if self.thor.task_repr == "infuse":
