@@ -185,9 +185,11 @@ class RawSplit:
                                     f"model's ({', '.join(manifest['domains'])})")
                 continue
             src, tgt = read_pairs(files, max_chars)
-            tag = vocab.lang_tag_id(files.tgt_lang) if manifest.get("lang_tags") else None
+            prefix = vocab.source_prefix(
+                files.domain if manifest.get("domain_tags") else None,
+                files.tgt_lang if manifest.get("lang_tags") else None)
             for s, t in zip(vocab.encode_batch(src), vocab.encode_batch(tgt)):
-                src_ids.append(np.asarray(([tag] if tag is not None else []) + s, np.int64))
+                src_ids.append(np.asarray(prefix + s, np.int64))
                 tgt_ids.append(np.asarray(t, np.int64))
             raw_tgt += tgt
             ids = (manifest["domains"].index(files.domain),
@@ -214,9 +216,9 @@ class RawSplit:
 
 
 def source_texts(dataset: Any, vocab: Any) -> list[str]:
-    """Every source sentence of a split as the model reads it: its token ids decoded (language
-    tag dropped), so that training and test text are normalised alike."""
-    skip = 1 if dataset.manifest.get("lang_tags") else 0
+    """Every source sentence of a split as the model reads it: its token ids decoded (domain
+    and language tags dropped), so that training and test text are normalised alike."""
+    skip = sum(bool(dataset.manifest.get(k)) for k in ("domain_tags", "lang_tags"))
     return [vocab.decode(dataset.src(i)[skip:]) for i in range(len(dataset))]
 
 

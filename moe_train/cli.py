@@ -183,7 +183,7 @@ def _add_routing_stats(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_pipeline(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("pipeline", help="run a stage-wise recipe (moa) or one of its stages",
+    p = sub.add_parser("pipeline", help="run a stage-wise recipe (moa, gad) or one of its stages",
                        description="Stage-wise recipes. Each finished stage is reused; runs "
                        "alone or under a launcher with N ranks.")
     recipes = p.add_subparsers(dest="recipe", required=True)
@@ -192,6 +192,11 @@ def _add_pipeline(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--config", required=True, help="YAML config (see configs/moa-*.yaml)")
     r.add_argument("--stage", help="run only this stage (its inputs must exist)")
     r.add_argument("overrides", nargs="*", help="a.b=value overrides, e.g. moa.num_clusters=8")
+    r = recipes.add_parser("gad", help="Gated Adapters: backbone (MIX), [tag], classifier, ad, "
+                           "gad, evaluate (MIX, TAG, TAG_CLF, AD_ORACLE, AD_CLF, GAD)")
+    r.add_argument("--config", required=True, help="YAML config (see configs/gad-*.yaml)")
+    r.add_argument("--stage", help="run only this stage (its inputs must exist)")
+    r.add_argument("overrides", nargs="*", help="a.b=value overrides, e.g. gated.alpha=1.0")
 
 
 def build_parser() -> argparse.ArgumentParser:

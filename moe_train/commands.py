@@ -113,16 +113,38 @@ def _eval_config(args: argparse.Namespace, base: EvalConfig) -> EvalConfig:
     return replace(base, **changes)
 
 
-def _lang_tag_id(inf, tgt_lang: str | None) -> int | None:
-    if not inf.manifest.get("lang_tags"):
-        return None
-    targets = sorted({c["tgt_lang"] for c in inf.manifest["corpora"]})
-    if tgt_lang is None:
-        if len(targets) != 1:
-            raise ConfigError(f"--tgt-lang: this model translates into {', '.join(targets)}; "
-                              "choose one")
-        tgt_lang = targets[0]
-    return inf.vocab.lang_tag_id(tgt_lang)
+def _check_known(flag: str, given: str, known: list[str]) -> None:
+    if given not in known:
+        raise ConfigError(f"--{flag}: {given!r} is not one of the model's ({', '.join(known)})")
+
+
+def _tag_choice(flag: str, given: str | None, known: list[str], needs: str) -> str:
+    """`given` if it is one of `known`, or the only one when not given; else ConfigError."""
+    if given is None:
+        if len(known) != 1:
+            raise ConfigError(f"--{flag}: this model {needs} {', '.join(known)}; choose one")
+        return known[0]
+    _check_known(flag, given, known)
+    return given
+
+
+def source_prefix(manifest: dict[str, Any], vocab, domain: str | None,
+                  tgt_lang: str | None) -> list[int]:
+    """Tag ids to put before every raw-text source, as the model's data had them: the domain tag
+    (data.domain_tags, from --domain), then the target-language tag (data.lang_tags, from
+    --tgt-lang). A flag may be left out when the data had one choice."""
+    targets = sorted({c["tgt_lang"] for c in manifest["corpora"]})
+    return vocab.source_prefix(
+        _tag_choice("domain", domain, manifest["domains"],
+                    "was trained with domain tags (data.domain_tags) for")
+        if manifest.get("domain_tags") else None,
+        _tag_choice("tgt-lang", tgt_lang, targets, "translates into")
+        if manifest.get("lang_tags") else None)
+
+
+def _source_prefix(inf, args: argparse.Namespace) -> list[int]:
+    return source_prefix(inf.manifest, inf.vocab, getattr(args, "domain", None),
+                         getattr(args, "tgt_lang", None))
 
 
 def _raw_text_labels(inf, args: argparse.Namespace):
@@ -136,9 +158,7 @@ def _raw_text_labels(inf, args: argparse.Namespace):
     def pick(flag: str, given: str | None, known: list[str], used: set[str]) -> int | None:
         if given is None:
             return known.index(next(iter(used))) if len(used) == 1 else None
-        if given not in known:
-            raise ConfigError(f"--{flag}: {given!r} is not one of the model's "
-                              f"({', '.join(known)})")
+        _check_known(flag, given, known)
         return known.index(given)
 
     langs, domains = manifest["langs"], manifest["domains"]
@@ -170,7 +190,7 @@ def cmd_translate(args: argparse.Namespace) -> int:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     inf = load_for_inference(args.checkpoint, device)
     hyps = translate_lines(inf.model, inf.vocab, lines, _eval_config(args, inf.cfg.eval), device,
-                           _lang_tag_id(inf, args.tgt_lang), labels=_raw_text_labels(inf, args),
+                           _source_prefix(inf, args), labels=_raw_text_labels(inf, args),
                            source=source, long_lines=args.long_lines, warn=_warn)
     text = "".join(h + "\n" for h in hyps)
     if args.output == "-":
@@ -241,7 +261,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     ecfg = _eval_config(args, inf.cfg.eval)
     if args.src:
         hyps = translate_lines(inf.model, inf.vocab, src, ecfg, rt.device,
-                               _lang_tag_id(inf, args.tgt_lang),
+                               _source_prefix(inf, args),
                                labels=_raw_text_labels(inf, args), source=source,
                                long_lines=args.long_lines, warn=_warn)
         metrics = {"all": corpus_metrics(hyps, refs), "domains": {}, "pairs": {}}

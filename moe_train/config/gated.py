@@ -1,5 +1,8 @@
 """Gated Adapters settings (seed 004): the ``gated`` section, read when ``adapters.router`` is
-``gated``.
+``gated`` and by the ``gad`` recipe (`moe-train pipeline gad`: backbone/MIX -> classifier ->
+AD -> GAD -> evaluate, with the TAG baselines when ``tag_prepared_dir`` is set). The recipe's
+shared settings (workdir, backbone_dir, eval_sentences, eval_beam, seed) are the ``moa``
+section's, as for every stage-wise recipe.
 
 One adapter per domain after every layer of ``adapters.sides`` (``adapters.num_experts`` =
 the number of domains, ``adapters.dim`` = d/2 for the paper's bottleneck of 2), mixed by a soft
@@ -14,6 +17,9 @@ from dataclasses import dataclass
 
 from moe_train.config.moe import _expect
 
+CLASSIFIERS = ("encoder", "tfidf")
+"""encoder: the frozen backbone encoder's mean-pooled states plus a linear head, trained
+data-parallel; tfidf: TF-IDF over subword n-grams plus logistic regression (scikit-learn)."""
 GATE_LOSSES = ("kl", "ce", "none")
 """kl: distil the teacher's domain distribution (Eq. 4); ce: train the gate as a classifier on
 the gold domain (004 Table 9 ablation); none: the translation loss alone."""
@@ -34,6 +40,34 @@ class GatedConfig:
     teacher_as_logits: bool = False
     """Soften the teacher as softmax(p / tau), treating its probabilities as logits (the
     reference code), instead of softmax(log p / tau) (OD-G2)."""
+    classifier: str = "encoder"
+    """The teacher / inference-time domain classifier of the recipe: encoder or tfidf."""
+    classifier_steps: int = 1000
+    """Updates of the encoder classifier's linear head."""
+    classifier_lr: float = 1e-3
+    """Adam learning rate of the encoder classifier's head."""
+    classifier_batch_sentences: int = 256
+    """Sentences per head update (over all ranks)."""
+    tfidf_ngrams: int = 2
+    """TF-IDF features are subword n-grams of order 1..tfidf_ngrams."""
+    ad_steps: int = 2000
+    """Updates of the AD stage (one adapter per domain, oracle routing, base frozen)."""
+    gad_steps: int = 2000
+    """Updates of the GAD stage (initialised from AD; adapters and gates train)."""
+    lr: float = 5e-4
+    """Peak learning rate of the AD, GAD and TAG stages."""
+    upsample: bool = True
+    """Draw every corpus equally often in AD and GAD (004: every domain up-sampled to the
+    largest); False keeps data.temperature."""
+    tag_prepared_dir: str = ""
+    """The same corpora prepared with data.domain_tags=true: the TAG baseline (MIX fine-tuned
+    with a domain tag in the source) and TAG_CLF; '' leaves them out."""
+    tag_steps: int = 1000
+    """Updates of the TAG stage (every parameter trains, from the MIX backbone)."""
+    efficiency_batch: int = 64
+    """Sentences per batch of the efficiency table (004 Table 7: 64, greedy)."""
+    efficiency_repeats: int = 3
+    """Timed passes over the test sentences per system; the table reports the fastest."""
 
     def __post_init__(self) -> None:
         _expect(self.temperature > 0, "gated.temperature", "a positive number",
@@ -42,3 +76,13 @@ class GatedConfig:
                 f"one of {', '.join(GATE_LOSSES)}", self.gate_loss)
         _expect(self.alpha >= 0, "gated.alpha", "a non-negative number", self.alpha)
         _expect(self.tau > 0, "gated.tau", "a positive number", self.tau)
+        _expect(self.classifier in CLASSIFIERS, "gated.classifier",
+                f"one of {', '.join(CLASSIFIERS)}", self.classifier)
+        for name in ("classifier_steps", "classifier_batch_sentences", "tfidf_ngrams",
+                     "ad_steps", "gad_steps", "tag_steps", "efficiency_batch",
+                     "efficiency_repeats"):
+            _expect(isinstance(getattr(self, name), int) and getattr(self, name) >= 1,
+                    f"gated.{name}", "a positive integer", getattr(self, name))
+        for name in ("classifier_lr", "lr"):
+            _expect(getattr(self, name) > 0, f"gated.{name}", "a positive number",
+                    getattr(self, name))

@@ -99,6 +99,9 @@ class DataConfig:
     """Sampling temperature over corpora: corpus i is drawn with p_i^(1/T) (1 = proportional)."""
     lang_tags: bool = False
     """Prefix every source with a <2xx> target-language tag (multilingual runs)."""
+    domain_tags: bool = False
+    """Prefix every source with a <dom:NAME> domain tag (the TAG baseline of Gated Adapters, seed
+    004); the tag comes before the <2xx> language tag."""
     dev_per_domain: int = 200
     """Sentence pairs carved out per corpus for the dev split when the data has no dev files."""
     test_per_domain: int = 200

@@ -1,18 +1,21 @@
 """The `prepare` step: validated text corpora -> sentencepiece model + binarized shards.
 
 Steps: read and validate every corpus; carve dev/test from train where a corpus has no such
-files; train one joint sentencepiece model on the train text of both sides; encode (optionally
-prefixing each source with its ``<2xx>`` target-language tag); skip pairs with a side longer than
-``data.max_len`` tokens; write one shard per corpus per split and ``manifest.json``. Everything is
-built in a temporary directory renamed onto the output at the end, so a failed run leaves nothing.
+files; train one joint sentencepiece model on the train text of both sides, with every ``<2xx>``
+target-language tag and every ``<dom:NAME>`` domain tag as a user-defined symbol whether or not
+they are used (so tagged and untagged preparations of the same corpora share the model byte for
+byte); encode (optionally prefixing each source with its domain tag, then its target-language
+tag); skip pairs with a side longer than ``data.max_len`` tokens (tags included); write one shard
+per corpus per split and ``manifest.json``. Everything is built in a temporary directory renamed
+onto the output at the end, so a failed run leaves nothing.
 
 Manifest (``manifest.json``)::
 
-    version, spm_model, vocab_size, pad_id, unk_id, bos_id, eos_id, lang_tags,
+    version, spm_model, vocab_size, pad_id, unk_id, bos_id, eos_id, lang_tags, domain_tags,
     domains (sorted), langs (sorted),
     corpora: [{name, domain, domain_id, src_lang, tgt_lang, src_lang_id, tgt_lang_id,
-               lang_tag_id, carved: [splits carved from train], train_dropped_overlap,
-               files: {split: {src, tgt}}}],
+               lang_tag_id, domain_tag_id, carved: [splits carved from train],
+               train_dropped_overlap, files: {split: {src, tgt}}}],
     splits: {split: {corpus_sizes: [per corpus], sentences, src_tokens, tgt_tokens,
                      skipped_too_long: [per corpus], skipped_empty: [per corpus]}},
     data_config: {the DataConfig fields}
@@ -31,7 +34,7 @@ import numpy as np
 from moe_train.config.schema import DataConfig
 from moe_train.data.corpus import SPLITS, CorpusFiles, read_pairs
 from moe_train.data.shards import MANIFEST, ShardedDataset, read_manifest, write_shard
-from moe_train.data.vocab import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Vocab, lang_tag, \
+from moe_train.data.vocab import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Vocab, domain_tag, lang_tag, \
     train_sentencepiece
 from moe_train.errors import ConfigError, DataError
 from moe_train.utils.atomic import atomic_dir, write_json
@@ -152,11 +155,11 @@ EVAL_MAX_LEN = 1000
 scores cover (nearly) the whole held-out set; data.max_len filters training pairs only."""
 
 
-def _encode_split(vocab: Vocab, src: list[str], tgt: list[str], tag_id: int | None,
+def _encode_split(vocab: Vocab, src: list[str], tgt: list[str], prefix: list[int],
                   max_len: int) -> tuple[list[list[int]], list[list[int]], list[int], int, int]:
-    """Encode a corpus split; keep pairs whose sides are non-empty and at most max_len tokens
-    (the tag included). Returns (src_ids, tgt_ids, kept indices, skipped_too_long,
-    skipped_empty)."""
+    """Encode a corpus split, each source after the tag ids `prefix`; keep pairs whose sides are
+    non-empty and at most max_len tokens (the tags included). Returns (src_ids, tgt_ids, kept
+    indices, skipped_too_long, skipped_empty)."""
     src_all, tgt_all = vocab.encode_batch(src), vocab.encode_batch(tgt)
     src_ids, tgt_ids, kept = [], [], []
     too_long = empty = 0
@@ -164,8 +167,7 @@ def _encode_split(vocab: Vocab, src: list[str], tgt: list[str], tag_id: int | No
         if not s or not t:  # e.g. a line of zero-width characters the normaliser removes
             empty += 1
             continue
-        if tag_id is not None:
-            s = [tag_id, *s]
+        s = [*prefix, *s]
         if len(s) > max_len or len(t) > max_len:
             too_long += 1
             continue
@@ -204,7 +206,8 @@ def prepare(corpora: list[CorpusFiles], out_dir: str | os.PathLike, data_cfg: Da
         train_text = (line for name in names for side in texts[name]["train"] for line in side)
         model = train_sentencepiece(
             train_text, tmp / SPM_PREFIX, data_cfg.vocab_size, data_cfg.spm_model_type,
-            [lang_tag(lang) for lang in tgt_langs], seed, data_cfg.spm_max_sentences)
+            [*map(lang_tag, tgt_langs), *map(domain_tag, domains)], seed,
+            data_cfg.spm_max_sentences)
         vocab = Vocab(model)
 
         corpus_entries = []
@@ -216,6 +219,7 @@ def prepare(corpora: list[CorpusFiles], out_dir: str | os.PathLike, data_cfg: Da
                 "src_lang_id": langs.index(files.src_lang),
                 "tgt_lang_id": langs.index(files.tgt_lang),
                 "lang_tag_id": vocab.lang_tag_id(files.tgt_lang),
+                "domain_tag_id": vocab.domain_tag_id(files.domain),
                 "carved": carved[name], "train_dropped_overlap": dropped[name],
                 "files": {split: {"src": str(f.src), "tgt": str(f.tgt)}
                           for split, f in groups[name].items()},
@@ -228,12 +232,14 @@ def prepare(corpora: list[CorpusFiles], out_dir: str | os.PathLike, data_cfg: Da
             stats: dict[str, Any] = {"corpus_sizes": [], "sentences": 0, "src_tokens": 0,
                                      "tgt_tokens": 0, "skipped_too_long": [],
                                      "skipped_empty": []}
-            for name, entry in zip(names, corpus_entries):
+            for name in names:
                 src, tgt = texts[name].get(split, ([], []))
-                tag_id = entry["lang_tag_id"] if data_cfg.lang_tags else None
+                files = train_files[name]
+                prefix = vocab.source_prefix(files.domain if data_cfg.domain_tags else None,
+                                             files.tgt_lang if data_cfg.lang_tags else None)
                 limit = data_cfg.max_len if split == "train" else EVAL_MAX_LEN
                 src_ids, tgt_ids, kept, too_long, empty = _encode_split(
-                    vocab, src, tgt, tag_id, limit)
+                    vocab, src, tgt, prefix, limit)
                 raw = split in RAW_TEXT_SPLITS
                 write_shard(split_dir, name, src_ids, tgt_ids,
                             raw_src=[src[i] for i in kept] if raw else None,
@@ -249,7 +255,8 @@ def prepare(corpora: list[CorpusFiles], out_dir: str | os.PathLike, data_cfg: Da
         manifest = {
             "version": MANIFEST_VERSION, "spm_model": model.name, "vocab_size": vocab.size,
             "pad_id": PAD_ID, "unk_id": UNK_ID, "bos_id": BOS_ID, "eos_id": EOS_ID,
-            "lang_tags": data_cfg.lang_tags, "domains": domains, "langs": langs,
+            "lang_tags": data_cfg.lang_tags, "domain_tags": data_cfg.domain_tags,
+            "domains": domains, "langs": langs,
             "corpora": corpus_entries, "splits": splits,
             "data_config": dataclasses.asdict(data_cfg),
         }

@@ -11,8 +11,9 @@ Layout of a prepared directory (written by `moe_train.data.prepare`)::
     {split}/{corpus}.raw.src/.tgt original text, one sentence per line (dev and test only:
                                   the references for BLEU)
 
-Sentences carry no bos/eos; with language tags the tag id is the first source token. Per-sentence
-metadata (domain, languages) is constant within a corpus, so it lives in the manifest.
+Sentences carry no bos/eos; with tags a source starts with its domain tag (``data.domain_tags``),
+then its target-language tag (``data.lang_tags``). Per-sentence metadata (domain, languages) is
+constant within a corpus, so it lives in the manifest.
 """
 
 from __future__ import annotations
@@ -180,7 +181,7 @@ class ShardedDataset:
         return corpus, i - int(self.corpus_offsets[corpus])
 
     def src(self, i: int) -> np.ndarray:
-        """Source token ids of sentence i (int64; starts with the language tag if lang_tags)."""
+        """Source token ids of sentence i (int64; starts with its tags, if any)."""
         c, j = self._locate(i)
         o = self._src_idx[c]
         return np.asarray(self._src_bin[c][o[j]:o[j + 1]], dtype=np.int64)

@@ -1,8 +1,8 @@
 """Joint sentencepiece vocabulary: training it (deterministically) and using it.
 
-Fixed special ids: pad=0, unk=1, bos=2, eos=3. Target-language tags ``<2xx>`` are user-defined
-symbols, so each is always one piece with its own id (used as the first source token in
-multilingual runs).
+Fixed special ids: pad=0, unk=1, bos=2, eos=3. Target-language tags ``<2xx>`` and domain tags
+``<dom:NAME>`` are user-defined symbols, so each is always one piece with its own id (prefixed to
+sources with ``data.lang_tags`` / ``data.domain_tags``).
 
 Small corpora cannot fill a large vocabulary; sentencepiece then refuses with "Vocabulary size too
 high ... <= N". We train with ``hard_vocab_limit=False`` (the size is an upper bound) and, should
@@ -32,6 +32,11 @@ MAX_TRAIN_THREADS = 8
 def lang_tag(lang: str) -> str:
     """The target-language tag piece, e.g. ``<2de>``."""
     return f"<2{lang}>"
+
+
+def domain_tag(domain: str) -> str:
+    """The domain tag piece, e.g. ``<dom:EMEA>``."""
+    return f"<dom:{domain}>"
 
 
 def _sample(texts: Iterable[str], max_sentences: int, seed: int) -> list[str]:
@@ -169,11 +174,24 @@ class Vocab:
         """The target-language tag, e.g. ``<2de>``."""
         return lang_tag(lang)
 
-    def lang_tag_id(self, lang: str) -> int:
-        """Id of the ``<2xx>`` tag; DataError if the vocabulary has no such tag."""
-        tag = lang_tag(lang)
+    def _tag_id(self, tag: str, kind: str, what: str) -> int:
+        """Id of a user-defined tag piece; DataError naming the model if it has none."""
         token_id = self._sp.piece_to_id(tag)
         if self._sp.id_to_piece(token_id) != tag:
-            raise DataError(f"{self.path}: no language tag {tag} in the vocabulary "
-                            "(was the data prepared with this target language?)")
+            raise DataError(f"{self.path}: no {kind} tag {tag} in the vocabulary "
+                            f"(was the data prepared with this {what}?)")
         return token_id
+
+    def lang_tag_id(self, lang: str) -> int:
+        """Id of the ``<2xx>`` tag; DataError if the vocabulary has no such tag."""
+        return self._tag_id(lang_tag(lang), "language", "target language")
+
+    def domain_tag_id(self, domain: str) -> int:
+        """Id of the ``<dom:NAME>`` tag; DataError if the vocabulary has no such tag."""
+        return self._tag_id(domain_tag(domain), "domain", "domain")
+
+    def source_prefix(self, domain: str | None = None, tgt_lang: str | None = None) -> list[int]:
+        """Tag ids that start a source: the domain tag (if `domain`), then the language tag (if
+        `tgt_lang`)."""
+        return ([self.domain_tag_id(domain)] if domain is not None else []) + \
+            ([self.lang_tag_id(tgt_lang)] if tgt_lang is not None else [])

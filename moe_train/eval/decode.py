@@ -107,17 +107,17 @@ LONG_LINES = ("error", "truncate")
 
 
 def max_source_tokens(model: torch.nn.Module) -> int | None:
-    """Most source tokens (end-of-sentence and language tag included) the model's positions
+    """Most source tokens (end-of-sentence and tags included) the model's positions
     cover; None when the model has no limit."""
     limit = getattr(model, "max_source_tokens", None)
     return limit if limit is not None else getattr(model, "max_positions", None)
 
 
 def encode_lines(vocab: Vocab, lines: Sequence[str], limit: int | None, source: str = "input",
-                 lang_tag_id: int | None = None, long_lines: str = "error",
+                 prefix_ids: Sequence[int] = (), long_lines: str = "error",
                  warn: Callable[[str], None] | None = None) -> list[list[int]]:
-    """Encode raw lines (tag first when given, end-of-sentence not included) and check them
-    against `limit` (model.max_positions) before anything is translated.
+    """Encode raw lines (after the tag ids `prefix_ids`, end-of-sentence not included) and check
+    them against `limit` (model.max_positions) before anything is translated.
 
     A line that does not fit is a DataError naming ``source:line`` and the limit, unless
     `long_lines` is ``truncate``: then its tokens are cut to fit and `warn` hears about it.
@@ -125,8 +125,8 @@ def encode_lines(vocab: Vocab, lines: Sequence[str], limit: int | None, source: 
     if long_lines not in LONG_LINES:
         raise ValueError(f"long_lines: expected one of {', '.join(LONG_LINES)}, got {long_lines!r}")
     encoded = vocab.encode_batch(list(lines))
-    if lang_tag_id is not None:
-        encoded = [[lang_tag_id] + ids for ids in encoded]
+    if prefix_ids:
+        encoded = [[*prefix_ids, *ids] for ids in encoded]
     if limit is None:
         return encoded
     room = limit - 1  # the end-of-sentence token takes one position
@@ -162,7 +162,7 @@ def check_dataset_lengths(dataset: Any, limit: int | None, indices: np.ndarray |
 
 @torch.no_grad()
 def translate_lines(model: torch.nn.Module, vocab: Vocab, lines: Sequence[str],
-                    ecfg: EvalConfig, device: torch.device, lang_tag_id: int | None = None,
+                    ecfg: EvalConfig, device: torch.device, prefix_ids: Sequence[int] = (),
                     beam: int | None = None, labels: RawTextLabels | None = None,
                     source: str = "input", long_lines: str = "error",
                     warn: Callable[[str], None] | None = None) -> list[str]:
@@ -172,7 +172,7 @@ def translate_lines(model: torch.nn.Module, vocab: Vocab, lines: Sequence[str],
     pair, target language or domain) need. Every line is encoded and checked against the
     model's positions before the first is translated (see `encode_lines`)."""
     model.eval()
-    encoded = encode_lines(vocab, lines, max_source_tokens(model), source, lang_tag_id,
+    encoded = encode_lines(vocab, lines, max_source_tokens(model), source, prefix_ids,
                            long_lines, warn)
     order = sorted(range(len(encoded)), key=lambda i: -len(encoded[i]))
     out: list[str] = [""] * len(encoded)

@@ -63,8 +63,11 @@ class GatedRouter(Router):
         ids_TE = torch.arange(E, device=x_TD.device).expand(T, E)
         aux = self.gate_loss(rows_NE, rctx) if self.training else {}
         with torch.no_grad():  # every real token reaches every adapter
-            stats = {"tokens_per_expert": losses.tokens_per_expert(ids_TE, E, rctx.pad_mask_T),
-                     "routing_entropy": losses.routing_entropy(probs_TE, rctx.pad_mask_T)}
+            real = T if rctx.pad_mask_T is None else T - rctx.pad_mask_T.sum()
+            stats = {"tokens_per_expert": torch.full((E,), real, dtype=torch.long,
+                                                     device=x_TD.device)}
+            if self.training:  # logged per training step; not worth a pass per decoding step
+                stats["routing_entropy"] = losses.routing_entropy(probs_TE, rctx.pad_mask_T)
         return Routing(expert_ids_TK=ids_TE, weights_TK=probs_TE.to(x_TD.dtype),
                        probs_TE=probs_TE, num_experts=E, aux_losses=aux, stats=stats)
 

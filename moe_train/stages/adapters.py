@@ -20,9 +20,8 @@ import torch
 from torch import nn
 
 from moe_train.config.schema import ExperimentConfig
-from moe_train.errors import CheckpointError
 from moe_train.moe.adapters import AdapterSlot
-from moe_train.stages.common import StageContext, stage_config, training_summary
+from moe_train.stages.common import StageContext, load_matching, stage_config, training_summary
 from moe_train.stages.distill import load_gate
 from moe_train.train.checkpoint import latest_tag
 from moe_train.train.export import load_export_weights
@@ -30,7 +29,7 @@ from moe_train.train.trainer import Trainer
 from moe_train.train.hooks import InitModel
 
 STAGE = "adapters"
-LEARNED_ROUTERS = ("sentence", "switch", "topk", "gshard", "task")
+LEARNED_ROUTERS = ("sentence", "switch", "topk", "gshard", "task", "gated")
 
 
 def adapters_config(ctx: StageContext) -> ExperimentConfig:
@@ -44,18 +43,10 @@ def adapters_config(ctx: StageContext) -> ExperimentConfig:
                         train={"max_steps": cfg.moa.adapter_steps})
 
 
-def _load_backbone(model: nn.Module, backbone: dict[str, torch.Tensor], source: Path) -> None:
+def load_backbone(model: nn.Module, backbone: dict[str, torch.Tensor], source: Path) -> None:
     """Load every non-adapter weight; adapter weights are handled by `_init_adapters`."""
-    own = model.state_dict()
-    base = {k: v for k, v in backbone.items() if ".adapter." not in k}
-    missing = [k for k in own if ".adapter." not in k and k not in base]
-    unexpected = [k for k in base if k not in own]
-    wrong = [k for k in base if k in own and own[k].shape != base[k].shape]
-    if missing or unexpected or wrong:
-        raise CheckpointError(f"{source}: the backbone does not match this config's model "
-                              f"(missing {missing[:3]}, unexpected {unexpected[:3]}, "
-                              f"other shapes {wrong[:3]})")
-    model.load_state_dict(base, strict=False)
+    load_matching(model, {k: v for k, v in backbone.items() if ".adapter." not in k}, source,
+                  new={k for k in model.state_dict() if ".adapter." in k})
 
 
 def _init_adapters(model: nn.Module, backbone: dict[str, torch.Tensor], pre_inject: bool) -> int:
@@ -77,7 +68,7 @@ def _init_adapters(model: nn.Module, backbone: dict[str, torch.Tensor], pre_inje
     return copied
 
 
-def _freeze(model: nn.Module, cfg: ExperimentConfig) -> None:
+def freeze_base(model: nn.Module, cfg: ExperimentConfig) -> None:
     """Train only the adapters, learned routers and (Unf-D) the decoder layers."""
     model.requires_grad_(False)
     for module in model.modules():
@@ -99,13 +90,13 @@ def make_init(ctx: StageContext, cfg: ExperimentConfig):
     gate = load_gate(ctx, STAGE) if cfg.adapters.router == "gumbel" else None
 
     def init_model(model: nn.Module) -> None:
-        _load_backbone(model, backbone, export)
+        load_backbone(model, backbone, export)
         _init_adapters(model, backbone, cfg.moa.pre_inject)
         if gate is not None:
             for module in model.modules():
                 if isinstance(module, AdapterSlot):
                     module.moe.router.inner.gate.load_state_dict(gate)
-        _freeze(model, cfg)
+        freeze_base(model, cfg)
 
     return init_model
 

@@ -14,8 +14,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+from torch import nn
+
 from moe_train.config.schema import ExperimentConfig
-from moe_train.errors import ConfigError, DataError
+from moe_train.errors import CheckpointError, ConfigError, DataError
 from moe_train.parallel.collectives import barrier
 from moe_train.parallel.runtime import ParallelRuntime
 from moe_train.utils.atomic import write_json
@@ -91,3 +94,18 @@ def training_summary(summary: dict[str, Any]) -> dict[str, Any]:
     keep = ("step", "train_seconds", "train_tokens_per_s", "export", "dev/loss", "dev/ppl",
             "dev/bleu", "dev/chrf")
     return {k.replace("/", "_"): summary[k] for k in keep if k in summary}
+
+
+def load_matching(model: nn.Module, weights: dict[str, torch.Tensor], source: Path,
+                  new: set[str]) -> None:
+    """Load `weights` into `model`: every model parameter but those in `new` must be there with
+    its shape, and nothing else may be."""
+    own = model.state_dict()
+    missing = [k for k in own if k not in weights and k not in new]
+    unexpected = [k for k in weights if k not in own]
+    wrong = [k for k in weights if k in own and own[k].shape != weights[k].shape]
+    if missing or unexpected or wrong:
+        raise CheckpointError(f"{source}: does not match this stage's model (missing "
+                              f"{missing[:3]}, unexpected {unexpected[:3]}, other shapes "
+                              f"{wrong[:3]})")
+    model.load_state_dict(weights, strict=False)

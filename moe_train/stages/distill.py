@@ -3,9 +3,8 @@
 Everything but the gate is frozen, and the gate reads the mean-pooled output of the frozen
 encoder, which is exactly what the features stage stored. So distillation trains on the stored
 features: the same objective as running the frozen encoder every step (in eval mode), without
-re-encoding. Data-parallel on a DeepSpeed engine: each step draws one global batch of
-``moa.distill_batch_sentences`` rows (fixed by the seed and the step), rank r takes rows r, r+P,
-... and the engine averages the gradients. Artifact: ``gate.pt`` (the `MoAGate` state dict).
+re-encoding. Data-parallel on a DeepSpeed engine (`probe.fit_probe`, batches of
+``moa.distill_batch_sentences``). Artifact: ``gate.pt`` (the `MoAGate` state dict).
 """
 
 from __future__ import annotations
@@ -14,7 +13,6 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from moe_train.data.shards import read_manifest
 from moe_train.moe.moa_router import MoAGate
@@ -22,7 +20,7 @@ from moe_train.stages.cluster import load_cluster
 from moe_train.stages.cluster_core import cluster_report
 from moe_train.stages.common import StageContext
 from moe_train.stages.features import load_features
-from moe_train.train.engine import data_parallel_engine
+from moe_train.stages.probe import fit_probe
 from moe_train.utils.atomic import atomic_path
 from moe_train.utils.safe_load import load_tensors
 
@@ -48,24 +46,9 @@ def run(ctx: StageContext) -> dict[str, Any]:
     features_ND, meta = load_features(ctx, STAGE)
     _, labels_N = load_cluster(ctx, STAGE)
     torch.manual_seed(moa.seed)  # the same initial gate on every rank
-    gate = MoAGate(features_ND.shape[1], moa.num_clusters)
-    optimizer = torch.optim.Adam(gate.parameters(), lr=moa.distill_lr)
-    engine = data_parallel_engine(gate, optimizer, rt)
-    x_ND = torch.from_numpy(features_ND)
-    y_N = torch.from_numpy(labels_N.astype(np.int64))
-    n, batch = len(y_N), min(moa.distill_batch_sentences, len(y_N))
-    rng = np.random.default_rng(moa.seed)
-    engine.train()
-    losses = []
-    for step in range(moa.distill_steps):
-        rows = rng.choice(n, size=batch, replace=False)[rt.dp_rank::rt.dp_world]
-        rows_t = torch.from_numpy(rows)
-        scores_BK = engine(x_ND[rows_t].to(rt.device))
-        loss = F.cross_entropy(scores_BK, y_N[rows_t].to(rt.device))
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
-    gate_module = engine.module
+    gate_module, final_loss = fit_probe(
+        MoAGate(features_ND.shape[1], moa.num_clusters), features_ND, labels_N,
+        moa.distill_steps, moa.distill_lr, moa.distill_batch_sentences, moa.seed, rt)
     predicted_N = gate_labels(gate_module, features_ND)
     domains = list(read_manifest(ctx.cfg.data.prepared_dir)["domains"])
     out = ctx.stage_dir(STAGE)
@@ -73,10 +56,10 @@ def run(ctx: StageContext) -> dict[str, Any]:
         out.mkdir(parents=True, exist_ok=True)
         with atomic_path(out / GATE) as tmp:
             torch.save({k: v.cpu() for k, v in gate_module.state_dict().items()}, tmp)
-    tail = losses[-max(1, len(losses) // 10):]
     return ctx.finish(STAGE, {
-        "steps": moa.distill_steps, "batch_sentences": batch,
-        "final_loss": float(np.mean(tail)),
+        "steps": moa.distill_steps,
+        "batch_sentences": min(moa.distill_batch_sentences, len(labels_N)),
+        "final_loss": final_loss,
         "cluster_accuracy": float((predicted_N == labels_N).mean()),
         "gate_vs_domains": cluster_report(predicted_N, meta["domain"], domains,
                                           moa.num_clusters)})

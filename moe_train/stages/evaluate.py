@@ -29,6 +29,7 @@ import torch
 
 from moe_train.config.schema import EvalConfig
 from moe_train.data.shards import MANIFEST, ShardedDataset
+from moe_train.data.views import Relabeled
 from moe_train.eval.evaluate import evaluate_dataset
 from moe_train.eval.routing_stats import plot_heatmap, table_csv
 from moe_train.moe.adapters import AdapterSlot
@@ -45,20 +46,6 @@ from moe_train.utils.provenance import digest_files, digest_tree
 
 STAGE = "evaluate"
 CACHE_DIR = "eval_cache"
-
-
-class Relabeled:
-    """A dataset view with other domain ids (RND: labels withheld / randomised)."""
-
-    def __init__(self, dataset: ShardedDataset, domain_ids: np.ndarray) -> None:
-        self._dataset = dataset
-        self.domain_ids = domain_ids
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._dataset, name)
-
-    def __len__(self) -> int:
-        return len(self._dataset)
 
 
 def test_indices(test: ShardedDataset, per_domain: int) -> np.ndarray:

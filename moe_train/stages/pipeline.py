@@ -1,33 +1,40 @@
-"""Stage-wise recipes: which stages run, in which order (`moe-train pipeline moa`).
+"""Stage-wise recipes: which stages run, in which order (`moe-train pipeline moa|gad`).
 
-MoA (gumbel adapter router): backbone -> features -> cluster -> distill -> adapters -> evaluate.
-The baselines share the machinery: Switch-SL / SGMoE-SL (`sentence` router) and ADPT (`task`
-router by domain) skip features / cluster / distill; with ``adapters.num_experts: 0`` the recipe
-is the backbone alone (Mixed-nat). Each stage is reused when finished, so rerunning the pipeline
-resumes it; ``--stage`` runs one stage (its inputs must exist).
+moa -- MoA (gumbel adapter router): backbone -> features -> cluster -> distill -> adapters ->
+evaluate. The baselines share the machinery: Switch-SL / SGMoE-SL (`sentence` router) and ADPT
+(`task` router by domain) skip features / cluster / distill; with ``adapters.num_experts: 0``
+the recipe is the backbone alone (Mixed-nat).
+gad -- Gated Adapters (seed 004): backbone (MIX, no pre-injected adapter) -> [tag] ->
+classifier -> ad -> gad -> evaluate; `tag` runs when ``gated.tag_prepared_dir`` is set.
+Each stage is reused when finished, so rerunning the pipeline resumes it; ``--stage`` runs one
+stage (its inputs must exist).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable
 
 from moe_train.errors import ConfigError
-from moe_train.stages import adapters, backbone, cluster, distill, evaluate, features
+from moe_train.stages import (adapters, backbone, classifier, cluster, distill, evaluate,
+                              features, gad, gad_eval)
 from moe_train.stages.common import StageContext
 
-STAGES: dict[str, Callable[[StageContext], dict[str, Any]]] = {
-    "backbone": backbone.run,
-    "features": features.run,
-    "cluster": cluster.run,
-    "distill": distill.run,
-    "adapters": adapters.run,
-    "evaluate": evaluate.run,
+Stage = Callable[[StageContext], dict[str, Any]]
+RECIPES: dict[str, dict[str, Stage]] = {
+    "moa": {"backbone": backbone.run, "features": features.run, "cluster": cluster.run,
+            "distill": distill.run, "adapters": adapters.run, "evaluate": evaluate.run},
+    "gad": {"backbone": backbone.run, "tag": gad.run_tag, "classifier": classifier.run,
+            "ad": gad.run_ad, "gad": gad.run_gad, "evaluate": gad_eval.run},
 }
-RECIPES = ("moa",)
+STAGES = sorted({name for stages in RECIPES.values() for name in stages})
 
 
-def recipe_stages(ctx: StageContext) -> list[str]:
+def recipe_stages(ctx: StageContext, recipe: str = "moa") -> list[str]:
     """The stages of this config's recipe, in order."""
+    if recipe == "gad":
+        tag = ["tag"] if ctx.cfg.gated.tag_prepared_dir else []
+        return ["backbone", *tag, "classifier", "ad", "gad", "evaluate"]
     a = ctx.cfg.adapters
     if a.router == "gumbel":  # K = moa.num_clusters adapters
         return ["backbone", "features", "cluster", "distill", "adapters", "evaluate"]
@@ -40,13 +47,24 @@ def check_request(recipe: str, stage: str | None) -> None:
     """A known recipe and stage (checked before any process group starts)."""
     if recipe not in RECIPES:
         raise ConfigError(f"pipeline: unknown recipe {recipe!r} (known: {', '.join(RECIPES)})")
-    if stage is not None and stage not in STAGES:
-        raise ConfigError(f"--stage: unknown stage {stage!r} (known: {', '.join(STAGES)})")
+    if stage is not None and stage not in RECIPES[recipe]:
+        raise ConfigError(f"--stage: unknown stage {stage!r} of recipe {recipe} (known: "
+                          f"{', '.join(RECIPES[recipe])})")
+
+
+def recipe_context(ctx: StageContext, recipe: str) -> StageContext:
+    """The context the recipe's stages see: gad's backbone is MIX, a plain Transformer (no
+    pre-injected adapter, whatever moa.pre_inject says)."""
+    if recipe != "gad" or not ctx.cfg.moa.pre_inject:
+        return ctx
+    moa = dataclasses.replace(ctx.cfg.moa, pre_inject=False)
+    return StageContext(dataclasses.replace(ctx.cfg, moa=moa), ctx.rt)
 
 
 def run_pipeline(ctx: StageContext, recipe: str = "moa", stage: str | None = None
                  ) -> dict[str, Any]:
     """Run the recipe (or one `stage` of it); returns {stage: summary}."""
     check_request(recipe, stage)
-    order = recipe_stages(ctx) if stage is None else [stage]
-    return {name: STAGES[name](ctx) for name in order}
+    ctx = recipe_context(ctx, recipe)
+    order = recipe_stages(ctx, recipe) if stage is None else [stage]
+    return {name: RECIPES[recipe][name](ctx) for name in order}

@@ -16,7 +16,7 @@ from moe_train.moe.adapters import AdapterSlot
 from moe_train.moe.moa_router import GumbelMaxRouter, SharedRouter, gumbel_max_select
 from moe_train.moe.registry import build_router, build_shared_router
 from moe_train.moe.routing import RoutingContext
-from moe_train.stages.adapters import _freeze, _init_adapters
+from moe_train.stages.adapters import _init_adapters, freeze_base as _freeze
 
 SCORES_E = torch.tensor([2.0, -1.0, 0.5, 1.5, -3.0, 1.0])  # top-4: experts 0, 3, 5, 2
 

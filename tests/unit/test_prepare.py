@@ -1,4 +1,5 @@
-"""prepare -> ShardedDataset round trips, carving, lang tags, atomicity, determinism, vocab."""
+"""prepare -> ShardedDataset round trips, carving, lang and domain tags, atomicity, determinism,
+vocab."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import pytest
 
 from moe_train.config.schema import DataConfig
 from moe_train.data.corpus import CorpusFiles, discover, plain_corpus, read_pairs
-from moe_train.data.prepare import _carve_sizes, load_manifest, load_vocab, prepare
+from moe_train.data.prepare import _carve_sizes, _encode_split, load_manifest, load_vocab, \
+    prepare
 from moe_train.data.shards import ShardedDataset, write_shard
 from moe_train.data.vocab import Vocab, train_sentencepiece
 from moe_train.errors import DataError
@@ -166,7 +168,7 @@ def test_zero_dev_split_is_empty_but_loadable(tmp_path: Path,
     assert len(dev) == 0 and dev.corpus_sizes == [0, 0] and dev.src_lengths.shape == (0,)
 
 
-# --- lang tags, length filter -------------------------------------------------------------------
+# --- lang and domain tags, length filter --------------------------------------------------------
 
 def test_lang_tags_prefix_source_and_both_directions_hold_out_same_lines(tmp_path: Path) -> None:
     _corpus(tmp_path / "data", "law", 40, seed=7)
@@ -197,6 +199,46 @@ def test_lang_tags_off_keeps_tags_in_vocab_but_not_in_source(
     assert all(tag not in train.src(i) for i in range(len(train)))
     with pytest.raises(DataError, match=r"<2fr>"):
         vocab.lang_tag_id("fr")
+
+
+def test_domain_tags_come_first_and_leave_the_spm_model_as_it_is(
+        tmp_path: Path, two_domains: list[CorpusFiles]) -> None:
+    plain = prepare(two_domains, tmp_path / "plain", _cfg(lang_tags=True))
+    tagged = prepare(two_domains, tmp_path / "tagged", _cfg(lang_tags=True, domain_tags=True))
+    assert (plain["domain_tags"], tagged["domain_tags"]) == (False, True)
+    # the tags are in the vocabulary either way: one model serves tagged and untagged data
+    assert (tmp_path / "plain" / "spm.model").read_bytes() == \
+        (tmp_path / "tagged" / "spm.model").read_bytes()
+    assert plain["corpora"] == tagged["corpora"]
+    vocab = load_vocab(tmp_path / "tagged")
+    dom = {d: vocab.domain_tag_id(d) for d in ("law", "med")}
+    assert vocab.piece(dom["med"]) == "<dom:med>" and len(set(dom.values())) == 2
+    assert [c["domain_tag_id"] for c in tagged["corpora"]] == [dom["law"], dom["med"]]
+    assert vocab.source_prefix("med", "en") == [dom["med"], vocab.lang_tag_id("en")]
+    with pytest.raises(DataError, match=r"tagged/spm\.model: no domain tag <dom:news>"):
+        vocab.domain_tag_id("news")
+    for split in ("train", "dev"):
+        a, b = ShardedDataset(tmp_path / "plain", split), ShardedDataset(tmp_path / "tagged", split)
+        assert len(a) == len(b) and list(b.src_lengths) == list(a.src_lengths + 1)
+        for i in range(len(a)):
+            src = b.src(i)
+            assert src[0] == dom[tagged["domains"][b.domain_ids[i]]]
+            assert list(src[1:]) == list(a.src(i)) and src[1] == vocab.lang_tag_id("en")
+            assert list(b.tgt(i)) == list(a.tgt(i))
+    train = ShardedDataset(tmp_path / "plain", "train")
+    assert all(not set(dom.values()) & set(train.src(i).tolist()) for i in range(len(train)))
+
+
+def test_tags_count_towards_max_len(tmp_path: Path, two_domains: list[CorpusFiles]) -> None:
+    prepare(two_domains, tmp_path / "out", _cfg())
+    vocab = load_vocab(tmp_path / "out")
+    src, tgt = ["katze hund baum 7"], ["cat"]  # the source is the longer side
+    n = len(vocab.encode(src[0]))
+    tags = vocab.source_prefix("law", "en")
+    assert _encode_split(vocab, src, tgt, [], n)[2:] == ([0], 0, 0)
+    assert _encode_split(vocab, src, tgt, tags, n + 1)[2:] == ([], 1, 0)
+    src_ids, _, kept, _, _ = _encode_split(vocab, src, tgt, tags, n + 2)
+    assert kept == [0] and src_ids[0] == [*tags, *vocab.encode(src[0])]
 
 
 def test_too_long_pairs_are_skipped_and_counted(tmp_path: Path) -> None:

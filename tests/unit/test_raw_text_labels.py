@@ -1,14 +1,17 @@
-"""Raw-text translation gives task routers the ids they need (language pair, target, domain)."""
+"""Raw-text translation gives task routers the ids they need (language pair, target, domain) and
+starts every source with the tags the model's data had (domain tag, then language tag)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from moe_train.commands import source_prefix
 from moe_train.config import load_config
 from moe_train.config.schema import EvalConfig
-from moe_train.errors import ConfigError
-from moe_train.eval.decode import RawTextLabels, translate_lines
+from moe_train.data.prepare import load_manifest, load_vocab
+from moe_train.errors import ConfigError, DataError
+from moe_train.eval.decode import RawTextLabels, encode_lines, translate_lines
 from moe_train.models.build import build_model
 
 
@@ -54,3 +57,30 @@ def test_labels_fill_every_row_of_the_context():
     assert ctx.domain_ids_B.tolist() == [1, 1] and ctx.extras["num_langs"] == 3
     assert ctx.src_pad_mask_BS.tolist() == [[False, False, True], [False, True, True]]
     assert RawTextLabels().context(src, 0).tgt_lang_B is None
+
+
+def test_source_prefix_follows_the_manifest(tiny_prepared):
+    vocab, manifest = load_vocab(tiny_prepared), load_manifest(tiny_prepared)
+    domains = manifest["domains"]
+    dom = vocab.domain_tag_id(domains[2])
+    lang = vocab.lang_tag_id("en")
+    assert source_prefix(manifest, vocab, domains[2], "en") == []  # untagged data
+    tagged = {**manifest, "domain_tags": True}
+    assert source_prefix(tagged, vocab, domains[2], None) == [dom]
+    both = {**tagged, "lang_tags": True}
+    assert source_prefix(both, vocab, domains[2], None) == [dom, lang]  # the only target
+    with pytest.raises(ConfigError, match=f"--domain: this model .*data.domain_tags.* "
+                                          f"{', '.join(domains)}; choose one"):
+        source_prefix(tagged, vocab, None, None)
+    with pytest.raises(ConfigError, match=f"--domain: 'cooking' is not one of the model's "
+                                          rf"\({', '.join(domains)}\)"):
+        source_prefix(tagged, vocab, "cooking", None)
+    with pytest.raises(ConfigError, match=r"--tgt-lang: 'de' is not one of the model's \(en\)"):
+        source_prefix(both, vocab, domains[2], "de")  # a language, but no target
+
+
+def test_encoded_lines_start_with_the_prefix_which_counts_towards_the_limit():
+    ids = FakeVocab().encode_batch(["abc"])[0]
+    assert encode_lines(FakeVocab(), ["abc"], 6, prefix_ids=[20, 21]) == [[20, 21, *ids]]
+    with pytest.raises(DataError, match="input:1: 6 source tokens"):
+        encode_lines(FakeVocab(), ["abc"], 5, prefix_ids=[20, 21])

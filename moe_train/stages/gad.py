@@ -1,0 +1,161 @@
+"""Stages `tag`, `ad` and `gad` of the Gated Adapters recipe (seed 004 Sec. 3-4).
+
+- `ad` (AD): one adapter per domain after every encoder and decoder layer, routed by the gold
+  domain (`task` router, identity assignment), on the frozen MIX backbone.
+- `gad` (GAD): the same adapters mixed by the per-layer soft gates (``adapters.router: gated``),
+  initialised from AD (gates fresh), base frozen, gates distilled from the classifier's
+  training-split probabilities (`TeacherProbs`) or trained with CE on the gold domain.
+- `tag` (TAG): MIX fine-tuned, every parameter, on the same corpora prepared with a domain tag
+  in the source (``gated.tag_prepared_dir``, same sentencepiece model).
+AD and GAD draw every corpus equally often (``gated.upsample``). After training, each stage
+checks that every frozen parameter is bitwise what it was loaded as and records it.
+Artifacts: ``checkpoints/export`` of each stage.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from moe_train.config.schema import ExperimentConfig
+from moe_train.data.shards import ShardedDataset, read_manifest
+from moe_train.errors import CheckpointError, ConfigError
+from moe_train.moe.gated_router import GatedRouter
+from moe_train.stages.adapters import freeze_base, load_backbone
+from moe_train.stages.classifier import load_probs, probs_file
+from moe_train.stages.common import StageContext, load_matching, stage_config, training_summary
+from moe_train.train.checkpoint import latest_tag
+from moe_train.train.export import load_export_weights
+from moe_train.train.hooks import InitModel, TeacherProbs, TrainerHooks
+from moe_train.train.trainer import Trainer
+
+UPSAMPLE_TEMPERATURE = 1e6
+"""data.temperature that draws every corpus equally often (each up-sampled to the largest)."""
+
+
+def export_dir(ctx: StageContext, stage: str) -> Path:
+    return ctx.stage_dir(stage) / "checkpoints" / "export"
+
+
+def _num_domains(cfg: ExperimentConfig) -> int:
+    return len(read_manifest(cfg.data.prepared_dir)["domains"])
+
+
+def adapter_stage_config(ctx: StageContext, stage: str) -> ExperimentConfig:
+    """AD (oracle task routing) or GAD (the config's gated router): one adapter per domain on
+    both sides, gated.lr, gated.{ad,gad}_steps, up-sampled corpora."""
+    cfg, g = ctx.cfg, ctx.cfg.gated
+    E = _num_domains(cfg)
+    if cfg.adapters.router != "gated":
+        raise ConfigError(f"adapters.router: the gad recipe trains the gated router, got "
+                          f"{cfg.adapters.router!r}")
+    if cfg.adapters.num_experts != E:
+        raise ConfigError(f"adapters.num_experts: expected one adapter per domain ({E} in "
+                          f"{cfg.data.prepared_dir}), got {cfg.adapters.num_experts}")
+    adapters: dict[str, Any] = {"sides": "both"}
+    if stage == "ad":
+        adapters |= {"router": "task", "task_source": "domain", "k": 1, "num_tasks": 0,
+                     "assignment": [[e] for e in range(E)]}
+    data = {"temperature": UPSAMPLE_TEMPERATURE} if g.upsample else {}
+    return stage_config(cfg, ctx.stage_dir(stage), adapters=adapters, data=data,
+                        optim={"lr": g.lr},
+                        train={"max_steps": g.ad_steps if stage == "ad" else g.gad_steps})
+
+
+def _gate_keys(model: nn.Module) -> set[str]:
+    return {f"{name}.{p}" for name, m in model.named_modules() if isinstance(m, GatedRouter)
+            for p, _ in m.named_parameters()}
+
+
+class FrozenCheck(TrainerHooks):
+    """Snapshot of the frozen parameters at initialisation, compared bitwise after training."""
+
+    def __init__(self) -> None:
+        self.frozen: dict[str, torch.Tensor] = {}
+
+    def init_model(self, model: nn.Module) -> None:
+        self.frozen = {n: p.detach().clone() for n, p in model.named_parameters()
+                       if not p.requires_grad}
+
+    def report(self, model: nn.Module) -> dict[str, Any]:
+        params = dict(model.named_parameters())
+        changed = [n for n, p in self.frozen.items() if not torch.equal(params[n].detach(), p)]
+        return {"frozen_parameters": int(sum(p.numel() for p in self.frozen.values())),
+                "frozen_unchanged": not changed, "frozen_changed": changed[:5]}
+
+
+def _train(ctx: StageContext, stage: str, cfg: ExperimentConfig, init: Any,
+           extra: list[TrainerHooks]) -> dict[str, Any]:
+    check = FrozenCheck()
+    trainer = Trainer(cfg, ctx.rt, resume=latest_tag(cfg.checkpoint.dir) is not None,
+                      hooks=[InitModel(init), check, *extra])
+    model = trainer.engine.module
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    summary = trainer.fit()
+    return ctx.finish(stage, training_summary(summary) | check.report(model)
+                      | {"router": cfg.adapters.router, "trainable_parameters": trainable})
+
+
+def run_ad(ctx: StageContext) -> dict[str, Any]:
+    done = ctx.done("ad")
+    if done is not None:
+        return done
+    cfg = adapter_stage_config(ctx, "ad")
+    source = ctx.require("backbone", "ad") / "checkpoints" / "export"
+    backbone = load_export_weights(source)
+
+    def init(model: nn.Module) -> None:
+        load_backbone(model, backbone, source)
+        freeze_base(model, cfg)
+
+    return _train(ctx, "ad", cfg, init, [])
+
+
+def run_gad(ctx: StageContext) -> dict[str, Any]:
+    done = ctx.done("gad")
+    if done is not None:
+        return done
+    cfg = adapter_stage_config(ctx, "gad")
+    ctx.require("ad", "gad")
+    source = export_dir(ctx, "ad")
+    ad = load_export_weights(source)
+    extra: list[TrainerHooks] = []
+    if cfg.gated.gate_loss == "kl":
+        n = len(ShardedDataset(cfg.data.prepared_dir, "train"))
+        path = ctx.require("classifier", "gad") / probs_file("train")
+        extra.append(TeacherProbs.from_file(path, n, cfg.adapters.num_experts))
+
+    def init(model: nn.Module) -> None:
+        load_matching(model, ad, source, new=_gate_keys(model))
+        freeze_base(model, cfg)
+
+    return _train(ctx, "gad", cfg, init, extra)
+
+
+def run_tag(ctx: StageContext) -> dict[str, Any]:
+    done = ctx.done("tag")
+    if done is not None:
+        return done
+    g = ctx.cfg.gated
+    source = ctx.require("backbone", "tag") / "checkpoints" / "export"
+    tagged = Path(g.tag_prepared_dir)
+    manifest = read_manifest(tagged)
+    if not manifest.get("domain_tags"):
+        raise ConfigError(f"gated.tag_prepared_dir: {tagged} was prepared without domain tags "
+                          "(prepare it again with data.domain_tags=true)")
+    if (tagged / manifest["spm_model"]).read_bytes() != (source / "spm.model").read_bytes():
+        raise ConfigError(f"gated.tag_prepared_dir: {tagged} has another sentencepiece model "
+                          f"than the backbone; prepare the same corpora with the same data "
+                          "settings plus data.domain_tags=true")
+    cfg = stage_config(ctx.cfg, ctx.stage_dir("tag"), data={"prepared_dir": str(tagged)},
+                       adapters={"num_experts": 0, "router": "single", "k": 1},
+                       optim={"lr": g.lr}, train={"max_steps": g.tag_steps})
+    backbone = load_export_weights(source)
+
+    def init(model: nn.Module) -> None:
+        load_matching(model, backbone, source, new=set())
+
+    return _train(ctx, "tag", cfg, init, [])

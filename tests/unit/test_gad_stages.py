@@ -1,0 +1,160 @@
+"""Gated Adapters recipe parts, with fakes: the classifiers and their report, the tables of
+the evaluation stage (AVG / wAVG, misclassified subset, gate agreement, efficiency), the
+frozen-parameter check and weight loading of the AD / GAD stages."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from moe_train.errors import CheckpointError
+from moe_train.stages import gad_efficiency
+from moe_train.stages.classifier_core import EncoderClassifier, TfidfClassifier, domain_report
+from moe_train.stages.common import load_matching
+from moe_train.stages.gad import FrozenCheck
+from moe_train.stages.gad_eval import domain_weights, gate_agreement, score_system
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+class FakeData:
+    """Sources of token ids, domain ids and raw references."""
+
+    def __init__(self, srcs: list[list[int]], domains: list[int], refs: list[str]) -> None:
+        self.srcs, self.domain_ids, self.refs = srcs, np.asarray(domains), refs
+
+    def src(self, i: int) -> np.ndarray:
+        return np.asarray(self.srcs[i], dtype=np.int64)
+
+    def raw_tgt(self, i: int) -> str:
+        return self.refs[i]
+
+
+def _domain_data(n: int, seed: int) -> FakeData:
+    """Three domains with their own word ids (10s, 20s, 30s) plus shared ids 1-5."""
+    rng = np.random.default_rng(seed)
+    srcs, doms = [], []
+    for i in range(n):
+        d = i % 3
+        words = list(rng.integers(1, 6, size=3)) + list(10 * (d + 1) + rng.integers(0, 5, 2))
+        srcs.append([int(w) for w in rng.permutation(words)])
+        doms.append(d)
+    return FakeData(srcs, doms, [""] * n)
+
+
+def test_tfidf_classifier_learns_domains_and_round_trips(tmp_path):
+    train, test = _domain_data(90, 0), _domain_data(30, 1)
+    idx = np.arange(30)
+    clf = TfidfClassifier.fit([" ".join(map(str, s)) for s in train.srcs], train.domain_ids,
+                              num_domains=4, ngrams=2)
+    probs = clf.predict_proba(test, idx)
+    assert probs.shape == (30, 4) and np.allclose(probs.sum(1), 1, atol=1e-5)
+    assert (probs[:, 3] == 0).all()  # a domain without training data gets no mass
+    assert (probs.argmax(1) == test.domain_ids).mean() == 1.0
+    clf.save(tmp_path / "clf.skops")
+    np.testing.assert_array_equal(TfidfClassifier.load(tmp_path / "clf.skops")
+                                  .predict_proba(test, idx), probs)
+
+
+def test_encoder_classifier_head_round_trips_and_refuses_other_files(tmp_path):
+    head = nn.Linear(8, 3)
+    EncoderClassifier(nn.Identity(), head, None, 0).save(tmp_path / "head.pt")
+    loaded = EncoderClassifier.load_head(tmp_path / "head.pt")
+    assert torch.equal(loaded.weight, head.weight) and torch.equal(loaded.bias, head.bias)
+    torch.save({"w": torch.zeros(2)}, tmp_path / "other.pt")
+    with pytest.raises(CheckpointError, match="not a linear classifier head"):
+        EncoderClassifier.load_head(tmp_path / "other.pt")
+
+
+def test_domain_report_micro_f1_and_confusion():
+    true = np.array([0, 0, 1, 1, 2, 2])
+    pred = np.array([0, 1, 1, 1, 2, 0])
+    r = domain_report(pred, true, ["a", "b", "c"])
+    assert r["micro_f1"] == pytest.approx(4 / 6) and r["misclassified"] == 2
+    assert r["confusion"]["matrix"] == [[1, 1, 0], [0, 2, 0], [1, 0, 1]]
+    assert r["f1"]["b"] == pytest.approx(0.8)
+
+
+def test_domain_weights_are_training_shares():
+    manifest = {"domains": ["a", "b"], "corpora": [{"domain_id": 0}, {"domain_id": 1},
+                                                   {"domain_id": 0}],
+                "splits": {"train": {"corpus_sizes": [10, 20, 10]}}}
+    np.testing.assert_allclose(domain_weights(manifest), [0.5, 0.5])
+
+
+def test_score_system_avg_wavg_and_misclassified_subset():
+    refs = ["the cat sat on the mat", "a dog ran far away", "blue sky over the hills",
+            "we eat bread every day"]
+    data = FakeData([[1]] * 4, [0, 0, 1, 1], refs)
+    hyps = {0: refs[0], 1: refs[1], 2: "nothing alike here", 3: "completely other words"}
+    idx, weights = np.arange(4), np.array([0.75, 0.25])
+    out = score_system(hyps, data, idx, np.array([2, 3]), ["a", "b"], weights)
+    a, b = out["domains"]["a"]["bleu"], out["domains"]["b"]["bleu"]
+    assert a == 100.0 and b < 5
+    assert out["avg"]["bleu"] == pytest.approx((a + b) / 2, abs=0.01)
+    assert out["wavg"]["bleu"] == pytest.approx(0.75 * a + 0.25 * b, abs=0.01)
+    assert out["misclassified"]["sentences"] == 2 and out["misclassified"]["bleu"] == b
+    assert out["signatures"]["bleu"].startswith("nrefs:1")
+
+
+def test_gate_agreement_uses_the_layer_mean():
+    gates = np.array([[[0.6, 0.4], [0.2, 0.8]],     # layer 0
+                      [[0.9, 0.1], [0.7, 0.3]]])    # layer 1; mean rows: [.75 .25], [.45 .55]
+    out = gate_agreement(gates, pred_N=np.array([0, 0]), gold_N=np.array([0, 1]))
+    assert out["with_classifier"] == 0.5 and out["with_gold"] == 1.0
+    assert out["per_layer_with_classifier"] == [0.5, 1.0]
+
+
+def test_efficiency_table_keeps_each_fastest_round_and_sums_domains(monkeypatch):
+    clock = [0.0]
+    cost = {"AD_ORACLE": 1.0, "AD_CLF": 2.0, "GAD": 1.5}
+    calls = []
+
+    def system(name):
+        def run(ids):
+            calls.append(name)
+            slow = 1.0 if len(calls) == 1 else 0.0  # the first call of the run is slow
+            clock[0] += cost[name] * len(ids) + slow
+        return run
+
+    monkeypatch.setattr(gad_efficiency.time, "perf_counter", lambda: clock[0])
+    by_domain = {"a": np.array([0, 1]), "b": np.array([2])}
+    tokens = np.array([10, 10, 5])
+    out = gad_efficiency.efficiency_table({n: system(n) for n in cost}, by_domain, tokens, 2)
+    gad = out["systems"]["GAD"]
+    assert gad["seconds"] == 4.5 and gad["sentences"] == 3 and gad["tokens"] == 25
+    assert gad["sentences_per_s"] == round(3 / 4.5, 2)
+    assert gad["domains"]["b"]["tokens_per_s"] == round(5 / 1.5, 1)
+    assert out["systems"]["AD_ORACLE"]["seconds"] == 3.0  # the slow first call is not kept
+    assert out["sentences_per_s_ratios"]["GAD/AD_CLF"] == round((3 / 4.5) / (3 / 6), 3)
+    assert calls[:3] == ["AD_ORACLE"] * 2 + ["AD_CLF"]  # round 0 starts with AD_ORACLE
+    assert calls[6:8] == ["AD_CLF"] * 2  # round 1 rotates the order
+
+
+def test_frozen_check_reports_a_changed_frozen_parameter():
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    model[0].requires_grad_(False)
+    check = FrozenCheck()
+    check.init_model(model)
+    with torch.no_grad():
+        model[1].weight.add_(1.0)  # trainable: may change
+    assert check.report(model)["frozen_unchanged"]
+    with torch.no_grad():
+        model[0].bias.add_(1e-7)
+    report = check.report(model)
+    assert not report["frozen_unchanged"] and report["frozen_changed"] == ["0.bias"]
+    assert report["frozen_parameters"] == 6
+
+
+def test_load_matching_allows_only_the_named_new_parameters(tmp_path):
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 3))
+    weights = {k: torch.ones_like(v) for k, v in model.state_dict().items() if k.startswith("0.")}
+    load_matching(model, weights, tmp_path, new={"1.weight", "1.bias"})
+    assert torch.equal(model[0].weight, torch.ones(2, 2))
+    with pytest.raises(CheckpointError, match="missing"):
+        load_matching(model, weights, tmp_path, new={"1.weight"})
+    with pytest.raises(CheckpointError, match="other shapes"):
+        load_matching(model, weights | {"1.weight": torch.ones(2, 2)}, tmp_path,
+                      new={"1.bias"})
