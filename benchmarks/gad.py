@@ -15,9 +15,9 @@ Data:
 Both are prepared twice, without and with data.domain_tags (TAG), sharing one sentencepiece
 model. The pipeline runs stage by stage (`python -m moe_train pipeline gad --stage S`), then
 the CE-on-labels ablation (004 Table 9) trains GAD again with gated.gate_loss=ce from the same
-AD (`--no-ablation` skips it). Every table comes from the evaluate stage of this run (quality
-per domain, AVG / wAVG, misclassified subset, gate agreement, efficiency with all systems timed
-in one process); `--test-dir DIR` (OPUS layout with test files) scores the same models on DIR
+AD and scores both GADs on the dev split, as 004 does (`--no-ablation` skips it). Every
+other table comes from the evaluate stage of this run (quality per domain, AVG / wAVG,
+misclassified subset, gate agreement, efficiency with all systems timed in one process); `--test-dir DIR` (OPUS layout with test files) scores the same models on DIR
 too. Writes benchmarks/results/gad_<data>_cpu[_quick].json with provenance and the issue's
 acceptance checks computed from those measurements. A benchmark, not a test.
 """
@@ -25,8 +25,6 @@ acceptance checks computed from those measurements. A benchmark, not a test.
 from __future__ import annotations
 
 import argparse
-import json
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -37,11 +35,10 @@ for _path in (ROOT, ROOT / "benchmarks"):
     if str(_path) not in sys.path:
         sys.path.insert(0, str(_path))
 
-from real_data import DEFAULT_DATA, QUICK_DATA, QUICK_MODEL  # noqa: E402  (benchmarks/)
+from real_data import DEFAULT_DATA, QUICK_DATA, QUICK_MODEL, start_record, \
+    write_record  # noqa: E402
 from thor import cli, last_json  # noqa: E402
 
-from moe_train.utils.atomic import write_json  # noqa: E402
-from moe_train.utils.provenance import finish, provenance  # noqa: E402
 
 DATASETS = {
     "synthetic": {"config": "configs/gad-synthetic.yaml", "steps": 3000, "minutes": 15.0},
@@ -172,55 +169,31 @@ def test_dir_tables(test_dir: str) -> Any:
     return tables
 
 
-def ablation_tables(ctx: Any) -> dict[str, Any]:
-    """GAD trained with gate_loss=ce, scored as the evaluate stage scores GAD (same test
-    sentences, beam, misclassified subset) plus its gate agreement."""
-    import numpy as np
+def ablation_tables(kd_run: Path) -> Any:
+    """GAD trained with gate_loss=ce against the KD GAD of `kd_run`, both on the dev split
+    (004 Table 9 is on validation) as the evaluate stage scores GAD."""
+    def tables(ctx: Any) -> dict[str, Any]:
+        from moe_train.stages.gad import export_dir
+        from moe_train.stages.gad_eval import gad_tables
+        from moe_train.train.export import load_for_inference
 
-    from moe_train.config.schema import EvalConfig
-    from moe_train.data.shards import ShardedDataset
-    from moe_train.eval.decode import translate_dataset
-    from moe_train.stages.classifier import load_probs
-    from moe_train.stages.evaluate import test_indices
-    from moe_train.stages.gad import export_dir
-    from moe_train.stages.gad_eval import (domain_weights, encoder_gate_probs, gate_agreement,
-                                           score_system)
-    from moe_train.train.export import load_for_inference
+        kd = load_for_inference(kd_run / "gad" / "checkpoints" / "export", ctx.rt.device)
+        ce = load_for_inference(export_dir(ctx, "gad"), ctx.rt.device)
+        out = {"kd": gad_tables(ctx, kd, "dev"), "ce": gad_tables(ctx, ce, "dev")}
+        out["kd_minus_ce_avg_bleu"] = round(out["kd"]["quality"]["avg"]["bleu"]
+                                            - out["ce"]["quality"]["avg"]["bleu"], 2)
+        return out
 
-    cfg, moa = ctx.cfg, ctx.cfg.moa
-    test = ShardedDataset(cfg.data.prepared_dir, "test")
-    idx = test_indices(test, moa.eval_sentences)
-    pred = load_probs(ctx, "test", "ablation").argmax(1)
-    mis = idx[pred[idx] != test.domain_ids[idx]]
-    inf = load_for_inference(export_dir(ctx, "gad"), ctx.rt.device)
-    ecfg = EvalConfig(beam=moa.eval_beam, lenpen=cfg.eval.lenpen, max_len_a=cfg.eval.max_len_a,
-                      max_len_b=cfg.eval.max_len_b, max_sentences=cfg.eval.max_sentences)
-    hyps = translate_dataset(inf.model, test, inf.vocab, ctx.rt, ecfg, cfg.data.max_tokens,
-                             indices=idx)
-    gates = encoder_gate_probs(inf.model, test, idx, ctx.rt, cfg.data.max_tokens)
-    return {"GAD": score_system(hyps, test, idx, mis, list(test.manifest["domains"]),
-                                domain_weights(test.manifest)),
-            "gate_agreement": gate_agreement(gates, pred[idx], test.domain_ids[idx])}
+    return tables
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    if args.data == "opus" and not Path(args.opus_dir).is_dir():
-        print(f"skipped: {args.opus_dir} not found (the OPUS multi-domain data lives in ../shared)")
+    started = start_record(args, argv, "gad")
+    if started is None:
         return
-    if args.test_dir:
-        from moe_train.data.corpus import discover
-
-        if not Path(args.test_dir).is_dir():
-            raise SystemExit(f"--test-dir {args.test_dir}: not a directory")
-        discover(args.test_dir, splits=["test"])
-    prov = provenance(argv)
-    suffix = "_quick" if args.quick else ""
+    prov, work, out, suffix = started
     config = DATASETS[args.data]["config"]
-    work = Path(args.work or ROOT / "work" / f"gad-{args.data}{suffix.replace('_', '-')}")
-    out = Path(args.out or ROOT / "benchmarks" / "results" / f"gad_{args.data}_cpu{suffix}.json")
-    if args.fresh and work.exists():
-        shutil.rmtree(work)
     t0 = time.time()
     data = prepare(args, config, work)
     base = [f"data.prepared_dir={work / 'prepared'}", f"gated.tag_prepared_dir="
@@ -250,9 +223,7 @@ def main(argv: list[str] | None = None) -> None:
         t = time.time()
         cli(["pipeline", "gad", "--config", config, "--stage", "gad", *ce, *per_stage["gad"]],
             work / "logs" / "ce-gad.log")
-        ablation = in_process(config, ce, ablation_tables) | {"gate_loss": "ce"}
-        ablation["kd_minus_ce_avg_bleu"] = round(
-            ev["systems"]["GAD"]["avg"]["bleu"] - ablation["GAD"]["avg"]["bleu"], 2)
+        ablation = in_process(config, ce, ablation_tables(work / "run"))
         seconds["ablation_ce"] = round(time.time() - t, 1)
     record: dict[str, Any] = {
         "benchmark": f"gad_{args.data}_cpu{suffix}",
@@ -272,10 +243,7 @@ def main(argv: list[str] | None = None) -> None:
         print("== --test-dir", flush=True)
         record["test_dir"] = in_process(config, base, test_dir_tables(args.test_dir))
     record["wall_seconds"] = round(time.time() - t0, 1)
-    record["provenance"] = finish(prov)
-    write_json(out, record)
-    print(json.dumps(record["acceptance"], indent=2))
-    print(f"wrote {out}")
+    write_record(out, record, prov)
 
 
 if __name__ == "__main__":

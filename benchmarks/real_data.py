@@ -40,6 +40,38 @@ QUICK_TRAIN = QUICK_MODEL + ["train.max_steps=4", "train.validate_every=0", "tra
 """--quick: the tiny model trained for a few steps (train)."""
 
 
+def start_record(args: argparse.Namespace, argv: list[str] | None, name: str
+                 ) -> tuple[dict, Path, Path, str] | None:
+    """The common start of the recorded per-recipe runs (thor.py, gad.py): None (after one
+    line) when `--data opus` has no data; a `--test-dir` without test files fails before any
+    training; then (provenance, work dir (emptied with --fresh), results path, quick suffix)."""
+    if args.data == "opus" and not Path(args.opus_dir).is_dir():
+        print(f"skipped: {args.opus_dir} not found (the OPUS multi-domain data lives in "
+              "../shared)")
+        return None
+    if args.test_dir:
+        from moe_train.data.corpus import discover
+
+        if not Path(args.test_dir).is_dir():
+            raise SystemExit(f"--test-dir {args.test_dir}: not a directory")
+        discover(args.test_dir, splits=["test"])
+    prov = provenance(argv)
+    suffix = "_quick" if args.quick else ""
+    work = Path(args.work or ROOT / "work" / f"{name}-{args.data}{suffix.replace('_', '-')}")
+    out = Path(args.out or ROOT / "benchmarks" / "results" / f"{name}_{args.data}_cpu{suffix}.json")
+    if args.fresh and work.exists():
+        shutil.rmtree(work)
+    return prov, work, out, suffix
+
+
+def write_record(out: Path, record: dict, prov: dict) -> None:
+    """Complete `record`'s provenance, write it atomically, print its acceptance checks."""
+    record["provenance"] = finish(prov)
+    write_json(out, record)
+    print(json.dumps(record["acceptance"], indent=2))
+    print(f"wrote {out}")
+
+
 def run(args: list[str]) -> str:
     proc = subprocess.run([sys.executable, "-m", "moe_train", *args], cwd=ROOT, text=True,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT)

@@ -42,10 +42,10 @@ for _path in (ROOT, ROOT / "benchmarks"):
     if str(_path) not in sys.path:
         sys.path.insert(0, str(_path))
 
-from real_data import DEFAULT_DATA, QUICK_DATA, QUICK_MODEL  # noqa: E402  (benchmarks/)
+from real_data import DEFAULT_DATA, QUICK_DATA, QUICK_MODEL, start_record, \
+    write_record  # noqa: E402
 
 from moe_train.utils.atomic import write_json  # noqa: E402
-from moe_train.utils.provenance import finish, provenance  # noqa: E402
 
 VARIANTS: dict[str, tuple[str, ...]] = {
     "dense": ("moe.num_experts=0",),
@@ -264,23 +264,11 @@ def main(argv: list[str] | None = None) -> None:
 
 def run(args: argparse.Namespace, argv: list[str] | None) -> None:
     """The whole benchmark (see the module docstring)."""
-    if args.data == "opus" and not Path(args.opus_dir).is_dir():
-        print(f"skipped: {args.opus_dir} not found (the OPUS multi-domain data lives in "
-              "../shared)")
+    started = start_record(args, argv, "thor")
+    if started is None:
         return
-    if args.test_dir:  # before any training: a test directory without test files fails now
-        from moe_train.data.corpus import discover
-
-        if not Path(args.test_dir).is_dir():
-            raise SystemExit(f"--test-dir {args.test_dir}: not a directory")
-        discover(args.test_dir, splits=["test"])
-    prov = provenance(argv)
-    suffix = "_quick" if args.quick else ""
+    prov, work, out, suffix = started
     config = DATASETS[args.data]["config"]
-    work = Path(args.work or ROOT / "work" / f"thor-{args.data}{suffix.replace('_', '-')}")
-    out = Path(args.out or ROOT / "benchmarks" / "results" / f"thor_{args.data}_cpu{suffix}.json")
-    if args.fresh and work.exists():
-        shutil.rmtree(work)
     t0 = time.time()
     prepared = work / "prepared"
     data_info = prepare_data(args, config, prepared)
@@ -335,10 +323,7 @@ def run(args: argparse.Namespace, argv: list[str] | None) -> None:
         "acceptance": acceptance(variants),
         "wall_seconds": round(time.time() - t0, 1),
     }
-    record["provenance"] = finish(prov)
-    write_json(out, record)
-    print(json.dumps(record["acceptance"], indent=2))
-    print(f"wrote {out}")
+    write_record(out, record, prov)
 
 
 if __name__ == "__main__":

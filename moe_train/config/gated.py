@@ -37,9 +37,10 @@ class GatedConfig:
     """Weight of the gate loss in L = L_CE + alpha * L_gate (Eq. 5)."""
     tau: float = 0.1
     """Distillation temperature: KL(P_clf,tau || P_g,tau) times tau^2 (Eq. 4)."""
-    teacher_as_logits: bool = False
+    teacher_as_logits: bool = True
     """Soften the teacher as softmax(p / tau), treating its probabilities as logits (the
-    reference code), instead of softmax(log p / tau) (OD-G2)."""
+    reference code, OD-G2's recommendation); False: softmax(log p / tau), the proper tempered
+    distribution (with tau 0.1 that is p^10 renormalised: nearly one-hot)."""
     classifier: str = "encoder"
     """The teacher / inference-time domain classifier of the recipe: encoder or tfidf."""
     classifier_steps: int = 1000

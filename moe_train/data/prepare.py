@@ -199,6 +199,10 @@ def prepare(corpora: list[CorpusFiles], out_dir: str | os.PathLike, data_cfg: Da
         carved[name], dropped[name] = _carve(train_files[name], texts[name], data_cfg, seed)
 
     domains = sorted({c.domain for c in train_files.values()})
+    for files in train_files.values():  # each domain is one <dom:NAME> piece of the vocabulary
+        if not files.domain or any(ch.isspace() for ch in files.domain):
+            raise ConfigError(f"{files.src}: domain {files.domain!r} must be a non-empty name "
+                              "without whitespace (it becomes the domain tag <dom:NAME>)")
     langs = sorted({lang for c in train_files.values() for lang in (c.src_lang, c.tgt_lang)})
     tgt_langs = sorted({c.tgt_lang for c in train_files.values()})
 

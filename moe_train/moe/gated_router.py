@@ -12,7 +12,10 @@ distribution in ``ForwardContext.extras[TEACHER_PROBS_KEY]`` (a trainer hook put
 each gate adds alpha * tau^2 * KL(P_clf,tau || P_g,tau) (Eqs. 4-5), P_g,tau = softmax(W_g agg /
 tau), averaged over the gate's rows (sentences in the encoder, real target positions in the
 decoder) and summed over gates; or alpha * CE(W_g agg, gold domain) (gate_loss ce). Without the
-teacher (inference, evaluation) there is no gate loss.
+teacher (inference, evaluation) there is no gate loss. Normalisation: the reference sums every
+row's KL and divides by the batch's target tokens; decoder gates weigh the same here, encoder
+gates (one row per sentence, averaged over sentences) about the mean target length more: a
+sentence-level gate's loss does not shrink with the length of the translation.
 
 Shape legend: T tokens (flattened B x length), B sentences, D model dim, E adapters (domains).
 """
@@ -63,9 +66,9 @@ class GatedRouter(Router):
         ids_TE = torch.arange(E, device=x_TD.device).expand(T, E)
         aux = self.gate_loss(rows_NE, rctx) if self.training else {}
         with torch.no_grad():  # every real token reaches every adapter
-            real = T if rctx.pad_mask_T is None else T - rctx.pad_mask_T.sum()
-            stats = {"tokens_per_expert": torch.full((E,), real, dtype=torch.long,
-                                                     device=x_TD.device)}
+            real = (torch.tensor(T, device=x_TD.device) if rctx.pad_mask_T is None
+                    else (~rctx.pad_mask_T).sum())  # no host sync
+            stats = {"tokens_per_expert": real.long().expand(E)}
             if self.training:  # logged per training step; not worth a pass per decoding step
                 stats["routing_entropy"] = losses.routing_entropy(probs_TE, rctx.pad_mask_T)
         return Routing(expert_ids_TK=ids_TE, weights_TK=probs_TE.to(x_TD.dtype),

@@ -18,12 +18,12 @@ import torch
 from torch import nn
 
 from moe_train.data.shards import ShardedDataset
-from moe_train.errors import ConfigError
+from moe_train.errors import ConfigError, DataError
 from moe_train.parallel.collectives import barrier
 from moe_train.stages.classifier_core import (DomainClassifier, EncoderClassifier,
                                               TfidfClassifier, domain_report, source_docs)
 from moe_train.stages.common import StageContext
-from moe_train.stages.probe import fit_probe
+from moe_train.stages.probe import fit_probe, predict_probs
 from moe_train.train.export import load_for_inference
 from moe_train.utils.atomic import atomic_path
 
@@ -47,7 +47,9 @@ def _datasets(ctx: StageContext) -> dict[str, ShardedDataset]:
 
 
 def _fit(ctx: StageContext, train: ShardedDataset, num_domains: int) -> tuple[
-        DomainClassifier, dict[str, Any]]:
+        DomainClassifier, dict[str, Any], np.ndarray | None]:
+    """The fitted classifier, what to record of its fit, and its training-split probabilities
+    when they come for free (the encoder head's features are already computed)."""
     g, rt, out = ctx.cfg.gated, ctx.rt, ctx.stage_dir(STAGE)
     every_N = np.arange(len(train), dtype=np.int64)
     if g.classifier == "tfidf":  # scikit-learn is single-process: rank 0 fits, the rest load
@@ -56,7 +58,7 @@ def _fit(ctx: StageContext, train: ShardedDataset, num_domains: int) -> tuple[
             TfidfClassifier.fit(source_docs(train, every_N), train.domain_ids, num_domains,
                                 g.tfidf_ngrams).save(out / TFIDF)
         barrier(rt)
-        return TfidfClassifier.load(out / TFIDF), {"ngrams": g.tfidf_ngrams}
+        return TfidfClassifier.load(out / TFIDF), {"ngrams": g.tfidf_ngrams}, None
     backbone = load_for_inference(ctx.require("backbone", STAGE) / "checkpoints" / "export",
                                   rt.device)
     clf = EncoderClassifier(backbone.model, nn.Linear(1, 1), ctx, ctx.cfg.data.max_tokens)
@@ -68,7 +70,8 @@ def _fit(ctx: StageContext, train: ShardedDataset, num_domains: int) -> tuple[
     if rt.is_main:
         out.mkdir(parents=True, exist_ok=True)
         clf.save(out / HEAD)
-    return clf, {"steps": g.classifier_steps, "final_loss": loss}
+    return clf, {"steps": g.classifier_steps, "final_loss": loss}, \
+        predict_probs(clf.head, features_ND)
 
 
 def run(ctx: StageContext) -> dict[str, Any]:
@@ -77,11 +80,12 @@ def run(ctx: StageContext) -> dict[str, Any]:
         return done
     data = _datasets(ctx)
     domains = list(data["train"].manifest["domains"])
-    clf, fit_info = _fit(ctx, data["train"], len(domains))
+    clf, fit_info, train_probs_NC = _fit(ctx, data["train"], len(domains))
     reports: dict[str, Any] = {}
     out = ctx.stage_dir(STAGE)
     for split, dataset in data.items():
-        probs_NC = clf.predict_proba(dataset, np.arange(len(dataset), dtype=np.int64))
+        probs_NC = train_probs_NC if split == "train" and train_probs_NC is not None else \
+            clf.predict_proba(dataset, np.arange(len(dataset), dtype=np.int64))
         reports[split] = domain_report(probs_NC.argmax(1), dataset.domain_ids, domains)
         if ctx.rt.is_main:
             with atomic_path(out / probs_file(split)) as tmp:
@@ -95,8 +99,20 @@ def run(ctx: StageContext) -> dict[str, Any]:
 
 
 def load_probs(ctx: StageContext, split: str, by: str) -> np.ndarray:
-    """The classifier's (N, C) domain probabilities for `split` (never unpickled)."""
-    return np.load(ctx.require(STAGE, by) / probs_file(split), allow_pickle=False)
+    """The classifier's (N, C) domain probabilities for `split` (never unpickled), checked
+    against the split's sentences and the data's domains."""
+    path = ctx.require(STAGE, by) / probs_file(split)
+    dataset = ShardedDataset(ctx.cfg.data.prepared_dir, split)
+    want = (len(dataset), len(dataset.manifest["domains"]))
+    try:
+        probs = np.load(path, allow_pickle=False)
+    except (OSError, ValueError) as exc:
+        raise DataError(f"{path}: not a readable numpy array ({exc})") from None
+    if probs.shape != want:
+        raise DataError(f"{path}: domain probabilities of shape {probs.shape}, expected {want} "
+                        f"for the {split} split of {ctx.cfg.data.prepared_dir} (was the "
+                        "classifier stage run on other data? delete its directory to rerun it)")
+    return probs
 
 
 def load_classifier(ctx: StageContext, by: str, backbone_model: nn.Module | None = None

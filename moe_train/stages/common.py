@@ -33,6 +33,8 @@ class StageContext:
 
     cfg: ExperimentConfig
     rt: ParallelRuntime
+    recipe: str = "moa"
+    """The recipe whose stages these are (named in errors)."""
 
     @property
     def workdir(self) -> Path:
@@ -60,7 +62,7 @@ class StageContext:
         if self.done(stage) is None:
             raise ConfigError(f"stage {by}: needs the output of stage {stage} "
                               f"({self.stage_dir(stage) / DONE} is missing); run "
-                              f"`moe-train pipeline moa --stage {stage}` first")
+                              f"`moe-train pipeline {self.recipe} --stage {stage}` first")
         return self.stage_dir(stage)
 
     def finish(self, stage: str, summary: dict[str, Any]) -> dict[str, Any]:

@@ -7,8 +7,10 @@
   training-split probabilities (`TeacherProbs`) or trained with CE on the gold domain.
 - `tag` (TAG): MIX fine-tuned, every parameter, on the same corpora prepared with a domain tag
   in the source (``gated.tag_prepared_dir``, same sentencepiece model).
-AD and GAD draw every corpus equally often (``gated.upsample``). After training, each stage
-checks that every frozen parameter is bitwise what it was loaded as and records it.
+AD and GAD draw every corpus equally often (``gated.upsample``; with one language pair per
+domain that is every domain up-sampled to the largest, 004's setting). After training, each
+stage checks that every frozen parameter is bitwise what training started from (the engine's
+copy: same device and precision) and records it.
 Artifacts: ``checkpoints/export`` of each stage.
 """
 
@@ -22,15 +24,16 @@ from torch import nn
 
 from moe_train.config.schema import ExperimentConfig
 from moe_train.data.shards import ShardedDataset, read_manifest
-from moe_train.errors import CheckpointError, ConfigError
+from moe_train.errors import ConfigError
 from moe_train.moe.gated_router import GatedRouter
 from moe_train.stages.adapters import freeze_base, load_backbone
-from moe_train.stages.classifier import load_probs, probs_file
+from moe_train.stages.classifier import probs_file
 from moe_train.stages.common import StageContext, load_matching, stage_config, training_summary
 from moe_train.train.checkpoint import latest_tag
 from moe_train.train.export import load_export_weights
 from moe_train.train.hooks import InitModel, TeacherProbs, TrainerHooks
 from moe_train.train.trainer import Trainer
+from moe_train.utils.safe_load import require_file
 
 UPSAMPLE_TEMPERATURE = 1e6
 """data.temperature that draws every corpus equally often (each up-sampled to the largest)."""
@@ -70,13 +73,10 @@ def _gate_keys(model: nn.Module) -> set[str]:
             for p, _ in m.named_parameters()}
 
 
-class FrozenCheck(TrainerHooks):
-    """Snapshot of the frozen parameters at initialisation, compared bitwise after training."""
+class FrozenCheck:
+    """Snapshot of a model's frozen parameters, compared bitwise after training."""
 
-    def __init__(self) -> None:
-        self.frozen: dict[str, torch.Tensor] = {}
-
-    def init_model(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module) -> None:
         self.frozen = {n: p.detach().clone() for n, p in model.named_parameters()
                        if not p.requires_grad}
 
@@ -89,14 +89,15 @@ class FrozenCheck(TrainerHooks):
 
 def _train(ctx: StageContext, stage: str, cfg: ExperimentConfig, init: Any,
            extra: list[TrainerHooks]) -> dict[str, Any]:
-    check = FrozenCheck()
     trainer = Trainer(cfg, ctx.rt, resume=latest_tag(cfg.checkpoint.dir) is not None,
-                      hooks=[InitModel(init), check, *extra])
+                      hooks=[InitModel(init), *extra])
     model = trainer.engine.module
+    check = FrozenCheck(model)  # as training starts: on its device, in its precision
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     summary = trainer.fit()
     return ctx.finish(stage, training_summary(summary) | check.report(model)
-                      | {"router": cfg.adapters.router, "trainable_parameters": trainable})
+                      | {"router": cfg.adapters.router, "trainable_parameters": trainable,
+                         "precision": str(next(model.parameters()).dtype)})
 
 
 def run_ad(ctx: StageContext) -> dict[str, Any]:
@@ -146,7 +147,9 @@ def run_tag(ctx: StageContext) -> dict[str, Any]:
     if not manifest.get("domain_tags"):
         raise ConfigError(f"gated.tag_prepared_dir: {tagged} was prepared without domain tags "
                           "(prepare it again with data.domain_tags=true)")
-    if (tagged / manifest["spm_model"]).read_bytes() != (source / "spm.model").read_bytes():
+    spm = require_file(tagged / manifest["spm_model"], "the tagged data's sentencepiece model")
+    if spm.read_bytes() != require_file(source / "spm.model", "MIX's sentencepiece model"
+                                        ).read_bytes():
         raise ConfigError(f"gated.tag_prepared_dir: {tagged} has another sentencepiece model "
                           f"than the backbone; prepare the same corpora with the same data "
                           "settings plus data.domain_tags=true")

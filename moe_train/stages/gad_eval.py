@@ -75,10 +75,10 @@ def score_system(hyps: dict[int, str], test: ShardedDataset, idx: np.ndarray,
 
 
 @torch.no_grad()
-def encoder_gate_probs(model: torch.nn.Module, dataset: Any, idx: np.ndarray, rt: Any,
+def encoder_gate_probs(model: torch.nn.Module, dataset: Any, idx: np.ndarray,
                        max_tokens: int) -> np.ndarray:
-    """(L, N, E) gate weights of the encoder's gated layers for the sentences `idx` (rows in
-    the order of `idx`), on this rank's share merged by the caller (single rank here)."""
+    """(L, N, E) gate weights of the encoder's gated layers for the sentences `idx`, rows in
+    the order of `idx` (every rank encodes them all: one encoder pass, no search)."""
     routers = [m for m in model.modules() if isinstance(m, GatedRouter)]
     captured: list[tuple[int, torch.Tensor]] = []
 
@@ -122,7 +122,7 @@ def gate_agreement(gates_LNE: np.ndarray, pred_N: np.ndarray, gold_N: np.ndarray
 
 def _tag_test(ctx: StageContext, test: ShardedDataset) -> ShardedDataset | None:
     tag_dir = ctx.cfg.gated.tag_prepared_dir
-    if not tag_dir or ctx.done("tag") is None:
+    if not tag_dir:
         return None
     tagged = ShardedDataset(tag_dir, "test")
     if len(tagged) != len(test) or not np.array_equal(tagged.domain_ids, test.domain_ids) \
@@ -133,10 +133,32 @@ def _tag_test(ctx: StageContext, test: ShardedDataset) -> ShardedDataset | None:
     return tagged
 
 
+def quality_decoding(ctx: StageContext) -> EvalConfig:
+    """The quality tables' search: beam moa.eval_beam, the config's length settings."""
+    e = ctx.cfg.eval
+    return EvalConfig(beam=ctx.cfg.moa.eval_beam, lenpen=e.lenpen, max_len_a=e.max_len_a,
+                      max_len_b=e.max_len_b, max_sentences=e.max_sentences)
+
+
+def gad_tables(ctx: StageContext, inf: InferenceModel, split: str) -> dict[str, Any]:
+    """One gated model on `split` of the prepared data, scored as `evaluate_split` scores GAD
+    (same sentences, search, misclassified subset), with its gates' agreement (ablations)."""
+    data = ShardedDataset(ctx.cfg.data.prepared_dir, split)
+    idx = test_indices(data, ctx.cfg.moa.eval_sentences)
+    pred_N = load_probs(ctx, split, STAGE).argmax(1)
+    mis_idx = idx[pred_N[idx] != data.domain_ids[idx]]
+    hyps = translate_dataset(inf.model, data, inf.vocab, ctx.rt, quality_decoding(ctx),
+                             ctx.cfg.data.max_tokens, indices=idx)
+    gates_LNE = encoder_gate_probs(inf.model, data, idx, ctx.cfg.data.max_tokens)
+    return {"split": split,
+            "quality": score_system(hyps, data, idx, mis_idx, list(data.manifest["domains"]),
+                                    domain_weights(data.manifest)),
+            "gate_agreement": gate_agreement(gates_LNE, pred_N[idx], data.domain_ids[idx])}
+
+
 def load_systems(ctx: StageContext) -> dict[str, InferenceModel]:
     """The recipe's trained models by stage: backbone (MIX), tag (when run), ad, gad."""
-    stages = ["backbone", *(["tag"] if ctx.cfg.gated.tag_prepared_dir and ctx.done("tag")
-                            else []), "ad", "gad"]
+    stages = ["backbone", *(["tag"] if ctx.cfg.gated.tag_prepared_dir else []), "ad", "gad"]
     out = {}
     for stage in stages:
         ctx.require(stage, STAGE)
@@ -150,7 +172,7 @@ def evaluate_split(ctx: StageContext, models: dict[str, InferenceModel], test: A
     """Every table of the module docstring on one test set: `test` as the untagged models
     read it, `tagged` as TAG reads it (or None), `probs_NC` the classifier's prediction for
     every sentence of it, `clf` the classifier AD_CLF runs in the efficiency table."""
-    cfg, rt, moa, g = ctx.cfg, ctx.rt, ctx.cfg.moa, ctx.cfg.gated
+    cfg, rt, moa = ctx.cfg, ctx.rt, ctx.cfg.moa
     domains = list(models["backbone"].manifest["domains"])
     idx = test_indices(test, moa.eval_sentences)
     pred_N, gold_N = probs_NC.argmax(1), test.domain_ids
@@ -162,15 +184,14 @@ def evaluate_split(ctx: StageContext, models: dict[str, InferenceModel], test: A
     systems |= {"AD_ORACLE": (models["ad"], test), "AD_CLF": (models["ad"],
                                                               Relabeled(test, pred_N)),
                 "GAD": (models["gad"], test)}
-    ecfg = EvalConfig(beam=moa.eval_beam, lenpen=cfg.eval.lenpen, max_len_a=cfg.eval.max_len_a,
-                      max_len_b=cfg.eval.max_len_b, max_sentences=cfg.eval.max_sentences)
+    ecfg = quality_decoding(ctx)
     weights_D = domain_weights(models["backbone"].manifest)
     quality = {}
     for name, (inf, dataset) in systems.items():
         hyps = translate_dataset(inf.model, dataset, inf.vocab, rt, ecfg, cfg.data.max_tokens,
                                  indices=idx)
         quality[name] = score_system(hyps, test, idx, mis_idx, domains, weights_D)
-    gates_LNE = encoder_gate_probs(models["gad"].model, test, idx, rt, cfg.data.max_tokens)
+    gates_LNE = encoder_gate_probs(models["gad"].model, test, idx, cfg.data.max_tokens)
     return {
         "test_sentences": int(len(idx)), "beam": moa.eval_beam,
         "training_share": {d: round(float(w), 4) for d, w in zip(domains, weights_D)},
@@ -215,7 +236,8 @@ def _efficiency(ctx: StageContext, test: Any, idx: np.ndarray, ad: InferenceMode
         return decode(ad, Relabeled(test, predicted), ids)
 
     gold = test.domain_ids[idx]
-    by_domain = {d: idx[gold == k] for k, d in enumerate(ad.manifest["domains"]) if (gold == k).any()}
+    by_domain = {d: idx[gold == k] for k, d in enumerate(ad.manifest["domains"])
+                 if (gold == k).any()}
     systems = {"AD_ORACLE": lambda ids: decode(ad, test, ids), "AD_CLF": ad_clf,
                "GAD": lambda ids: decode(gad, test, ids)}
     table = efficiency_table(systems, by_domain, np.asarray(test.tgt_lengths),

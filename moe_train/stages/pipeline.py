@@ -53,12 +53,14 @@ def check_request(recipe: str, stage: str | None) -> None:
 
 
 def recipe_context(ctx: StageContext, recipe: str) -> StageContext:
-    """The context the recipe's stages see: gad's backbone is MIX, a plain Transformer (no
-    pre-injected adapter, whatever moa.pre_inject says)."""
-    if recipe != "gad" or not ctx.cfg.moa.pre_inject:
-        return ctx
-    moa = dataclasses.replace(ctx.cfg.moa, pre_inject=False)
-    return StageContext(dataclasses.replace(ctx.cfg, moa=moa), ctx.rt)
+    """The context the recipe's stages see. gad: the backbone is MIX, a plain Transformer, and
+    AD / GAD train adapters and gates only, whatever moa.pre_inject / moa.unfreeze_decoder
+    (MoA's settings) say."""
+    cfg = ctx.cfg
+    if recipe == "gad":
+        moa = dataclasses.replace(cfg.moa, pre_inject=False, unfreeze_decoder=False)
+        cfg = dataclasses.replace(cfg, moa=moa)
+    return StageContext(cfg, ctx.rt, recipe)
 
 
 def run_pipeline(ctx: StageContext, recipe: str = "moa", stage: str | None = None

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moe_train.errors import ConfigError
 from moe_train.parallel.runtime import ParallelRuntime
 from moe_train.train.engine import data_parallel_engine
 
@@ -22,12 +23,15 @@ def fit_probe(module: nn.Module, features_ND: np.ndarray, labels_N: np.ndarray, 
     """Train `module` (features -> logits) with cross-entropy and Adam; returns the trained
     module and the mean loss of the last tenth of the steps. Call it with the same initial
     `module` on every rank (seed the constructor)."""
+    n = len(labels_N)
+    batch = min(batch, n)
+    if batch < rt.dp_world:  # a rank without rows would average a NaN loss into every rank
+        raise ConfigError(f"batch sentences: {batch} rows per step cannot be shared by "
+                          f"{rt.dp_world} ranks (raise the batch or use fewer ranks)")
     optimizer = torch.optim.Adam(module.parameters(), lr=lr)
     engine = data_parallel_engine(module, optimizer, rt)
     x_ND = torch.from_numpy(np.ascontiguousarray(features_ND, dtype=np.float32))
     y_N = torch.from_numpy(np.asarray(labels_N, dtype=np.int64))
-    n = len(y_N)
-    batch = min(batch, n)
     rng = np.random.default_rng(seed)
     engine.train()
     losses = []

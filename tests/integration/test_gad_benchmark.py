@@ -36,10 +36,10 @@ def test_quick_run(tmp_path) -> None:
     ratio = ev["efficiency"]["sentences_per_s_ratios"]["GAD/AD_CLF"]
     assert acc["gad_speed_ge_1.1x_ad_clf"] == (ratio >= 1.1)
     assert acc["frozen_parameters_bitwise_unchanged"] is True
-    ce = r["ablation_gate_ce"]
-    assert ce["gate_loss"] == "ce" and ce["GAD"]["all"]["sentences"] == 16
-    assert ce["kd_minus_ce_avg_bleu"] == round(
-        ev["systems"]["GAD"]["avg"]["bleu"] - ce["GAD"]["avg"]["bleu"], 2)
+    ab = r["ablation_gate_ce"]
+    kd, ce = ab["kd"]["quality"], ab["ce"]["quality"]
+    assert ab["kd"]["split"] == ab["ce"]["split"] == "dev" and ce["all"]["sentences"] == 16
+    assert ab["kd_minus_ce_avg_bleu"] == round(kd["avg"]["bleu"] - ce["avg"]["bleu"], 2)
     td = r["test_dir"]
     assert set(td["systems"]) == SYSTEMS and td["test_sentences"] == 12  # 4 domains x 3
     assert len(td["skipped"]) == 1 and "religion" in td["skipped"][0]

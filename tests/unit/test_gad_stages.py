@@ -136,8 +136,7 @@ def test_efficiency_table_keeps_each_fastest_round_and_sums_domains(monkeypatch)
 def test_frozen_check_reports_a_changed_frozen_parameter():
     model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
     model[0].requires_grad_(False)
-    check = FrozenCheck()
-    check.init_model(model)
+    check = FrozenCheck(model)
     with torch.no_grad():
         model[1].weight.add_(1.0)  # trainable: may change
     assert check.report(model)["frozen_unchanged"]
@@ -158,3 +157,14 @@ def test_load_matching_allows_only_the_named_new_parameters(tmp_path):
     with pytest.raises(CheckpointError, match="other shapes"):
         load_matching(model, weights | {"1.weight": torch.ones(2, 2)}, tmp_path,
                       new={"1.bias"})
+
+
+def test_probe_refuses_a_batch_smaller_than_the_ranks():
+    from types import SimpleNamespace
+
+    from moe_train.errors import ConfigError
+    from moe_train.stages.probe import fit_probe
+
+    rt = SimpleNamespace(dp_world=4, dp_rank=0, device="cpu")
+    with pytest.raises(ConfigError, match="3 rows per step cannot be shared by 4 ranks"):
+        fit_probe(nn.Linear(2, 2), np.zeros((3, 2), np.float32), np.zeros(3), 1, 0.1, 8, 0, rt)

@@ -172,7 +172,7 @@ def test_kd_loss_encoder_is_alpha_tau2_kl_per_sentence(as_logits: bool) -> None:
 
 def test_kd_loss_decoder_averages_every_real_target_position() -> None:
     """Decoder rows are positions: the four real ones, each against its sentence's teacher."""
-    router = _router(alpha=1.0, tau=1.0).train()
+    router = _router(alpha=1.0, tau=1.0, teacher_as_logits=False).train()
     routing = router(X_TD, _rctx("decoder", **{TEACHER_PROBS_KEY: TEACHER_BE}))
     means = [[4, 0, 0, 0], [2, 2, 0, 0], [4 / 3, 4 / 3, 0, 8 / 3], [2, 2, 2, 2]]
     teachers = [0, 0, 0, 1]
@@ -182,7 +182,7 @@ def test_kd_loss_decoder_averages_every_real_target_position() -> None:
 
 
 def test_kd_loss_is_zero_when_the_gate_matches_the_teacher() -> None:
-    router = _router(tau=1.0).train()
+    router = _router(tau=1.0, teacher_as_logits=False).train()
     teacher = torch.stack([torch.tensor([4 / 3, 4 / 3, 0, 8 / 3]).softmax(-1),
                            torch.full((4,), 0.25)])
     loss = router(X_TD, _rctx(**{TEACHER_PROBS_KEY: teacher})).aux_losses["gad_gate_kd"]
