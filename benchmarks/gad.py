@@ -1,7 +1,7 @@
 """Recorded Gated Adapters runs (seed 004): `moe-train pipeline gad` with its baselines.
 
     .venv/bin/python benchmarks/gad.py --data synthetic --fresh [--steps 3000]
-    .venv/bin/python benchmarks/gad.py --data opus --fresh [--minutes 8] [--test-dir DIR]
+    .venv/bin/python benchmarks/gad.py --data opus --fresh [--minutes 6] [--test-dir DIR]
     .venv/bin/python benchmarks/gad.py --data synthetic --quick --fresh   # checks the script
 
 Data:
@@ -42,7 +42,7 @@ from thor import cli, last_json  # noqa: E402
 
 DATASETS = {
     "synthetic": {"config": "configs/gad-synthetic.yaml", "steps": 3000, "minutes": 15.0},
-    "opus": {"config": "configs/gad-opus-de-en-cpu.yaml", "steps": None, "minutes": 8.0},
+    "opus": {"config": "configs/gad-opus-de-en-cpu.yaml", "steps": None, "minutes": 6.0},
 }
 """Synthetic: MIX trains `steps` (TAG / AD / GAD a third each), `minutes` a guard per stage;
 OPUS: MIX trains `minutes`, TAG / AD / GAD half of it each."""
@@ -61,7 +61,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=None,
                     help="MIX training steps (synthetic default 3000; TAG/AD/GAD a third each)")
     ap.add_argument("--minutes", type=float, default=None,
-                    help="opus: MIX training minutes (default 8; TAG/AD/GAD half each); "
+                    help="opus: MIX training minutes (default 6; TAG/AD/GAD half each); "
                          "synthetic: a guard per stage (default 15)")
     ap.add_argument("--opus-dir", default=str(DEFAULT_DATA), help="the OPUS multi-domain data")
     ap.add_argument("--test-dir", default=None,
