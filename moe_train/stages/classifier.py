@@ -18,13 +18,14 @@ import torch
 from torch import nn
 
 from moe_train.data.shards import ShardedDataset
-from moe_train.errors import ConfigError, DataError
+from moe_train.errors import ConfigError
 from moe_train.parallel.collectives import barrier
 from moe_train.stages.classifier_core import (DomainClassifier, EncoderClassifier,
                                               TfidfClassifier, domain_report, source_docs)
 from moe_train.stages.common import StageContext
 from moe_train.stages.probe import fit_probe, predict_probs
 from moe_train.train.export import load_for_inference
+from moe_train.train.hooks import load_probability_rows
 from moe_train.utils.atomic import atomic_path
 
 STAGE = "classifier"
@@ -101,18 +102,13 @@ def run(ctx: StageContext) -> dict[str, Any]:
 def load_probs(ctx: StageContext, split: str, by: str) -> np.ndarray:
     """The classifier's (N, C) domain probabilities for `split` (never unpickled), checked
     against the split's sentences and the data's domains."""
-    path = ctx.require(STAGE, by) / probs_file(split)
     dataset = ShardedDataset(ctx.cfg.data.prepared_dir, split)
-    want = (len(dataset), len(dataset.manifest["domains"]))
-    try:
-        probs = np.load(path, allow_pickle=False)
-    except (OSError, ValueError) as exc:
-        raise DataError(f"{path}: not a readable numpy array ({exc})") from None
-    if probs.shape != want:
-        raise DataError(f"{path}: domain probabilities of shape {probs.shape}, expected {want} "
-                        f"for the {split} split of {ctx.cfg.data.prepared_dir} (was the "
-                        "classifier stage run on other data? delete its directory to rerun it)")
-    return probs
+    return load_probability_rows(
+        ctx.require(STAGE, by) / probs_file(split), len(dataset),
+        len(dataset.manifest["domains"]), "domain probabilities",
+        f"one row per sentence of the {split} split of {ctx.cfg.data.prepared_dir}, one column "
+        "per domain (was the classifier stage run on other data? delete its directory to rerun "
+        "it)")
 
 
 def load_classifier(ctx: StageContext, by: str, backbone_model: nn.Module | None = None

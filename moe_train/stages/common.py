@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from moe_train.config.schema import ExperimentConfig
+from moe_train.config.schema import EvalConfig, ExperimentConfig
 from moe_train.errors import CheckpointError, ConfigError, DataError
 from moe_train.parallel.collectives import barrier
 from moe_train.parallel.runtime import ParallelRuntime
@@ -73,6 +73,14 @@ class StageContext:
             write_json(self.stage_dir(stage) / DONE, summary)
         barrier(self.rt)
         return summary
+
+
+def quality_decoding(cfg: ExperimentConfig) -> EvalConfig:
+    """The search of a recipe's quality tables: beam moa.eval_beam, the config's eval length
+    settings and batch."""
+    e = cfg.eval
+    return EvalConfig(beam=cfg.moa.eval_beam, lenpen=e.lenpen, max_len_a=e.max_len_a,
+                      max_len_b=e.max_len_b, max_sentences=e.max_sentences)
 
 
 def stage_config(cfg: ExperimentConfig, stage_dir: Path, **sections: dict[str, Any]

@@ -37,7 +37,7 @@ from moe_train.moe.moa_router import MoAGate
 from moe_train.moe.routing import RoutingContext
 from moe_train.stages.cluster import load_cluster
 from moe_train.stages.cluster_core import cluster_report
-from moe_train.stages.common import StageContext
+from moe_train.stages.common import StageContext, quality_decoding
 from moe_train.stages.distill import gate_labels, load_gate
 from moe_train.stages.features import encode_sentences
 from moe_train.train.export import InferenceModel, load_for_inference
@@ -131,8 +131,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
     test = ShardedDataset(cfg.data.prepared_dir, "test")
     domains = list(test.manifest["domains"])
     idx = test_indices(test, moa.eval_sentences)
-    ecfg = EvalConfig(beam=moa.eval_beam, lenpen=cfg.eval.lenpen, max_len_a=cfg.eval.max_len_a,
-                      max_len_b=cfg.eval.max_len_b, max_sentences=cfg.eval.max_sentences)
+    ecfg = quality_decoding(cfg)
     backbone_export = ctx.require("backbone", STAGE) / "checkpoints" / "export"
     backbone = load_for_inference(backbone_export, rt.device)
     models = {"backbone": backbone}

@@ -23,11 +23,11 @@ import torch
 from torch import nn
 
 from moe_train.config.schema import ExperimentConfig
-from moe_train.data.shards import ShardedDataset, read_manifest
+from moe_train.data.shards import read_manifest
 from moe_train.errors import ConfigError
 from moe_train.moe.gated_router import GatedRouter
 from moe_train.stages.adapters import freeze_base, load_backbone
-from moe_train.stages.classifier import probs_file
+from moe_train.stages.classifier import load_probs
 from moe_train.stages.common import StageContext, load_matching, stage_config, training_summary
 from moe_train.train.checkpoint import latest_tag
 from moe_train.train.export import load_export_weights
@@ -74,15 +74,17 @@ def _gate_keys(model: nn.Module) -> set[str]:
 
 
 class FrozenCheck:
-    """Snapshot of a model's frozen parameters, compared bitwise after training."""
+    """Snapshot of a model's frozen parameters (in their dtype, in host memory: no second copy
+    of the base on the accelerator), compared bitwise after training."""
 
     def __init__(self, model: nn.Module) -> None:
-        self.frozen = {n: p.detach().clone() for n, p in model.named_parameters()
+        self.frozen = {n: p.detach().to("cpu", copy=True) for n, p in model.named_parameters()
                        if not p.requires_grad}
 
     def report(self, model: nn.Module) -> dict[str, Any]:
         params = dict(model.named_parameters())
-        changed = [n for n, p in self.frozen.items() if not torch.equal(params[n].detach(), p)]
+        changed = [n for n, p in self.frozen.items()
+                   if not torch.equal(params[n].detach().cpu(), p)]
         return {"frozen_parameters": int(sum(p.numel() for p in self.frozen.values())),
                 "frozen_unchanged": not changed, "frozen_changed": changed[:5]}
 
@@ -124,10 +126,8 @@ def run_gad(ctx: StageContext) -> dict[str, Any]:
     source = export_dir(ctx, "ad")
     ad = load_export_weights(source)
     extra: list[TrainerHooks] = []
-    if cfg.gated.gate_loss == "kl":
-        n = len(ShardedDataset(cfg.data.prepared_dir, "train"))
-        path = ctx.require("classifier", "gad") / probs_file("train")
-        extra.append(TeacherProbs.from_file(path, n, cfg.adapters.num_experts))
+    if cfg.gated.gate_loss == "kl":  # one row per training sentence, one column per adapter
+        extra.append(TeacherProbs(load_probs(ctx, "train", "gad")))
 
     def init(model: nn.Module) -> None:
         load_matching(model, ad, source, new=_gate_keys(model))

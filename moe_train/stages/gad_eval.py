@@ -30,7 +30,7 @@ from moe_train.eval.metrics import corpus_metrics
 from moe_train.moe.gated_router import GatedRouter
 from moe_train.stages.classifier import load_classifier, load_probs
 from moe_train.stages.classifier_core import DomainClassifier
-from moe_train.stages.common import StageContext
+from moe_train.stages.common import StageContext, quality_decoding
 from moe_train.stages.evaluate import test_indices
 from moe_train.stages.gad import export_dir
 from moe_train.stages.gad_efficiency import efficiency_table
@@ -133,13 +133,6 @@ def _tag_test(ctx: StageContext, test: ShardedDataset) -> ShardedDataset | None:
     return tagged
 
 
-def quality_decoding(ctx: StageContext) -> EvalConfig:
-    """The quality tables' search: beam moa.eval_beam, the config's length settings."""
-    e = ctx.cfg.eval
-    return EvalConfig(beam=ctx.cfg.moa.eval_beam, lenpen=e.lenpen, max_len_a=e.max_len_a,
-                      max_len_b=e.max_len_b, max_sentences=e.max_sentences)
-
-
 def gad_tables(ctx: StageContext, inf: InferenceModel, split: str) -> dict[str, Any]:
     """One gated model on `split` of the prepared data, scored as `evaluate_split` scores GAD
     (same sentences, search, misclassified subset), with its gates' agreement (ablations)."""
@@ -147,7 +140,7 @@ def gad_tables(ctx: StageContext, inf: InferenceModel, split: str) -> dict[str, 
     idx = test_indices(data, ctx.cfg.moa.eval_sentences)
     pred_N = load_probs(ctx, split, STAGE).argmax(1)
     mis_idx = idx[pred_N[idx] != data.domain_ids[idx]]
-    hyps = translate_dataset(inf.model, data, inf.vocab, ctx.rt, quality_decoding(ctx),
+    hyps = translate_dataset(inf.model, data, inf.vocab, ctx.rt, quality_decoding(ctx.cfg),
                              ctx.cfg.data.max_tokens, indices=idx)
     gates_LNE = encoder_gate_probs(inf.model, data, idx, ctx.cfg.data.max_tokens)
     return {"split": split,
@@ -184,7 +177,7 @@ def evaluate_split(ctx: StageContext, models: dict[str, InferenceModel], test: A
     systems |= {"AD_ORACLE": (models["ad"], test), "AD_CLF": (models["ad"],
                                                               Relabeled(test, pred_N)),
                 "GAD": (models["gad"], test)}
-    ecfg = quality_decoding(ctx)
+    ecfg = quality_decoding(ctx.cfg)
     weights_D = domain_weights(models["backbone"].manifest)
     quality = {}
     for name, (inf, dataset) in systems.items():

@@ -118,28 +118,34 @@ class TeacherProbs(TrainerHooks):
 
     @classmethod
     def from_file(cls, path: str | Path, num_sentences: int, num_domains: int) -> TeacherProbs:
-        """Load an (N, E) float array saved with numpy (never unpickled) and check it: one row
-        per training sentence, one column per domain adapter, rows of probabilities."""
-        try:
-            probs = np.load(path, allow_pickle=False)
-        except (OSError, ValueError) as exc:
-            raise DataError(f"{path}: not a readable numpy array of teacher probabilities "
-                            f"({exc})") from None
-        if probs.ndim != 2 or probs.shape != (num_sentences, num_domains):
-            raise DataError(f"{path}: teacher probabilities of shape {probs.shape}, expected "
-                            f"({num_sentences}, {num_domains}): one row per training sentence, "
-                            "one column per domain adapter")
-        if not np.all(np.isfinite(probs)) or probs.min() < 0 or \
-                np.abs(probs.sum(1) - 1.0).max() > 1e-3:
-            raise DataError(f"{path}: teacher probabilities must be finite, non-negative and "
-                            "sum to 1 per row")
-        return cls(probs)
+        """The teacher's (N, E) probabilities from a numpy file (`load_probability_rows`)."""
+        return cls(load_probability_rows(
+            path, num_sentences, num_domains, "teacher probabilities",
+            "one row per training sentence, one column per domain adapter"))
 
     def batch_extras(self, batch: Batch) -> dict[str, Any]:
         if batch.split != "train" or batch.is_padding:
             return {}
         idx_B = batch.indices_B
         return {TEACHER_PROBS_KEY: self.probs_NE.index_select(0, idx_B.cpu()).to(idx_B.device)}
+
+
+def load_probability_rows(path: str | Path, rows: int, cols: int, what: str, layout: str
+                          ) -> np.ndarray:
+    """An (rows, cols) array of per-row probability distributions saved with numpy, never
+    unpickled; a file that is unreadable, of another shape (`layout` says which is expected) or
+    whose rows are not distributions is one DataError naming it."""
+    try:
+        probs = np.load(path, allow_pickle=False)
+    except (OSError, ValueError) as exc:
+        raise DataError(f"{path}: not a readable numpy array of {what} ({exc})") from None
+    if probs.shape != (rows, cols):
+        raise DataError(f"{path}: {what} of shape {probs.shape}, expected ({rows}, {cols}): "
+                        f"{layout}")
+    if not np.all(np.isfinite(probs)) or probs.min(initial=0) < 0 or \
+            np.abs(probs.sum(1) - 1.0).max(initial=0) > 1e-3:
+        raise DataError(f"{path}: {what} must be finite, non-negative and sum to 1 per row")
+    return probs
 
 
 def hooks_for(cfg: Any, extra: Sequence[TrainerHooks] = ()) -> HookList:
