@@ -163,8 +163,24 @@ def _add_params(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("params", help="total, per-side and serving parameter counts",
                        description="Count parameters of the model a config describes (built on "
                        "the meta device, no memory needed); ends with one JSON line.")
-    p.add_argument("--config", required=True, help="YAML config")
-    p.add_argument("overrides", nargs="*", help="a.b=value overrides")
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("--config", help="YAML config")
+    where.add_argument("--checkpoint", help="an export or checkpoint directory (its config and "
+                       "vocabulary size; e.g. an extracted sub-network)")
+    p.add_argument("overrides", nargs="*", help="a.b=value overrides (with --config)")
+
+
+def _add_extract(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("extract", help="a task's sub-network as a standalone export",
+                       description="Keep only one task's experts on each task-routed side "
+                       "(seed 002): a standalone export that translates that task's inputs "
+                       "exactly as the full model does; prints Table 1's parameter columns and "
+                       "ends with one JSON line.")
+    p.add_argument("--checkpoint", required=True, help="export or checkpoint directory")
+    p.add_argument("--task", required=True,
+                   help="what the task-routed sides route by: a language pair xx-yy, a target "
+                   "(or source) language, a domain name, or a task id")
+    p.add_argument("--out", required=True, help="directory of the extracted export")
 
 
 def _add_routing_stats(sub: argparse._SubParsersAction) -> None:
@@ -203,7 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="moe-train", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     for add in (_add_synth, _add_prepare, _add_train, _add_translate, _add_evaluate, _add_demo,
-                _add_params, _add_routing_stats, _add_pipeline):
+                _add_params, _add_extract, _add_routing_stats, _add_pipeline):
         add(sub)
     return parser
 

@@ -213,12 +213,36 @@ def _prepared_split(inf, prepared_arg: str | None, split: str):
 
 
 def cmd_params(args: argparse.Namespace) -> int:
-    cfg = load_config(args.config, args.overrides)  # before torch: config errors fail fast
+    if args.checkpoint:
+        if args.overrides:
+            raise ConfigError("params: overrides go with --config, not --checkpoint")
+        from moe_train.train.export import read_config
+
+        cfg, manifest = read_config(args.checkpoint)
+        vocab_size = int(manifest["vocab_size"])
+    else:
+        cfg = load_config(args.config, args.overrides)  # before torch: errors fail fast
+        vocab_size, manifest = cfg.data.vocab_size, None
     from moe_train.eval.params import count_parameters, format_params
 
-    report = count_parameters(cfg, cfg.data.vocab_size)
+    report = count_parameters(cfg, vocab_size, manifest)
     print(format_params(report))
     _json_line(report)
+    return 0
+
+
+def cmd_extract(args: argparse.Namespace) -> int:
+    from moe_train.eval.extract import extract, extraction_report, format_report, \
+        write_extraction
+    from moe_train.train.export import load_for_inference
+
+    inf = load_for_inference(args.checkpoint, "cpu")
+    ext = extract(inf.model, inf.cfg, inf.manifest, args.task)
+    report = extraction_report(inf.cfg, ext, inf.manifest)
+    out = write_extraction(args.out, ext, inf.manifest, inf.source / "spm.model", report)
+    print(format_report(report))
+    print(f"| wrote {out}")
+    _json_line({"checkpoint": str(inf.source), "out": str(out), **report})
     return 0
 
 

@@ -60,7 +60,11 @@ class RouterConfig:
     task router; 0 with a fixed `assignment` means its number of rows."""
     assignment: list[list[int]] = field(default_factory=list)
     """Fixed task -> experts table for the task router: row i lists the k experts of task i
-    (each gets weight 1/k). Empty: the task router learns its gate."""
+    (each gets weight 1/k unless `assignment_weights` says otherwise). Empty: the task router
+    learns its gate."""
+    assignment_weights: list[list[float]] = field(default_factory=list)
+    """Combine weights of the fixed `assignment`, row by row (k non-negative numbers per row,
+    e.g. a learned GATE(task) frozen into a table); empty: 1/k each."""
     sentence_pool: str = "mean"
     """How the sentence router condenses a sentence: mean over its non-pad tokens."""
     tau: float = 1.0
@@ -94,6 +98,15 @@ class RouterConfig:
             _expect(all(isinstance(e, int) and not isinstance(e, bool) and e >= 0 for e in row),
                     where, "non-negative integer expert ids", row)
             _expect(len(set(row)) == len(row), where, "distinct expert ids", row)
+        if self.assignment_weights:
+            _expect(len(self.assignment_weights) == len(self.assignment),
+                    f"{s}.assignment_weights", f"one row per moe.assignment row "
+                    f"({len(self.assignment)})", len(self.assignment_weights))
+        for i, row in enumerate(self.assignment_weights):
+            _expect(isinstance(row, (list, tuple)) and len(row) == self.k
+                    and all(isinstance(w, (int, float)) and not isinstance(w, bool) and w >= 0
+                            for w in row), f"{s}.assignment_weights[{i}]",
+                    f"a list of moe.k ({self.k}) non-negative weights", row)
         if self.assignment and self.num_tasks:
             _expect(self.num_tasks == len(self.assignment), f"{s}.num_tasks",
                     f"the number of moe.assignment rows ({len(self.assignment)})", self.num_tasks)
@@ -117,6 +130,19 @@ class MoEConfig(RouterConfig):
     """Task id of the encoder's task router: lang_pair, tgt_lang, domain or task_ids."""
     decoder_task_source: str = "tgt_lang"
     """Task id of the decoder's task router: lang_pair, tgt_lang, domain or task_ids."""
+    encoder_num_experts: int = 0
+    """Experts per encoder MoE layer; 0 means `num_experts` (seed 002 sizes each side)."""
+    decoder_num_experts: int = 0
+    """Experts per decoder MoE layer; 0 means `num_experts`."""
+    encoder_task_table: int = 0
+    """Rows of a frozen task table the encoder's task router keeps in its state instead of a
+    gate or `assignment`: row n holds task n's experts and combine weights in each layer, read
+    from the checkpoint; a row of -1 ids is a task the model does not serve. Written by
+    `moe-train extract`; 0: no table."""
+    decoder_task_table: int = 0
+    """The decoder's `encoder_task_table`."""
+    extracted_task: str = ""
+    """The task a sub-network was extracted for (`moe-train extract`); empty for a full model."""
     expert_ffn_dim: int = 0
     """Inner dimension of each expert FFN; 0 means model.ffn_dim."""
     ep_size: int = 1
@@ -134,6 +160,17 @@ class MoEConfig(RouterConfig):
             _expect(self.num_experts % self.ep_size == 0, "moe.num_experts",
                     f"a multiple of moe.ep_size ({self.ep_size})", self.num_experts)
         for side in ("encoder", "decoder"):
+            name = f"{side}_num_experts"
+            value = getattr(self, name)
+            _expect(value >= 0, f"moe.{name}", "a non-negative integer (0: moe.num_experts)",
+                    value)
+            _expect(value % self.ep_size == 0, f"moe.{name}",
+                    f"a multiple of moe.ep_size ({self.ep_size})", value)
+            name = f"{side}_task_table"
+            _expect(getattr(self, name) >= 0, f"moe.{name}", "a non-negative number of rows",
+                    getattr(self, name))
+            _expect(not getattr(self, name) or self.router_name(side) == "task", f"moe.{name}",
+                    f"0 unless moe.{side}_router is task", getattr(self, name))
             name = f"{side}_router"
             _expect(getattr(self, name) in ("dense", *ROUTER_NAMES), f"moe.{name}",
                     f"dense or one of {', '.join(ROUTER_NAMES)}", getattr(self, name))
@@ -152,6 +189,10 @@ class MoEConfig(RouterConfig):
 
     def router_name(self, side: str) -> str:
         return getattr(self, f"{side}_router")
+
+    def side_experts(self, side: str) -> int:
+        """Experts per MoE layer of `side`: its own count, else `num_experts`."""
+        return getattr(self, f"{side}_num_experts") or self.num_experts
 
     def is_moe_layer(self, side: str, layer_idx: int, num_layers: int) -> bool:
         """Whether layer `layer_idx` (0-based) of `side` gets an MoE FFN."""
@@ -172,4 +213,6 @@ class MoEConfig(RouterConfig):
         """The plain router settings of one side (its task source filled in)."""
         values = {f.name: getattr(self, f.name) for f in fields(RouterConfig)}
         values["task_source"] = getattr(self, f"{side}_task_source")
+        if getattr(self, f"{side}_task_table"):  # the table replaces the fixed assignment
+            values["assignment"], values["assignment_weights"] = [], []
         return RouterConfig(**values)

@@ -189,7 +189,8 @@ def count_model(model: nn.Module) -> dict[str, Any]:
     return report
 
 
-def count_parameters(cfg: ExperimentConfig, vocab_size: int) -> dict[str, Any]:
+def count_parameters(cfg: ExperimentConfig, vocab_size: int,
+                     manifest: dict[str, Any] | None = None) -> dict[str, Any]:
     """Parameter report of the model `cfg` describes, built on the meta device (no memory).
 
     Keys (all ints, parameters): total, embeddings, encoder, decoder, other; per side
@@ -202,15 +203,13 @@ def count_parameters(cfg: ExperimentConfig, vocab_size: int) -> dict[str, Any]:
     ``thor_num_tasks`` (K), ``thor_predictor`` (W^p + EMB1: 2 K D), ``thor_cls`` (D), and, over
     all its THOR layers, ``thor_token_gates``, ``thor_task_gates`` and ``thor_context_gates``.
     """
-    if cfg.uses_thor and not cfg.thor.num_tasks:
-        raise ConfigError("thor.num_tasks: 0 takes K from the prepared data, which `params` "
-                          "does not read; expected the number of tasks (e.g. "
-                          "thor.num_tasks=5 for five domains)")
+    if manifest is None:
+        _need_num_tasks(cfg)
+        # No data: THOR's pivot language counts as the only language (ids do not change the
+        # parameter count; numbers of tasks come from the config).
+        manifest = {"langs": [cfg.thor.pivot_lang]}
     with torch.device("meta"):
-        # No data here: THOR's pivot language counts as the only language (ids do not change
-        # the parameter count; num_tasks comes from the config).
-        model = build_model(cfg, {"vocab_size": vocab_size, "pad_id": 0,
-                                  "langs": [cfg.thor.pivot_lang]})
+        model = build_model(cfg, {**manifest, "vocab_size": vocab_size, "pad_id": 0})
     report = count_model(model)
     for side in SIDES:
         router = "dense"
@@ -219,6 +218,22 @@ def count_parameters(cfg: ExperimentConfig, vocab_size: int) -> dict[str, Any]:
         report[f"{side}_router"] = router
     report["vocab_size"] = vocab_size
     return report
+
+
+def _need_num_tasks(cfg: ExperimentConfig) -> None:
+    """Without the prepared data, numbers of tasks must come from the config."""
+    if cfg.uses_thor and not cfg.thor.num_tasks:
+        raise ConfigError("thor.num_tasks: 0 takes K from the prepared data, which `params` "
+                          "does not read; expected the number of tasks (e.g. "
+                          "thor.num_tasks=5 for five domains)")
+    moe = cfg.moe
+    for side in SIDES:
+        learned = (moe.enabled and moe.router_name(side) == "task" and not moe.assignment
+                   and not getattr(moe, f"{side}_task_table"))
+        if learned and not moe.num_tasks:
+            raise ConfigError(f"moe.num_tasks: 0 takes the number of {side} tasks from the "
+                              "prepared data, which `params --config` does not read; expected "
+                              "the number of tasks (or use `params --checkpoint`)")
 
 
 def human(n: int) -> str:

@@ -29,7 +29,25 @@ from moe_train.moe.thor_router import TaskPredictor
 from moe_train.errors import ConfigError
 
 
-def moe_ffn_factory(cfg: ExperimentConfig):
+def task_count(source: str, manifest: dict[str, Any]) -> int:
+    """Number of tasks of a task source in the prepared data (0 when it names none)."""
+    langs, domains = len(manifest.get("langs", [])), len(manifest.get("domains", []))
+    return {"domain": domains, "tgt_lang": langs, "src_lang": langs, "other_lang": langs,
+            "lang_pair": langs * langs}.get(source, 0)
+
+
+def _router_config(cfg: ExperimentConfig, side: str, manifest: dict[str, Any] | None):
+    """The side's router settings; a learned task router without `moe.num_tasks` gets the
+    data's number of tasks of its source."""
+    rcfg = cfg.moe.router_config(side)
+    learned_task = (cfg.moe.router_name(side) == "task" and not rcfg.assignment
+                    and not getattr(cfg.moe, f"{side}_task_table"))
+    if learned_task and not rcfg.num_tasks and manifest is not None:
+        rcfg.num_tasks = task_count(rcfg.task_source, manifest)
+    return rcfg
+
+
+def moe_ffn_factory(cfg: ExperimentConfig, manifest: dict[str, Any] | None = None):
     """An ffn_factory placing MoE layers where `cfg.moe` says, dense FFNs elsewhere."""
     moe = cfg.moe
     shared: dict[str, nn.Module] = {}  # side -> its sentence router, built once
@@ -38,21 +56,22 @@ def moe_ffn_factory(cfg: ExperimentConfig):
         num_layers = mcfg.encoder_layers if side == "encoder" else mcfg.decoder_layers
         if not moe.is_moe_layer(side, layer_idx, num_layers):
             return dense_ffn_factory(side, layer_idx, mcfg)
-        name = moe.router_name(side)
+        name, num_experts = moe.router_name(side), moe.side_experts(side)
+        rcfg = _router_config(cfg, side, manifest)
         settings = {}
         if name == "thor":
             settings = {"thor": cfg.thor, "loss_scale": 1.0 / num_thor_layers(cfg)}
+        if name == "task":
+            settings = {"task_table": getattr(moe, f"{side}_task_table")}
         if name == "sentence":
             if side not in shared:
-                shared[side] = build_shared_router(name, mcfg.d_model, moe.num_experts,
-                                                   moe.router_config(side))
+                shared[side] = build_shared_router(name, mcfg.d_model, num_experts, rcfg)
             router = shared[side]
         else:
-            router = build_router(name, mcfg.d_model, moe.num_experts, moe.router_config(side),
-                                  **settings)
-        experts = Experts(moe.num_experts, mcfg.d_model, moe.expert_ffn_dim or mcfg.ffn_dim,
+            router = build_router(name, mcfg.d_model, num_experts, rcfg, **settings)
+        experts = Experts(num_experts, mcfg.d_model, moe.expert_ffn_dim or mcfg.ffn_dim,
                           mcfg.activation, mcfg.activation_dropout)
-        return MoELayer(router, LocalDispatcher(moe.num_experts, moe.capacity_factor), experts,
+        return MoELayer(router, LocalDispatcher(num_experts, moe.capacity_factor), experts,
                         dropout=mcfg.dropout)
 
     return factory
@@ -99,9 +118,7 @@ def thor_num_tasks(cfg: ExperimentConfig, manifest: dict[str, Any]) -> int:
     """K: `thor.num_tasks`, or the number of tasks of `thor.task_source` in the data."""
     if cfg.thor.num_tasks:
         return cfg.thor.num_tasks
-    langs, domains = len(manifest.get("langs", [])), len(manifest.get("domains", []))
-    num = {"domain": domains, "tgt_lang": langs, "src_lang": langs, "other_lang": langs,
-           "lang_pair": langs * langs}[cfg.thor.task_source]
+    num = task_count(cfg.thor.task_source, manifest)
     if num < 1:
         raise ConfigError(f"thor.num_tasks: the data names no {cfg.thor.task_source} tasks; "
                           "expected a positive thor.num_tasks")
@@ -137,7 +154,7 @@ def thor_predictor_layer(cfg: ExperimentConfig) -> int:
 
 def build_model(cfg: ExperimentConfig, manifest: dict[str, Any]) -> Seq2SeqTransformer:
     """A single-device Seq2SeqTransformer sized to the prepared data's vocabulary."""
-    ffn_factory = moe_ffn_factory(cfg) if cfg.moe.enabled else None
+    ffn_factory = moe_ffn_factory(cfg, manifest) if cfg.moe.enabled else None
     adapters = adapter_factory(cfg) if cfg.adapters.enabled else None
     providers = {}
     if cfg.uses_thor:

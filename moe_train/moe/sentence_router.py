@@ -75,16 +75,26 @@ class TaskRouter(Router):
 
     The task of a sentence comes from ``rctx.task_ids_B`` (``cfg.task_source``: language pair,
     target language, domain or given task ids), so every token of a task goes to the same
-    experts. Learned: logits = W_g emb(task_id) with an N x D task embedding, top-k (raw
-    probability for k = 1, renormalised for k > 1); load-balance and z losses are taken over
-    real tokens, the units the experts actually process. Fixed: ``cfg.assignment[task]`` lists
-    the k experts (weight 1/k each), no parameters, no losses, probs_TE None. Jitter and noisy
+    experts. Three ways to hold GATE:
+
+    - learned: logits = W_g emb(task) with an N x D task embedding, top-k (raw probability for
+      k = 1, renormalised for k > 1); load-balance and z losses over real tokens. The gate is
+      evaluated for all N tasks at once and indexed by task (N is small), so a task's experts
+      and weights are the same numbers whatever else is in the batch, and `table()` gives
+      exactly what `forward` uses.
+    - fixed: ``cfg.assignment[task]`` lists the k experts, weighted by
+      ``cfg.assignment_weights`` (1/k each by default); a function of the config.
+    - frozen table (``task_table`` rows): per-layer experts and weights kept in the state dict,
+      written by `moe-train extract`; a row of -1 ids is a task this model does not serve.
+
+    Fixed and frozen routers have no parameters and no losses (probs_TE None). Jitter and noisy
     gating do not apply (the gate input is not a token state).
     """
 
     name = "task"
 
-    def __init__(self, d_model: int, num_experts: int, cfg: RouterConfig) -> None:
+    def __init__(self, d_model: int, num_experts: int, cfg: RouterConfig,
+                 task_table: int = 0) -> None:
         super().__init__(num_experts)
         _check_k(cfg.k, num_experts)
         self.cfg = cfg
@@ -92,21 +102,47 @@ class TaskRouter(Router):
         self.task_source = cfg.task_source
         self.embed: nn.Embedding | None = None
         self.gate: nn.Linear | None = None
-        if cfg.assignment:
+        if task_table:
+            self.num_tasks = task_table
+            # Learned state of an extracted model: saved with the checkpoint.
+            self.register_buffer("table_ids_NK", torch.full((task_table, self.k), -1))
+            self.register_buffer("table_weights_NK", torch.zeros(task_table, self.k))
+        elif cfg.assignment:
             self.num_tasks = len(cfg.assignment)
             for i, row in enumerate(cfg.assignment):
                 _expect(max(row) < num_experts, f"moe.assignment[{i}]",
-                        f"expert ids below moe.num_experts ({num_experts})", row)
+                        f"expert ids below the side's number of experts ({num_experts})", row)
+            weights = cfg.assignment_weights or [[1.0 / self.k] * self.k] * self.num_tasks
             # A function of the config, not learned state: not saved in checkpoints.
-            self.register_buffer("assignment_NK", torch.tensor(cfg.assignment, dtype=torch.long),
+            self.register_buffer("table_ids_NK", torch.tensor(cfg.assignment, dtype=torch.long),
+                                 persistent=False)
+            self.register_buffer("table_weights_NK", torch.tensor(weights, dtype=torch.float32),
                                  persistent=False)
         else:
             _expect(cfg.num_tasks > 0, "moe.num_tasks",
                     "a positive number of tasks for the learned task router", cfg.num_tasks)
             self.num_tasks = cfg.num_tasks
-            self.assignment_NK = None
+            self.table_ids_NK = self.table_weights_NK = None
             self.embed = nn.Embedding(cfg.num_tasks, d_model)
             self.gate = nn.Linear(d_model, num_experts, bias=False)
+
+    @property
+    def learned(self) -> bool:
+        return self.gate is not None
+
+    def _gate_NE(self) -> tuple[Tensor, Tensor]:
+        """(logits_NE, probs_NE) of the learned gate for every task."""
+        logits_NE = self.gate(self.embed.weight).float()
+        return logits_NE, logits_NE.softmax(-1)
+
+    @torch.no_grad()
+    def table(self) -> tuple[Tensor, Tensor]:
+        """(ids_NK, weights_NK): every task's experts and fp32 combine weights, in slot order,
+        exactly as `forward` uses them (a learned gate frozen into a table)."""
+        if not self.learned:
+            return self.table_ids_NK.clone(), self.table_weights_NK.float().clone()
+        ids_NK, weights_NK = top_k_select(self._gate_NE()[1], self.k, renormalize=self.k > 1)
+        return ids_NK, weights_NK
 
     def _task_ids(self, rctx: RoutingContext) -> Tensor:
         task_ids_B = rctx.task_ids_B
@@ -123,25 +159,35 @@ class TaskRouter(Router):
                     self.num_tasks)
         return task_ids_B.long()
 
+    def _served(self, ids_BK: Tensor, task_ids_B: Tensor) -> None:
+        """A frozen table's unserved rows (-1) are an error naming the task id."""
+        unserved = ids_BK[:, 0] < 0
+        if bool(unserved.any()):
+            served = torch.nonzero(self.table_ids_NK[:, 0] >= 0).flatten().tolist()
+            raise ConfigError(f"moe.extracted_task: this model serves {self.task_source} "
+                              f"id(s) {served} only, got id {int(task_ids_B[unserved][0])}")
+
     def forward(self, x_TD: Tensor, rctx: RoutingContext | None = None) -> Routing:
         rctx = _require_sentences(rctx, "task")
         task_ids_B = self._task_ids(rctx).to(x_TD.device)
         sid_T = rctx.sentence_ids_T
-        if self.assignment_NK is not None:
-            ids_BK = self.assignment_NK[task_ids_B]
+        if not self.learned:
+            ids_BK = self.table_ids_NK[task_ids_B]
+            self._served(ids_BK, task_ids_B)
             expert_ids_TK = ids_BK[sid_T]
-            weights_TK = torch.full(expert_ids_TK.shape, 1.0 / self.k, dtype=x_TD.dtype,
-                                    device=x_TD.device)
+            weights_TK = self.table_weights_NK[task_ids_B][sid_T].to(x_TD.dtype)
             return Routing(expert_ids_TK=expert_ids_TK, weights_TK=weights_TK, probs_TE=None,
                            num_experts=self.num_experts,
                            stats=_token_stats(expert_ids_TK, self.num_experts,
                                               rctx.pad_mask_T, None),
                            sentence_expert_ids_BK=ids_BK)
-        logits_BE = self.gate(self.embed(task_ids_B)).float()
-        probs_BE = logits_BE.softmax(-1)
-        ids_BK, weights_BK = top_k_select(probs_BE, self.k, renormalize=self.k > 1)
-        expert_ids_TK, probs_TE = ids_BK[sid_T], probs_BE[sid_T]
-        aux = _gate_losses(self.cfg, probs_TE, expert_ids_TK, logits_BE[sid_T], rctx.pad_mask_T)
+        logits_NE, probs_NE = self._gate_NE()
+        ids_NK, weights_NK = top_k_select(probs_NE, self.k, renormalize=self.k > 1)
+        ids_BK, weights_BK = ids_NK[task_ids_B], weights_NK[task_ids_B]
+        expert_ids_TK = ids_BK[sid_T]
+        probs_TE = probs_NE[task_ids_B][sid_T]
+        aux = _gate_losses(self.cfg, probs_TE, expert_ids_TK, logits_NE[task_ids_B][sid_T],
+                           rctx.pad_mask_T)
         return Routing(expert_ids_TK=expert_ids_TK, weights_TK=weights_BK[sid_T].to(x_TD.dtype),
                        probs_TE=probs_TE, num_experts=self.num_experts, aux_losses=aux,
                        stats=_token_stats(expert_ids_TK, self.num_experts, rctx.pad_mask_T,

@@ -211,7 +211,9 @@ def check_moe_against_data(cfg: Any, manifest: dict[str, Any]) -> None:
         if source == "task_ids":
             raise ConfigError(f"{field}: task_ids, but the prepared data carries no task ids "
                               "(use lang_pair, tgt_lang or domain)")
-        tasks = len(moe.assignment) or moe.num_tasks
+        tasks = getattr(moe, f"{side}_task_table") or len(moe.assignment) or moe.num_tasks
+        if not tasks:
+            continue  # a learned gate with num_tasks 0 takes the data's count
         if tasks < needed[source]:
             raise ConfigError(f"moe.num_tasks: expected at least {needed[source]} (tasks by "
                               f"{source} in the prepared data, see {field}), got {tasks}")

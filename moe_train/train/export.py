@@ -47,8 +47,10 @@ class InferenceModel:
 
 
 def export_inference(out_dir: str | Path, state_dict: dict[str, torch.Tensor],
-                     cfg: ExperimentConfig, manifest: dict[str, Any], spm_model: Path) -> Path:
-    """Write model.safetensors (fp32 weights), config.json, manifest.json, spm.model atomically."""
+                     cfg: ExperimentConfig, manifest: dict[str, Any], spm_model: Path,
+                     extra_json: dict[str, dict[str, Any]] | None = None) -> Path:
+    """Write model.safetensors (fp32 weights), config.json, manifest.json, spm.model and any
+    `extra_json` files ({file name: JSON object}) atomically."""
     out_dir = Path(out_dir)
     with atomic_dir(out_dir, overwrite=True) as tmp:
         weights = {k: v.detach().float() if v.is_floating_point() else v.detach()
@@ -57,6 +59,8 @@ def export_inference(out_dir: str | Path, state_dict: dict[str, torch.Tensor],
         (tmp / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
         shutil.copyfile(spm_model, tmp / "spm.model")
+        for name, obj in (extra_json or {}).items():
+            (tmp / name).write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
     return out_dir
 
 
@@ -120,8 +124,9 @@ def _check_weights(model: torch.nn.Module, state: dict[str, torch.Tensor], sourc
                               f"{shapes[:2]}); expected weights of the same architecture")
 
 
-def load_for_inference(path: str | Path, device: torch.device | str = "cpu") -> InferenceModel:
-    """Load a model for translation, in eval mode, on `device`."""
+def _read_parts(path: str | Path) -> tuple[str, Path, ExperimentConfig, dict[str, Any], Path]:
+    """(kind, directory, config, manifest, weights file or step dir) of a checkpoint path, every
+    file checked before use; no weights are read."""
     kind, where = _resolve(Path(path))
     if kind == "export":
         cfg_dict, manifest, weights = _export_parts(where)
@@ -132,11 +137,23 @@ def load_for_inference(path: str | Path, device: torch.device | str = "cpu") -> 
         manifest = read_json_object(where / "manifest.json", "the checkpoint's data manifest")
         cfg_file = where / "meta.json"
     _check_manifest(manifest, where / "manifest.json")
-    vocab = _load_vocab(require_file(where / "spm.model", "the sentencepiece model of the data"))
     try:
         cfg = config_from_dict(cfg_dict)
     except MoeTrainError as exc:
         raise CheckpointError(f"{cfg_file}: {exc}") from None
+    return kind, where, cfg, manifest, weights
+
+
+def read_config(path: str | Path) -> tuple[ExperimentConfig, dict[str, Any]]:
+    """(config, data manifest) of an export or checkpoint directory, without its weights."""
+    _, _, cfg, manifest, _ = _read_parts(path)
+    return cfg, manifest
+
+
+def load_for_inference(path: str | Path, device: torch.device | str = "cpu") -> InferenceModel:
+    """Load a model for translation, in eval mode, on `device`."""
+    kind, where, cfg, manifest, weights = _read_parts(path)
+    vocab = _load_vocab(require_file(where / "spm.model", "the sentencepiece model of the data"))
     state = load_export_weights(where) if kind == "export" else consolidated_state_dict(where)
     model = build_model(cfg, manifest)
     _check_weights(model, state, weights)

@@ -233,7 +233,7 @@ def test_learned_task_router_routes_by_task_only() -> None:
 def test_fixed_table_task_router() -> None:
     cfg = RouterConfig(k=2, assignment=[[0, 1], [2, 3], [3, 1]])
     router = build_router("task", 8, E, cfg)
-    assert list(router.parameters()) == [] and "assignment_NK" not in router.state_dict()
+    assert list(router.parameters()) == [] and "table_ids_NK" not in router.state_dict()
     rctx = RoutingContext.from_batch(3, 2, task_ids_B=torch.tensor([1, 0, 2]),
                                      pad_mask_BT=torch.tensor([[0, 0], [0, 1], [0, 0]]).bool())
     out = router.route(torch.randn(6, 8), rctx)

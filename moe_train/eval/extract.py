@@ -1,0 +1,187 @@
+"""Task sub-network extraction (`moe-train extract`, seed 002 Sec. 3.2).
+
+A side whose MoE layers route by task sends every token of a task to the same k experts with
+the same combine weights, so a server for one task needs only those experts. Extraction
+evaluates GATE(task) in each task-routed layer (`TaskRouter.table`: a learned gate frozen into
+a table, or the fixed assignment), keeps the k chosen experts and writes a standalone export
+whose task routers hold a frozen table (``moe.{side}_task_table``) with only this task's row
+filled. Token-routed sides keep all their experts.
+
+The kept experts stay in ascending global order (the slot -> expert map is in the table), so
+the dispatcher sorts a token's copies exactly as in the full model and the combine adds them in
+the same order: on that task's inputs the sub-network's output equals the full model's bit for
+bit (fp32, dropless evaluation).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from moe_train.config.loader import config_from_dict
+from moe_train.config.schema import ExperimentConfig
+from moe_train.errors import ConfigError
+from moe_train.eval.params import SIDES, count_parameters
+from moe_train.models.build import build_model, moe_layers
+from moe_train.moe.sentence_router import TaskRouter
+
+EXTRACT_REPORT = "extract.json"
+"""The extraction's parameter report, written into the export directory."""
+
+
+def task_sides(cfg: ExperimentConfig) -> list[str]:
+    """The sides whose MoE layers route by task (what extraction can shrink)."""
+    return [s for s in SIDES if cfg.moe.enabled and cfg.moe.router_name(s) == "task"]
+
+
+def resolve_task(task: str, source: str, manifest: dict[str, Any]) -> int:
+    """The task id of `task` for a side routing by `source`: a language pair ``xx-yy``
+    (any source but domain), a language (tgt_lang / src_lang), a domain name, or an integer
+    (task_ids)."""
+    langs, domains = list(manifest.get("langs", [])), list(manifest.get("domains", []))
+    if source == "domain":
+        if task in domains:
+            return domains.index(task)
+        raise ConfigError(f"--task: this model routes by domain; expected one of "
+                          f"{', '.join(domains) or 'none'}, got {task!r}")
+    if source == "task_ids":
+        if task.isdigit():
+            return int(task)
+        raise ConfigError(f"--task: this model routes by given task ids; expected an integer, "
+                          f"got {task!r}")
+    src, sep, tgt = task.partition("-")
+    pair = bool(sep) and src in langs and tgt in langs
+    if source == "lang_pair":
+        if pair:
+            return langs.index(src) * len(langs) + langs.index(tgt)
+        raise ConfigError(f"--task: this model routes by language pair; expected xx-yy with "
+                          f"xx, yy among {', '.join(langs) or 'none'}, got {task!r}")
+    if pair:
+        return langs.index(tgt if source == "tgt_lang" else src)
+    if task in langs:
+        return langs.index(task)
+    what = "target" if source == "tgt_lang" else "source"
+    raise ConfigError(f"--task: this model routes by {what} language; expected a language "
+                      f"({', '.join(langs) or 'none'}) or a pair xx-yy, got {task!r}")
+
+
+def extracted_config(cfg: ExperimentConfig, task: str, num_tasks: dict[str, int]
+                     ) -> ExperimentConfig:
+    """The config of `task`'s sub-network: each task-routed side keeps moe.k experts behind a
+    frozen table of `num_tasks[side]` rows; expert parallelism off (a serving copy)."""
+    sides = task_sides(cfg)
+    if not sides:
+        raise ConfigError("moe.encoder_router / moe.decoder_router: neither side routes by task, "
+                          "so no sub-network can be extracted (every expert may serve any input)")
+    values = cfg.to_dict()
+    moe = values["moe"]
+    for side in sides:
+        moe[f"{side}_num_experts"] = cfg.moe.k
+        moe[f"{side}_task_table"] = num_tasks[side]
+    moe.update(ep_size=1, extracted_task=task, assignment=[], assignment_weights=[])
+    return config_from_dict(values)
+
+
+@dataclass
+class Extraction:
+    """An extracted sub-network: its config, weights and the per-layer choices."""
+
+    cfg: ExperimentConfig
+    state: dict[str, torch.Tensor]
+    task_ids: dict[str, int]
+    """Task id per task-routed side."""
+    experts: dict[str, list[int]]
+    """Layer name -> the global expert ids kept (ascending)."""
+
+
+def extract(model: torch.nn.Module, cfg: ExperimentConfig, manifest: dict[str, Any],
+            task: str) -> Extraction:
+    """`task`'s sub-network of a loaded full model (see the module docstring)."""
+    if cfg.moe.extracted_task:
+        raise ConfigError(f"--checkpoint: already a sub-network (of task "
+                          f"{cfg.moe.extracted_task!r}); extract from the full model")
+    sides = task_sides(cfg)
+    task_ids = {s: resolve_task(task, getattr(cfg.moe, f"{s}_task_source"), manifest)
+                for s in sides}
+    state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    num_tasks: dict[str, int] = {}
+    kept: dict[str, list[int]] = {}
+    for name, layer in moe_layers(model):
+        side = name.split("_layers.")[0]
+        if side not in sides:
+            continue
+        router = layer.router
+        assert isinstance(router, TaskRouter), f"{name}: a task-routed side without TaskRouter"
+        task_id = task_ids[side]
+        if task_id >= router.num_tasks:
+            raise ConfigError(f"--task: {task!r} is {side} task id {task_id}, but the model has "
+                              f"{router.num_tasks} tasks")
+        num_tasks[side] = router.num_tasks
+        ids_NK, weights_NK = (t.cpu() for t in router.table())
+        slots = ids_NK[task_id].tolist()
+        keep = sorted(slots)
+        table_ids_NK = torch.full_like(ids_NK, -1)
+        table_ids_NK[task_id] = torch.tensor([keep.index(e) for e in slots])
+        table_weights_NK = torch.zeros_like(weights_NK)
+        table_weights_NK[task_id] = weights_NK[task_id]
+        for key in [k for k in state if k.startswith(f"{name}.router.")]:
+            del state[key]
+        state[f"{name}.router.table_ids_NK"] = table_ids_NK
+        state[f"{name}.router.table_weights_NK"] = table_weights_NK
+        index = torch.tensor(keep)
+        for pname, _ in layer.experts.expert_parameters():
+            key = f"{name}.experts.{pname}"
+            state[key] = state[key].index_select(0, index).clone()
+        kept[name] = keep
+    sub_cfg = extracted_config(cfg, task, num_tasks)
+    return Extraction(cfg=sub_cfg, state=state, task_ids=task_ids, experts=kept)
+
+
+def load_extracted(ext: Extraction, manifest: dict[str, Any]) -> torch.nn.Module:
+    """The sub-network as a model (strict load: every weight accounted for), in eval mode."""
+    model = build_model(ext.cfg, manifest)
+    model.load_state_dict(ext.state, strict=True)
+    return model.eval()
+
+
+def extraction_report(full_cfg: ExperimentConfig, ext: Extraction, manifest: dict[str, Any]
+                      ) -> dict[str, Any]:
+    """Seed 002 Table 1's columns for the full model (train all, serving all, serving decoder)
+    and the sub-network's own counts (meta device, no weights)."""
+    vocab_size = int(manifest["vocab_size"])
+    full = count_parameters(full_cfg, vocab_size, manifest)
+    sub = count_parameters(ext.cfg, vocab_size, manifest)
+    return {"task": ext.cfg.moe.extracted_task, "task_ids": ext.task_ids,
+            "experts_kept": ext.experts,
+            "full": {key: full[key] for key in ("total", "serving_all", "serving_decoder",
+                                                "encoder", "decoder")},
+            "extracted": {key: sub[key] for key in ("total", "serving_all", "serving_decoder",
+                                                    "encoder", "decoder")}}
+
+
+def format_report(report: dict[str, Any]) -> str:
+    """The report as Table 1's columns, full model against the sub-network."""
+    from moe_train.eval.params import human
+
+    full, sub = report["full"], report["extracted"]
+    rows = [f"| task {report['task']} ({', '.join(f'{s} id {i}' for s, i in report['task_ids'].items())})",
+            f"| {'':<22} {'train all':>10} {'serving all':>12} {'serving dec.':>13}",
+            f"| {'full model':<22} {human(full['total']):>10} {human(full['serving_all']):>12} "
+            f"{human(full['serving_decoder']):>13}",
+            f"| {'extracted sub-network':<22} {human(sub['total']):>10} "
+            f"{human(sub['serving_all']):>12} {human(sub['serving_decoder']):>13}",
+            f"| the sub-network holds {sub['total'] / full['total']:.1%} of the full model's "
+            f"parameters ({full['decoder'] / max(sub['decoder'], 1):.2f}x fewer in the decoder)"]
+    return "\n".join(rows)
+
+
+def write_extraction(out_dir: str | Path, ext: Extraction, manifest: dict[str, Any],
+                     spm_model: Path, report: dict[str, Any]) -> Path:
+    """A standalone export of the sub-network (loads without DeepSpeed), with its report."""
+    from moe_train.train.export import export_inference
+
+    return export_inference(out_dir, ext.state, ext.cfg, manifest, spm_model,
+                            extra_json={EXTRACT_REPORT: report})
