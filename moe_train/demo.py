@@ -1,8 +1,13 @@
-"""`moe-train demo`: the embedded default, end to end on a laptop CPU.
+"""`moe-train demo`: the embedded default, end to end on a laptop CPU, no download.
 
-Generates the synthetic multi-domain corpus (no download), prepares it, trains a small
-Transformer in-process on the DeepSpeed engine, evaluates the held-out test set with beam search
-and prints per-domain BLEU. Each step reuses a finished artifact, so a second run resumes.
+A synthetic multilingual, multi-domain corpus (3 domains; en->de, en->fr, de->en, fr->en) is
+generated and prepared; a small hybrid MoE (token-routed encoder, target-language-routed decoder:
+seed 002's Token/Target) trains in-process on the DeepSpeed engine for a fixed number of steps
+(the time limit is only a guard, reported when it stops training early). The demo then prints
+BLEU per direction and per domain (beam search over the whole test set), the decoder's expert x
+target-language table with the paths of the routing heatmaps and TensorBoard logs, and extracts
+one direction's sub-network: its size against the full model, and whether it translates that
+direction's test set identically. Each step reuses a finished artifact, so a second run resumes.
 """
 
 from __future__ import annotations
@@ -10,8 +15,17 @@ from __future__ import annotations
 import time
 from importlib import resources
 from pathlib import Path
+from typing import Any
+
+import numpy as np
 
 from moe_train.config.loader import load_config, merge, read_yaml
+
+CORPUS = {"num_domains": 3, "target_langs": ["de", "fr"], "train_per_domain": 2000,
+          "dev_per_domain": 20, "test_per_domain": 25}
+"""The synthetic corpus of the demo (`moe-train synth` options)."""
+EXTRACT_TASK = "en-de"
+"""The direction whose sub-network the demo extracts."""
 
 
 def demo_config(workdir: Path, minutes: float | None, overrides: list[str]):
@@ -27,15 +41,104 @@ def demo_config(workdir: Path, minutes: float | None, overrides: list[str]):
     return load_config(base=merge(base, paths), overrides=overrides)
 
 
-def run_demo(workdir: Path, minutes: float | None = None, overrides: list[str] | None = None
-             ) -> dict:
-    """Run the whole demo; returns the test metrics."""
-    from moe_train.commands import run_training
+def format_groups(metrics: dict[str, Any], group: str, head: str) -> str:
+    """A BLEU / chrF table of one grouping of `metrics` ("pairs" or "domains") plus ALL."""
+    rows = [f"{head:<16} {'sents':>6} {'BLEU':>6} {'chrF':>6}"]
+    for name, m in [*metrics[group].items(), ("ALL", metrics["all"])]:
+        rows.append(f"{name:<16} {m['sentences']:>6} {m['bleu']:>6.2f} {m['chrf']:>6.2f}")
+    return "\n".join(rows)
+
+
+def format_expert_table(table_EC: np.ndarray, columns: list[str]) -> str:
+    """Share of each column's token slots per expert (percent), one row per expert."""
+    share_EC = 100.0 * table_EC / np.maximum(table_EC.sum(0, keepdims=True), 1)
+    rows = [f"{'expert':<8}" + "".join(f"{c:>8}" for c in columns)]
+    for e, row in enumerate(share_EC):
+        rows.append(f"{e:<8}" + "".join(f"{v:>7.1f}%" for v in row))
+    return "\n".join(rows)
+
+
+def _say(text: str) -> None:
+    print(f"[demo] {text}", flush=True)
+
+
+def _data(workdir: Path, cfg) -> Path:
+    """Generate and prepare the corpus unless done; returns the prepared directory."""
     from moe_train.data.corpus import discover
     from moe_train.data.prepare import prepare
+    from moe_train.data.synthetic_dir import write_synthetic
+
+    data_dir = workdir / "data"
+    if not (data_dir / "domains.json").is_file():
+        _say(f"generating the synthetic corpus in {data_dir}")
+        write_synthetic(data_dir, overwrite=True, seed=cfg.train.seed, **CORPUS)
+    prepared = Path(cfg.data.prepared_dir)
+    if not (prepared / "manifest.json").is_file():
+        _say(f"preparing (sentencepiece + shards) into {prepared}")
+        manifest = prepare(discover(data_dir, pairs=cfg.data.pairs), prepared, cfg.data,
+                           seed=cfg.train.seed)
+        sizes = {k: v["sentences"] for k, v in manifest["splits"].items()}
+        _say(f"{sizes} pairs in {', '.join(cfg.data.pairs)}, vocabulary "
+             f"{manifest['vocab_size']}")
+    return prepared
+
+
+def _routing(workdir: Path, inf, test, cfg, rt) -> Path:
+    """Routing tables of the test set: print the decoder's expert x target language table."""
+    from moe_train.eval.routing_stats import collect_routing_stats
+    from moe_train.eval.routing_tables import write_routing_stats
+
+    stats = collect_routing_stats(inf.model, test, inf.manifest, rt, cfg.data.max_tokens)
+    out = workdir / "routing"
+    write_routing_stats(stats, out)
+    for layer in stats.layers:
+        if layer.startswith("decoder"):
+            table_EC, columns = stats.table(layer, "expert_tgt_lang")
+            seen = [c for c, n in enumerate(table_EC.sum(0)) if n > 0]
+            _say(f"{layer} (routed by target language): share of each language's tokens "
+                 "per expert")
+            print(format_expert_table(table_EC[:, seen], [columns[c] for c in seen]))
+            _say(f"routing heatmap: {out / (layer + '.expert_tgt_lang.png')}")
+    return out
+
+
+def _extraction(workdir: Path, inf, test, cfg, rt) -> dict[str, Any]:
+    """Extract EXTRACT_TASK's sub-network and check it translates that direction identically."""
+    from moe_train.eval.decode import translate_dataset
+    from moe_train.eval.extract import extract, extraction_report, format_report, \
+        write_extraction
+    from moe_train.train.export import load_for_inference
+
+    src, tgt = EXTRACT_TASK.split("-")
+    langs = inf.manifest["langs"]
+    indices = [i for i in range(len(test)) if int(test.src_lang_ids[i]) == langs.index(src)
+               and int(test.tgt_lang_ids[i]) == langs.index(tgt)]
+    ext = extract(inf.model, inf.cfg, inf.manifest, EXTRACT_TASK)
+    report = extraction_report(inf.cfg, ext, inf.manifest)
+    out = write_extraction(workdir / f"extracted-{EXTRACT_TASK}", ext, inf.manifest,
+                           inf.source / "spm.model", report)
+    sub = load_for_inference(out)
+    args = (test, inf.vocab, rt, inf.cfg.eval, cfg.data.max_tokens)
+    full_hyps = translate_dataset(inf.model, *args, indices=indices)
+    sub_hyps = translate_dataset(sub.model, *args, indices=indices)
+    same = sum(full_hyps[i] == sub_hyps[i] for i in indices)
+    _say(f"extracted the {EXTRACT_TASK} sub-network into {out}")
+    print(format_report(report))
+    identical = same == len(indices) and len(indices) > 0
+    _say(f"extraction check: {same}/{len(indices)} {EXTRACT_TASK} test sentences translated "
+         f"identically by the sub-network (beam {inf.cfg.eval.beam}): "
+         f"{'PASS' if identical else 'FAIL'}")
+    return {"task": EXTRACT_TASK, "sentences": len(indices), "identical": same,
+            "passed": identical, "out": str(out), **report}
+
+
+def run_demo(workdir: Path, minutes: float | None = None, overrides: list[str] | None = None
+             ) -> dict:
+    """Run the whole demo; returns the test metrics (with the extraction check)."""
+    from moe_train.commands import run_training
     from moe_train.data.shards import ShardedDataset
-    from moe_train.data.synthetic import generate_synthetic
-    from moe_train.eval.evaluate import evaluate_dataset, format_table
+    from moe_train.errors import MoeTrainError
+    from moe_train.eval.evaluate import evaluate_dataset
     from moe_train.parallel.runtime import ParallelRuntime
     from moe_train.train.export import load_for_inference
     from moe_train.utils.atomic import write_json
@@ -43,32 +146,36 @@ def run_demo(workdir: Path, minutes: float | None = None, overrides: list[str] |
     t0 = time.time()
     workdir = workdir.resolve()
     cfg = demo_config(workdir, minutes, overrides or [])
-    data_dir = workdir / "data"
-    if not (data_dir / "domains.json").is_file():
-        print(f"[demo] generating the synthetic corpus in {data_dir}", flush=True)
-        generate_synthetic(data_dir, seed=cfg.train.seed)
-    prepared = Path(cfg.data.prepared_dir)
-    if not (prepared / "manifest.json").is_file():
-        print(f"[demo] preparing (sentencepiece + shards) into {prepared}", flush=True)
-        manifest = prepare(discover(data_dir), prepared, cfg.data, seed=cfg.train.seed)
-        sizes = {k: v["sentences"] for k, v in manifest["splits"].items()}
-        print(f"[demo] {sizes} pairs, vocabulary {manifest['vocab_size']}", flush=True)
-    print(f"[demo] training ({cfg.train.max_steps} steps at most, "
-          f"{cfg.train.max_minutes} min budget)", flush=True)
+    prepared = _data(workdir, cfg)
+    _say(f"training a hybrid MoE: encoder {cfg.moe.encoder_router} routing over "
+         f"{cfg.moe.side_experts('encoder')} experts, decoder {cfg.moe.decoder_router} routing "
+         f"by {cfg.moe.decoder_task_source} over {cfg.moe.side_experts('decoder')} experts, "
+         f"{cfg.train.max_steps} steps ({cfg.train.max_minutes} min guard)")
     summary = run_training(cfg, resume=True)
+    if summary["step"] < cfg.train.max_steps:
+        _say(f"NOTE: the {cfg.train.max_minutes} min guard stopped training at step "
+             f"{summary['step']} of {cfg.train.max_steps}; scores are of a shorter run")
 
-    print("[demo] evaluating the test set with beam search", flush=True)
+    _say("evaluating the test set with beam search")
+    rt = ParallelRuntime()
     inf = load_for_inference(Path(cfg.checkpoint.dir) / "export")
     test = ShardedDataset(prepared, "test")
-    metrics, _ = evaluate_dataset(inf.model, test, inf.vocab, inf.manifest, ParallelRuntime(),
-                                  inf.cfg.eval, cfg.data.max_tokens)
+    metrics, _ = evaluate_dataset(inf.model, test, inf.vocab, inf.manifest, rt, inf.cfg.eval,
+                                  cfg.data.max_tokens)
+    print(format_groups(metrics, "pairs", "direction"))
+    print(format_groups(metrics, "domains", "domain"))
+    _say(f"sacreBLEU {metrics['all']['bleu_signature']}")
+    routing = _routing(workdir, inf, test, cfg, rt)
+    metrics["extraction"] = _extraction(workdir, inf, test, cfg, rt)
     write_json(workdir / "test_metrics.json", metrics)
-    print(format_table(metrics))
-    print(f"[demo] sacreBLEU {metrics['all']['bleu_signature']}")
-    print(f"[demo] done in {(time.time() - t0) / 60:.1f} min | {summary['step']} steps | "
-          f"{summary['train_tokens_per_s']:.0f} target tokens/s")
-    print(f"[demo] work directory: {workdir}")
-    print(f"[demo]   checkpoint:  {cfg.checkpoint.dir} (export: {summary['export']})")
-    print(f"[demo]   TensorBoard: tensorboard --logdir {cfg.logging.tensorboard_dir}")
-    print(f"[demo]   metrics:     {workdir / 'test_metrics.json'}")
+    _say(f"done in {(time.time() - t0) / 60:.1f} min | {summary['step']} steps | "
+         f"{summary['train_tokens_per_s']:.0f} target tokens/s")
+    _say(f"work directory: {workdir}")
+    _say(f"  checkpoint:  {cfg.checkpoint.dir} (export: {summary['export']})")
+    _say(f"  routing:     {routing} (CSV tables and PNG heatmaps per MoE layer)")
+    _say(f"  TensorBoard: tensorboard --logdir {cfg.logging.tensorboard_dir}")
+    _say(f"  metrics:     {workdir / 'test_metrics.json'}")
+    if not metrics["extraction"]["passed"]:
+        raise MoeTrainError("demo: the extracted sub-network did not translate its direction "
+                            "identically to the full model")
     return metrics

@@ -53,14 +53,17 @@ def _stop(local_done: bool, sync_done: Callable[[bool], bool] | None) -> bool:
 
 def _next_log_probs(model: IncrementalSeq2Seq, prev_N1: Tensor, enc: Any,
                     ctx: ForwardContext | None, cache: Any, step: int, max_len_N: Tensor,
-                    bos_id: int, eos_id: int, pad_id: int) -> Tensor:
-    """Float32 log-probs (N, V) of the next token; pad (and bos) banned, eos forced at the limit."""
+                    bos_id: int, eos_id: int, pad_id: int, min_len: int = 0) -> Tensor:
+    """Float32 log-probs (N, V) of the next token; pad (and bos) banned, eos banned before
+    `min_len` tokens and forced at the limit (the limit wins)."""
     logits_N1V, _ = model.decode(prev_N1, enc, ctx, cache)
     lprobs_NV = torch.log_softmax(logits_N1V[:, -1].float(), dim=-1)
     lprobs_NV[:, pad_id] = -torch.inf
     if bos_id != eos_id:
         lprobs_NV[:, bos_id] = -torch.inf
     at_limit_N = step + 1 >= max_len_N
+    if step + 1 < min_len:
+        lprobs_NV[:, eos_id] = torch.where(at_limit_N, lprobs_NV[:, eos_id], -torch.inf)
     if bool(at_limit_N.any()):
         eos_NV = torch.full_like(lprobs_NV, -torch.inf)
         eos_NV[:, eos_id] = lprobs_NV[:, eos_id]
@@ -72,8 +75,11 @@ def _next_log_probs(model: IncrementalSeq2Seq, prev_N1: Tensor, enc: Any,
 def greedy_search(model: IncrementalSeq2Seq, src_tokens_BS: Tensor, bos_id: int, eos_id: int,
                   pad_id: int, max_len_a: float = 1.2, max_len_b: int = 10,
                   ctx: ForwardContext | None = None,
-                  sync_done: Callable[[bool], bool] | None = None) -> list[list[int]]:
-    """Most likely next token at every step; returns each sentence's tokens without bos/eos."""
+                  sync_done: Callable[[bool], bool] | None = None,
+                  min_len: int = 0) -> list[list[int]]:
+    """Most likely next token at every step; returns each sentence's tokens without bos/eos.
+    `min_len`: eos is banned until that many tokens (eos included), e.g. for fixed-length
+    throughput measurements."""
     B = src_tokens_BS.size(0)
     device = src_tokens_BS.device
     max_len_B = max_lengths(model, src_tokens_BS, pad_id, max_len_a, max_len_b).to(device)
@@ -84,7 +90,7 @@ def greedy_search(model: IncrementalSeq2Seq, src_tokens_BS: Tensor, bos_id: int,
     steps: list[Tensor] = []
     for step in itertools.count():
         lprobs_BV = _next_log_probs(model, prev_B1, enc, ctx, cache, step, max_len_B,
-                                    bos_id, eos_id, pad_id)
+                                    bos_id, eos_id, pad_id, min_len)
         next_B = lprobs_BV.argmax(dim=-1)
         next_B = torch.where(finished_B, torch.full_like(next_B, pad_id), next_B)
         steps.append(next_B)
@@ -104,8 +110,10 @@ def _strip(tokens: list[int], eos_id: int) -> list[int]:
 def beam_search(model: IncrementalSeq2Seq, src_tokens_BS: Tensor, bos_id: int, eos_id: int,
                 pad_id: int, beam: int = 5, lenpen: float = 1.0, max_len_a: float = 1.2,
                 max_len_b: int = 10, ctx: ForwardContext | None = None,
-                sync_done: Callable[[bool], bool] | None = None) -> list[list[int]]:
-    """Batched beam search; returns each sentence's best hypothesis without bos/eos.
+                sync_done: Callable[[bool], bool] | None = None,
+                min_len: int = 0) -> list[list[int]]:
+    """Batched beam search; returns each sentence's best hypothesis without bos/eos
+    (`min_len` as in `greedy_search`).
 
     Each step takes the top 2K of the K x V extensions per sentence. Eos extensions ranked in the
     top K become finished hypotheses (scored sum(log p) / len**lenpen, len counting eos); the K
@@ -136,7 +144,7 @@ def beam_search(model: IncrementalSeq2Seq, src_tokens_BS: Tensor, bos_id: int, e
 
     for step in itertools.count():
         lprobs_NV = _next_log_probs(model, prev_N1, enc, ctx_N, cache, step, max_len_N,
-                                    bos_id, eos_id, pad_id)
+                                    bos_id, eos_id, pad_id, min_len)
         V = lprobs_NV.size(-1)
         cand_BX = (scores_BK[:, :, None] + lprobs_NV.view(B, K, V)).view(B, K * V)
         top_scores_BC, top_idx_BC = cand_BX.topk(min(2 * K, K * V), dim=1)

@@ -1,15 +1,18 @@
 """`moe-train demo`, the README's first command, end to end in a shortened form.
 
-The real command (synthetic corpus, sentencepiece preparation, DeepSpeed training, export, beam
-search over the whole test set) with overrides that shrink the model and the training to a few
-steps. It must end with the per-domain BLEU table and the paths it wrote, and those files must be
-there; a second run reuses every finished artifact and resumes the checkpoint.
+The real command (synthetic multilingual corpus, sentencepiece preparation, DeepSpeed training of
+the hybrid MoE, export, beam search over the whole test set, routing tables, extraction of one
+direction's sub-network) with overrides that shrink the model and the training to a few steps.
+It must print BLEU per direction and per domain, the decoder's expert x target-language table,
+pass its extraction check and end with the paths it wrote, and those files must be there; a
+second run reuses every finished artifact and resumes the checkpoint.
 """
 
 from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 from tests.conftest import ROOT, run_cli
 
@@ -17,14 +20,16 @@ SHRINK = ["model.d_model=32", "model.n_heads=2", "model.ffn_dim=64", "model.enco
           "model.decoder_layers=1", "data.vocab_size=300", "data.max_tokens=600",
           "train.max_steps=6", "train.log_every=2", "train.validate_every=0", "train.bleu_every=0",
           "checkpoint.save_every=6", "eval.beam=2"]
-DOMAINS = ["it", "law", "medical", "religion", "subtitles"]
+DOMAINS = ["it", "law", "medical"]
+DIRECTIONS = ["de-en", "en-de", "en-fr", "fr-en"]
 ROW = re.compile(r"^(\S+)\s+(\d+)\s+(\d+\.\d\d)\s+(\d+\.\d\d)$")
 
 
-def _table(out: str) -> dict[str, tuple[int, float, float]]:
-    """The per-domain table the demo prints: name -> (sentences, BLEU, chrF)."""
+def _table(out: str, head: str = "domain") -> dict[str, tuple[int, float, float]]:
+    """A BLEU table the demo prints (per domain or per direction): name -> (sentences, BLEU,
+    chrF)."""
     lines = out.splitlines()
-    start = next(i for i, line in enumerate(lines) if line.split() == ["domain", "sents", "BLEU", "chrF"])
+    start = next(i for i, line in enumerate(lines) if line.split() == [head, "sents", "BLEU", "chrF"])
     rows = {}
     for line in lines[start + 1:]:
         match = ROW.match(line)
@@ -43,17 +48,33 @@ def test_demo_command_end_to_end(tmp_path):
 
     rows = _table(out)
     assert list(rows) == [*DOMAINS, "ALL"], out[-3000:]
-    assert all(rows[d][0] == 100 for d in DOMAINS) and rows["ALL"][0] == 500  # the whole test set
+    assert all(rows[d][0] == 100 for d in DOMAINS) and rows["ALL"][0] == 300  # the whole test set
+    pairs = _table(out, "direction")
+    assert list(pairs) == [*DIRECTIONS, "ALL"] and pairs["ALL"] == rows["ALL"]
+    assert all(pairs[d][0] == 75 for d in DIRECTIONS)
     metrics = json.loads((work / "test_metrics.json").read_text())
-    for name in DOMAINS:
-        m = metrics["domains"][name]
-        assert (m["sentences"], m["bleu"], m["chrf"]) == rows[name]
+    for group, names, table in (("domains", DOMAINS, rows), ("pairs", DIRECTIONS, pairs)):
+        for name in names:
+            m = metrics[group][name]
+            assert (m["sentences"], m["bleu"], m["chrf"]) == table[name]
     assert rows["ALL"][2] > 0  # something was translated
+    # The decoder routes by target language: its expert x language table and heatmap.
+    assert re.search(r"^expert\s+de\s+en\s+fr$", out, re.M), out[-3000:]
+    heatmap = re.search(r"routing heatmap: (\S+)", out)
+    assert heatmap and heatmap[1].endswith(".expert_tgt_lang.png"), out[-3000:]
+    assert Path(heatmap[1]).is_file() and Path(heatmap[1]).parent == work / "routing"
+    # The en-de sub-network: smaller, and it translates its test sentences identically.
+    assert "extraction check: 75/75 en-de test sentences translated identically" in out
+    ext = metrics["extraction"]
+    assert ext["passed"] and ext["identical"] == 75
+    assert ext["extracted"]["total"] < ext["full"]["total"]
+    assert load_for_inference(ext["out"]).cfg.moe.decoder_num_experts == 2
     # It ends by naming what it wrote, and those are there.
-    tail = out.strip().splitlines()[-4:]
+    tail = out.strip().splitlines()[-5:]
     assert tail[0] == f"[demo] work directory: {work}", tail
     ckpt = work / "checkpoints"
     assert tail[1] == f"[demo]   checkpoint:  {ckpt} (export: {ckpt / 'export'})", tail
+    assert "NOTE" not in out  # the step budget ended training, not the time guard
     assert re.search(r"\[demo\] done in [\d.]+ min \| 6 steps \|", out)
     assert (ckpt / "latest").read_text().strip() == "step_00000006"
     assert (ckpt / "step_00000006").is_dir()
@@ -66,6 +87,7 @@ def test_demo_command_end_to_end(tmp_path):
     assert "[demo] generating" not in again and "[demo] preparing" not in again
     assert "resume from step 6" in again, again[-3000:]
     assert _table(again) == rows  # same export, same deterministic beam search
+    assert "extraction check: 75/75" in again
     assert (ckpt / "latest").read_text().strip() == "step_00000006"
 
 

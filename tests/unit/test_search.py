@@ -237,3 +237,16 @@ def test_search_keeps_model_mode(training: bool) -> None:
     beam_search(model, SRC, BOS, EOS, PAD, beam=2, max_len_b=2)
     assert model.training is training
     assert all(m.training is training for m in model.modules())
+
+
+def test_min_len_bans_eos_until_then_but_the_limit_wins() -> None:
+    # eos is the likeliest token at every step: without min_len every output is empty.
+    model = TableModel({}, {EOS: 0.6, A: 0.3, B_: 0.1})
+    src = torch.tensor([[5, 5, 5, EOS], [5, EOS, PAD, PAD]])  # limits (max_len_a=1): 4 and 2
+    kwargs = dict(max_len_a=1, max_len_b=0)
+    assert greedy_search(model, src, BOS, EOS, PAD, **kwargs) == [[], []]
+    # min_len 3 (eos included): two tokens, then eos; the second sentence's limit (2) wins.
+    assert greedy_search(model, src, BOS, EOS, PAD, min_len=3, **kwargs) == [[A, A], [A]]
+    for beam in (1, 3):
+        out = beam_search(model, src, BOS, EOS, PAD, beam=beam, min_len=3, **kwargs)
+        assert [len(h) for h in out] == [2, 1], out

@@ -1,0 +1,209 @@
+"""Recorded multilingual run (seed 002 Table 1 at CPU scale): OPUS, 7 languages to and from
+English (14 directions), dense against the routing variants, each for a fixed budget.
+
+    .venv/bin/python benchmarks/multilingual.py --fresh [--minutes 12] [--variants dense,token-target]
+    .venv/bin/python benchmarks/multilingual.py --test-dir DIR   # + an external test set
+    .venv/bin/python benchmarks/multilingual.py --quick --fresh  # checks the script
+
+Variants are configs/opus-m14-<variant>-cpu.yaml: dense, token-token, token-target, token-lp,
+target-target, lp-lp (all share one data section, so one preparation serves them). Prepares
+../shared/data/opus-multidomain once (dev/test carved per corpus, the same lines for both
+directions of a pair), trains each variant in its own `moe-train train` subprocess for
+`--minutes` of wall-clock time, scores its export on the test split with `moe-train evaluate`
+(per direction and per domain; greedy unless `--beam`), and averages BLEU over en->xx and xx->en
+directions. A task-routed variant is also extracted for one direction (`--extract`, default
+en-de) and its Table 1 parameter columns recorded. `--test-dir DIR` (OPUS layout with `test`
+files) scores every model on DIR's sentences per direction too. Writes
+benchmarks/results/multilingual_opus_cpu[_quick].json with provenance; skipped with one line
+when the data is absent. A benchmark, not a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+for _path in (ROOT, ROOT / "benchmarks"):
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
+
+from real_data import DEFAULT_DATA, QUICK_DATA, QUICK_TRAIN, last_json  # noqa: E402
+
+from moe_train.utils.atomic import write_json, write_text  # noqa: E402
+from moe_train.utils.provenance import finish, provenance  # noqa: E402
+
+VARIANTS = ("dense", "token-token", "token-target", "token-lp", "target-target", "lp-lp")
+TASK_ROUTED = ("token-target", "token-lp", "target-target", "lp-lp")
+QUICK_PAIRS = ["data.pairs=[de-en,en-de,fr-en,en-fr]", "data.domains=[EMEA,KDE4]"]
+"""--quick: 4 directions of 2 domains."""
+
+
+def config(variant: str) -> Path:
+    return ROOT / "configs" / f"opus-m14-{variant}-cpu.yaml"
+
+
+def cli(args: list[str], log: Path) -> str:
+    """`python -m moe_train ARGS` with its output kept in `log`; exits naming a failure."""
+    proc = subprocess.run([sys.executable, "-m", "moe_train", *args], cwd=ROOT, text=True,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    log.parent.mkdir(parents=True, exist_ok=True)
+    log.write_text(proc.stdout)
+    if proc.returncode != 0:
+        sys.stdout.write(proc.stdout[-6000:])
+        raise SystemExit(f"moe-train {args[0]} failed with status {proc.returncode} (log: {log})")
+    return proc.stdout
+
+
+def averages(pairs: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Mean BLEU / chrF over en->xx, xx->en and all directions."""
+    def mean(keys: list[str], metric: str) -> float | None:
+        return round(sum(pairs[k][metric] for k in keys) / len(keys), 2) if keys else None
+
+    out_en = [p for p in pairs if p.startswith("en-")]
+    into_en = [p for p in pairs if p.endswith("-en")]
+    return {f"{name}_{metric}": mean(keys, metric) for name, keys in
+            (("en_xx", out_en), ("xx_en", into_en), ("all_directions", list(pairs)))
+            for metric in ("bleu", "chrf")}
+
+
+def external_test(args, work: Path, export: Path, directions: list[str], log_dir: Path
+                  ) -> dict[str, Any]:
+    """Score `export` on --test-dir per direction (all of DIR's domains of that pair)."""
+    from moe_train.data.corpus import discover
+
+    scores: dict[str, Any] = {}
+    for direction in directions:
+        corpora = discover(args.test_dir, pairs=[direction], splits=["test"])
+        if not corpora:
+            continue
+        src_lang, tgt_lang = direction.split("-")
+        src = work / "external" / f"{direction}.src"
+        ref = work / "external" / f"{direction}.ref"
+        src.parent.mkdir(parents=True, exist_ok=True)
+        write_text(src, "".join(c.src.read_text(encoding="utf-8") for c in corpora))
+        write_text(ref, "".join(c.tgt.read_text(encoding="utf-8") for c in corpora))
+        out = cli(["evaluate", "--checkpoint", str(export), "--src", str(src), "--ref", str(ref),
+                   "--src-lang", src_lang, "--tgt-lang", tgt_lang, *beam_args(args)],
+                  log_dir / f"external-{direction}.log")
+        result = last_json(out)["all"]
+        scores[direction] = {k: result[k] for k in ("sentences", "bleu", "chrf")}
+    return {"pairs": scores, **averages(scores)}
+
+
+def beam_args(args) -> list[str]:
+    return [] if args.beam is None else ["--beam", str(args.beam)]
+
+
+def run_variant(args, variant: str, work: Path, prepared: Path, common: list[str]
+                ) -> dict[str, Any]:
+    vdir = work / variant
+    paths = [f"data.prepared_dir={prepared}", f"checkpoint.dir={vdir / 'checkpoints'}",
+             f"logging.tensorboard_dir={vdir / 'tensorboard'}"]
+    budget = [f"train.max_minutes={args.minutes}", "train.validate_every=0",
+              "checkpoint.save_every=100000", "checkpoint.keep_last=1"]
+    if args.fresh and vdir.exists():
+        shutil.rmtree(vdir)
+    t0 = time.time()
+    summary = last_json(cli(["train", "--config", str(config(variant)), *paths, *common, *budget],
+                            vdir / "train.log"))
+    export = vdir / "checkpoints" / "export"
+    evaluation = last_json(cli(["evaluate", "--checkpoint", str(export), "--prepared",
+                                str(prepared), "--split", "test", "--json",
+                                str(vdir / "test.json"), *beam_args(args)], vdir / "test.log"))
+    pairs = {p: {k: m[k] for k in ("sentences", "bleu", "chrf")}
+             for p, m in evaluation["pairs"].items()}
+    record: dict[str, Any] = {
+        "config": str(config(variant).relative_to(ROOT)),
+        "steps": summary["step"], "train_seconds": round(summary["train_seconds"], 1),
+        "train_tokens_per_s": round(summary["train_tokens_per_s"], 1),
+        "dev_loss": summary.get("valid_loss"),
+        "params": {k: v for k, v in last_json(cli(["params", "--checkpoint", str(export)],
+                                                  vdir / "params.log")).items()
+                   if k in ("total", "serving_all", "serving_decoder", "active_all")},
+        "test": {"sentences": evaluation["all"]["sentences"], "bleu": evaluation["all"]["bleu"],
+                 "chrf": evaluation["all"]["chrf"], "pairs": pairs, **averages(pairs),
+                 "domains": {d: {k: m[k] for k in ("sentences", "bleu", "chrf")}
+                             for d, m in evaluation["domains"].items()},
+                 "bleu_signature": evaluation["all"]["bleu_signature"]},
+        "wall_seconds": None}
+    if variant in TASK_ROUTED and args.extract:
+        sub = vdir / f"extracted-{args.extract}"
+        report = last_json(cli(["extract", "--checkpoint", str(export), "--task", args.extract,
+                                "--out", str(sub)], vdir / "extract.log"))
+        record["extraction"] = {k: report[k] for k in ("task", "task_ids", "full", "extracted")}
+    if args.test_dir:
+        record["external_test"] = external_test(args, vdir, export, sorted(pairs), vdir)
+    record["wall_seconds"] = round(time.time() - t0, 1)
+    print(f"{variant}: {summary['step']} steps, test BLEU {record['test']['bleu']:.2f} "
+          f"(en->xx {record['test']['en_xx_bleu']}, xx->en {record['test']['xx_en_bleu']})",
+          flush=True)
+    return record
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--minutes", type=float, default=12.0, help="training time per variant")
+    ap.add_argument("--variants", default="dense,token-token,token-target",
+                    help=f"comma-separated subset of {', '.join(VARIANTS)}")
+    ap.add_argument("--data", default=str(DEFAULT_DATA), help="the OPUS multi-domain data")
+    ap.add_argument("--test-dir", default=None,
+                    help="also score on DIR/{domain}/{domain}.{l1}-{l2}.test.{lang}")
+    ap.add_argument("--beam", type=int, default=None, help="default: the config's eval.beam")
+    ap.add_argument("--extract", default="en-de",
+                    help="direction extracted from task-routed variants ('' to skip)")
+    ap.add_argument("--work", default=None, help="default work/multilingual[-quick]")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--fresh", action="store_true", help="delete the work directory first")
+    ap.add_argument("--quick", action="store_true", help="tiny data / model: checks the script")
+    args = ap.parse_args(argv)
+    variants = [v for v in args.variants.split(",") if v]
+    unknown = sorted(set(variants) - set(VARIANTS))
+    if unknown or not variants or args.minutes <= 0:
+        ap.error(f"--variants: expected some of {', '.join(VARIANTS)} (unknown: {unknown}); "
+                 "--minutes positive")
+    if not Path(args.data).is_dir():
+        print(f"skipped: {args.data} not found (the OPUS multi-domain data lives in ../shared)")
+        return
+    if args.test_dir and not Path(args.test_dir).is_dir():
+        raise SystemExit(f"--test-dir {args.test_dir}: not a directory")
+    prov = provenance(sys.argv if argv is None else ["benchmarks/multilingual.py", *argv])
+    suffix = "_quick" if args.quick else ""
+    work = Path(args.work or ROOT / "work" / f"multilingual{suffix.replace('_', '-')}")
+    out = Path(args.out or ROOT / "benchmarks" / "results" / f"multilingual_opus_cpu{suffix}.json")
+    if args.fresh and work.exists():
+        shutil.rmtree(work)
+    common = [*QUICK_PAIRS, *QUICK_DATA, *QUICK_TRAIN] if args.quick else []
+    prepared = work / "prepared"
+    t0 = time.time()
+    reused = (prepared / "manifest.json").is_file()
+    if not reused:
+        cli(["prepare", "--config", str(config("dense")), "--data", args.data, "--out",
+             str(prepared), *common], work / "prepare.log")
+    manifest = json.loads((prepared / "manifest.json").read_text())
+    t_prep = time.time() - t0
+    results = {v: run_variant(args, v, work, prepared, common) for v in variants}
+    record = {
+        "benchmark": "multilingual", "data": str(args.data), "minutes_per_variant": args.minutes,
+        "directions": sorted({f"{c['src_lang']}-{c['tgt_lang']}" for c in manifest["corpora"]}),
+        "domains": manifest["domains"],
+        "splits": {k: v["sentences"] for k, v in manifest["splits"].items()},
+        "vocab_size": manifest["vocab_size"], "prepare_seconds": round(t_prep, 1),
+        "prepared_reused": reused, "quick_overrides": common, "variants": results,
+        "summary": {v: {k: r["test"][k] for k in ("bleu", "en_xx_bleu", "xx_en_bleu")}
+                    | {"steps": r["steps"], "train_tokens_per_s": r["train_tokens_per_s"]}
+                    for v, r in results.items()}}
+    record["provenance"] = finish(prov)
+    write_json(out, record)
+    print(json.dumps(record["summary"], indent=2))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
