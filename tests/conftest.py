@@ -13,6 +13,23 @@ ROOT = Path(__file__).resolve().parents[1]
 SHARED_DATA = ROOT.parent / "shared" / "data" / "opus-multidomain"
 
 
+@pytest.fixture(scope="session", autouse=True)
+def no_leaked_shm_buffers():
+    """Ranks killed on purpose (kill/resume tests) cannot unlink DeepSpeed's CPU all-reduce
+    buffers (67 MB of RAM each, see parallel.runtime.shutdown): remove the ones this session
+    created when it ends."""
+    import time
+
+    start = time.time() - 1
+    yield
+    for path in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_{os.getuid()}_*"):
+        try:
+            if path.stat().st_mtime >= start:
+                path.unlink()
+        except OSError:
+            pass
+
+
 @pytest.fixture
 def one_thread():
     """Tiny matrices: one torch thread is fastest and does not fight other processes for

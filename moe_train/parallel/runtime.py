@@ -292,10 +292,31 @@ def init_runtime(backend: str | None = None, timeout_s: int = 1800,
                            device=device, launcher=info.family, launch_kind=info.kind)
 
 
+DEEPSPEED_SHM_DIR = "/dev/shm"
+
+
+def deepspeed_shm_buffer(rank: int, env: Mapping[str, str] = os.environ) -> str | None:
+    """The shared-memory file DeepSpeed's CPU all-reduce (deepspeed_shm_comm) creates for
+    `rank` of the job `env` describes: ``deepspeed_allreduce_buffer_<uid>_<addr>_<port>_<rank>``
+    (67 MB of RAM-backed tmpfs each); None without a master address and port."""
+    addr, port = env.get("MASTER_ADDR"), env.get("MASTER_PORT")
+    if not addr or not port:
+        return None
+    return f"{DEEPSPEED_SHM_DIR}/deepspeed_allreduce_buffer_{os.getuid()}_{addr}_{port}_{rank}"
+
+
 def shutdown(runtime: ParallelRuntime) -> None:
-    """Tear down the process group (safe to call when nothing was initialised)."""
+    """Tear down the process group (safe to call when nothing was initialised) and unlink this
+    rank's DeepSpeed shared-memory all-reduce buffer, which DeepSpeed never removes: every run
+    would otherwise leave 67 MB per rank in /dev/shm, that is in RAM, until reboot. The peers'
+    mappings stay valid after the unlink (they are past the barrier anyway)."""
     import torch.distributed as dist
 
-    if runtime.distributed and dist.is_initialized():
-        dist.barrier()
+    if dist.is_initialized():
+        rank = dist.get_rank()
+        if runtime.distributed:
+            dist.barrier()
         dist.destroy_process_group()
+        path = deepspeed_shm_buffer(rank)
+        if path is not None and os.path.isfile(path):
+            os.unlink(path)

@@ -14,10 +14,11 @@ DEEPSPEED = shutil.which("deepspeed") or str(Path(__import__("sys").executable).
 
 @pytest.mark.skipif(not Path(DEEPSPEED).exists(), reason="deepspeed launcher not installed")
 def test_deepspeed_launcher_two_ranks(tiny_prepared, tmp_path):
-    from moe_train.parallel.runtime import free_port
+    from moe_train.parallel.runtime import deepspeed_shm_buffer, free_port
 
     work = tmp_path / "w"
-    cmd = [DEEPSPEED, "--num_gpus", "2", "--master_port", str(free_port()), "--module",
+    port = free_port()
+    cmd = [DEEPSPEED, "--num_gpus", "2", "--master_port", str(port), "--module",
            "moe_train", "train", "--config", str(ROOT / "configs" / "debug-cpu.yaml"),
            *debug_overrides(tiny_prepared, work, "train.max_steps=12", "checkpoint.save_every=6",
                             "optim.zero_stage=1", "train.validate_every=6",
@@ -37,3 +38,8 @@ def test_deepspeed_launcher_two_ranks(tiny_prepared, tmp_path):
     assert (ckpt / "export" / "model.safetensors").is_file()
     summary = json.loads([l for l in proc.stdout.splitlines() if l.startswith("{")][-1])
     assert summary["step"] == 12 and "dev/bleu" in summary
+    # DeepSpeed's CPU all-reduce buffers (67 MB of RAM each) are gone with the job.
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    for rank in (0, 1):
+        assert not Path(deepspeed_shm_buffer(rank, env)).exists()
+    assert f"_{port}_0" in deepspeed_shm_buffer(0, env)

@@ -116,3 +116,27 @@ def test_the_synthetic_recipe_blocks_run_as_written(recipe, tmp_path):
         run_cli([*argv, *short], tmp_path, timeout=600)
     ev = next((tmp_path / "work").glob(f"{recipe}-synthetic/run/evaluate/eval.json"))
     assert ev.is_file() and ev.stat().st_size > 100
+
+
+def test_the_extraction_block_runs_as_written(tmp_path):
+    """The task-level block (extract, params, translate) on a checkpoint where it expects one:
+    a tiny configs/opus-m14-token-target-cpu.yaml model trained on a synthetic en<->de/fr
+    corpus into work/opus-m14/token-target/checkpoints."""
+    block = next(b for _, b in bash_blocks(README.read_text())
+                 if any(c.startswith("moe-train extract") for c in b))
+    config = "configs/opus-m14-token-target-cpu.yaml"
+    (tmp_path / "configs").symlink_to(ROOT / "configs", target_is_directory=True)
+    tiny = ["data.pairs=[en-de,de-en,en-fr]", "data.vocab_size=300", "model.d_model=32",
+            "model.n_heads=2", "model.ffn_dim=64", "train.max_steps=4", "checkpoint.save_every=4"]
+    run_cli(["synth", "--out", "corpus", "--domains", "1", "--langs", "de,fr", "--train", "60",
+             "--dev", "4", "--test", "4"], tmp_path)
+    run_cli(["prepare", "--config", config, "--data", "corpus", "--out",
+             "work/opus-m14/prepared", *tiny], tmp_path)
+    run_cli(["train", "--config", config, *tiny], tmp_path)
+    test_en = next((tmp_path / "corpus").glob("*/*.de-en.test.en"))
+    (tmp_path / "test.en").write_text(test_en.read_text())
+    for command in block:
+        run_cli(cli_argv(command), tmp_path)
+    sub = tmp_path / "work/opus-m14/token-target/en-de"
+    assert (sub / "extract.json").is_file()
+    assert (tmp_path / "test.de").read_text().count("\n") == 4
