@@ -31,8 +31,10 @@ setup(
     extras_require={
         # triton: the GPU kernels' fast path; on CPU its interpreter runs the equivalence tests
         "gpu": ["triton>=3.0; platform_system == 'Linux'"],
-        # megatron-core: the Megatron-style baseline of benchmarks/moe_layer.py
-        "dev": ["pytest>=8", "triton>=3.0; platform_system == 'Linux'", "megatron-core>=0.9"],
+        # megatron-core: the Megatron-style baseline of benchmarks/moe_layer.py;
+        # transformers: the MarianMT baseline of benchmarks/decode_throughput.py
+        "dev": ["pytest>=8", "triton>=3.0; platform_system == 'Linux'", "megatron-core>=0.9",
+                "transformers>=5.0,<6"],
     },
     entry_points={"console_scripts": ["moe-train=moe_train.cli:main"]},
 )

@@ -16,7 +16,9 @@ encoder / decoder split of the time at the largest batch. Rounds rotate over the
 fastest round counts. Training: forward + backward + AdamW on token-budget batches, target
 tokens/s of each MoE model against dense_active. Plain decoding: moe_train's dense model against
 transformers' MarianMTModel of the same shape (d256, 3+3 layers, FFN 1024, 8k vocabulary),
-greedy and beam 5, batch 64, the same sources, exactly L tokens each, sentences/s. EP=2: the
+greedy and beam 5, batch 64, the same sources and the same output length per sentence (lengths
+vary as in real data; each system decodes as it does, moe_train dropping finished sentences from
+the batch), sentences/s. EP=2: the
 token MoE decoding on two gloo ranks, all-to-all time as a share of decode time
 (decode_throughput_ep.py). Writes benchmarks/results/decode_throughput_cpu[_quick].json.
 
@@ -54,7 +56,7 @@ TASK = "en-de"
 MANIFEST_BASE = {"pad_id": PAD, "langs": LANGS, "domains": ["news"]}
 SIZES = {"full": {"D": 256, "heads": 4, "layers": 3, "F": 1024, "E": 16, "V": 8000, "L": 24,
                   "batches": [1, 8, 32, 128, 256], "train_tokens": 2048, "train_steps": 6,
-                  "marian_sentences": 128, "rounds": 3, "min_seconds": 1.0},
+                  "marian_sentences": 256, "rounds": 3, "min_seconds": 1.0},
          "quick": {"D": 32, "heads": 2, "layers": 2, "F": 64, "E": 4, "V": 300, "L": 6,
                    "batches": [1, 8], "train_tokens": 128, "train_steps": 2,
                    "marian_sentences": 8, "rounds": 1, "min_seconds": 0.0}}
@@ -194,12 +196,77 @@ def train_throughput(s: dict[str, Any], kinds: list[str]) -> dict[str, Any]:
                                       for k in kinds if k != "dense_active"}}
 
 
+class ForcedLengths:
+    """A moe_train model whose sentence i ends after exactly lengths_B[i] tokens (eos banned
+    before, forced then), like `ForcedLengthsProcessor` does for transformers: both systems
+    then decode the same number of tokens per sentence. The lengths ride in the encoder
+    output's per-sentence extras, so beam expansion and batch pruning carry them along."""
+
+    def __init__(self, model, lengths_B: torch.Tensor) -> None:
+        self.model, self.lengths_B = model, lengths_B
+        self.max_positions = model.max_positions
+
+    def encode(self, src_BS, ctx=None):
+        enc = self.model.encode(src_BS, ctx)
+        enc.extras = {**enc.extras, "target_len_B": self.lengths_B}
+        return enc
+
+    def new_decoder_cache(self):
+        return self.model.new_decoder_cache()
+
+    def decode(self, tgt_in_BT, enc, ctx=None, cache=None):
+        logits_BTV, aux = self.model.decode(tgt_in_BT, enc, ctx, cache)
+        made_B = torch.full_like(enc.extras["target_len_B"], cache.length)  # bos + outputs
+        force_logits(logits_BTV[:, -1], made_B, enc.extras["target_len_B"])
+        return logits_BTV, aux
+
+
+def force_logits(logits_BV: torch.Tensor, made_B: torch.Tensor, lengths_B: torch.Tensor) -> None:
+    """In place: the next token is output number made_B; eos only when it is number lengths_B."""
+    at_end_B = made_B.eq(lengths_B)
+    logits_BV[made_B.lt(lengths_B), EOS] = -torch.inf
+    logits_BV[at_end_B] = -torch.inf
+    logits_BV[at_end_B, EOS] = 0.0
+
+
+def realistic_batches(s: dict[str, Any], n: int, batch: int, seed: int = 11):
+    """n sentence pairs with source lengths 5..40 and target lengths 0.6..1.5 times those
+    (2..80), sorted by source length as a translation server batches them; (src_BS, lengths_B)
+    per batch of `batch`."""
+    gen = torch.Generator().manual_seed(seed)
+    src_len = torch.randint(5, 41, (n,), generator=gen)
+    ratio = 0.6 + 0.9 * torch.rand(n, generator=gen)
+    tgt_len = (src_len * ratio).round().long().clamp(2, 80)
+    order = src_len.argsort(stable=True)
+    out = []
+    for i in range(0, n, batch):
+        idx = order[i:i + batch]
+        src_BS = torch.full((len(idx), int(src_len[idx].max())), PAD)
+        for b, length in enumerate(src_len[idx].tolist()):
+            src_BS[b, :length - 1] = torch.randint(3, s["V"], (length - 1,), generator=gen)
+            src_BS[b, length - 1] = EOS
+        out.append((src_BS, tgt_len[idx]))
+    return out
+
+
 def marian_comparison(s: dict[str, Any]) -> dict[str, Any] | None:
-    """Dense moe_train vs MarianMTModel of the same shape: sentences/s, greedy and beam 5."""
+    """Dense moe_train vs MarianMTModel of the same shape: sentences/s, greedy and beam 5, on
+    the same sentences with the same output lengths (see `realistic_batches`)."""
     try:
-        from transformers import MarianConfig, MarianMTModel
+        from transformers import LogitsProcessor, LogitsProcessorList, MarianConfig, \
+            MarianMTModel
     except ImportError as exc:
         return {"skipped": f"transformers not installed ({exc})"}
+
+    class ForcedLengthsProcessor(LogitsProcessor):
+        def __init__(self, lengths_B: torch.Tensor, beams: int) -> None:
+            self.lengths_N = lengths_B.repeat_interleave(beams)
+
+        def __call__(self, input_ids, scores):
+            made_N = torch.full_like(self.lengths_N, input_ids.shape[1])  # start + outputs
+            force_logits(scores, made_N, self.lengths_N)
+            return scores
+
     mcfg = MarianConfig(vocab_size=s["V"], d_model=s["D"], encoder_layers=s["layers"],
                         decoder_layers=s["layers"], encoder_attention_heads=s["heads"],
                         decoder_attention_heads=s["heads"], encoder_ffn_dim=s["F"],
@@ -209,27 +276,34 @@ def marian_comparison(s: dict[str, Any]) -> dict[str, Any] | None:
     torch.manual_seed(0)
     marian = MarianMTModel(mcfg).eval()
     _, ours = build(s, "dense")
-    n, L = s["marian_sentences"], s["L"]
-    src_BS, ctx = sources(s, n, seed=11)
-    batch = min(64, n)
+    n, batch = s["marian_sentences"], min(64, s["marian_sentences"])
+    batches = realistic_batches(s, n, batch)
 
     def ours_run(beam: int) -> int:
-        for i in range(0, n, batch):
-            sub = ForwardContext(src_pad_mask_BS=ctx.src_pad_mask_BS[i:i + batch])
-            decode(ours, src_BS[i:i + batch], sub, L, beam)
+        for src_BS, len_B in batches:
+            kw = dict(bos_id=BOS, eos_id=EOS, pad_id=PAD, max_len_a=0.0, max_len_b=255,
+                      ctx=ForwardContext(src_pad_mask_BS=src_BS.eq(PAD)))
+            model = ForcedLengths(ours, len_B)
+            with torch.no_grad():
+                out = greedy_search(model, src_BS, **kw) if beam == 1 else \
+                    beam_search(model, src_BS, beam=beam, lenpen=1.0, **kw)
+            assert [len(h) + 1 for h in out] == len_B.tolist()
         return n
 
     def marian_run(beam: int) -> int:
-        with torch.no_grad():
-            for i in range(0, n, batch):
-                x = src_BS[i:i + batch]
-                out = marian.generate(input_ids=x, attention_mask=x.ne(PAD), num_beams=beam,
-                                      do_sample=False, min_new_tokens=L, max_new_tokens=L,
-                                      early_stopping=True)
-                assert out.shape[1] == L + 1, out.shape  # decoder start + L tokens
+        for src_BS, len_B in batches:
+            with torch.no_grad():
+                out = marian.generate(
+                    input_ids=src_BS, attention_mask=src_BS.ne(PAD), num_beams=beam,
+                    do_sample=False, max_new_tokens=int(len_B.max()),
+                    logits_processor=LogitsProcessorList([ForcedLengthsProcessor(len_B, beam)]))
+            ends = [row.index(EOS) if EOS in row else -1 for row in out[:, 1:].tolist()]
+            assert [e + 1 for e in ends] == len_B.tolist()
         return n
 
-    result: dict[str, Any] = {"sentences": n, "batch": batch, "tokens_per_sentence": L,
+    tokens = int(sum(int(len_B.sum()) for _, len_B in batches))
+    result: dict[str, Any] = {"sentences": n, "batch": batch, "target_tokens": tokens,
+                              "lengths": "source 5..40, target 0.6..1.5x source, sorted",
                               "params": {"moe_train": sum(p.numel() for p in ours.parameters()),
                                          "marian": sum(p.numel() for p in marian.parameters())}}
     for beam in (1, 5):

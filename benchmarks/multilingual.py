@@ -1,7 +1,7 @@
 """Recorded multilingual run (seed 002 Table 1 at CPU scale): OPUS, 7 languages to and from
 English (14 directions), dense against the routing variants, each for a fixed budget.
 
-    .venv/bin/python benchmarks/multilingual.py --fresh [--minutes 12] [--variants dense,token-target]
+    .venv/bin/python benchmarks/multilingual.py --fresh [--minutes 12] [--variants dense,...]
     .venv/bin/python benchmarks/multilingual.py --test-dir DIR   # + an external test set
     .venv/bin/python benchmarks/multilingual.py --quick --fresh  # checks the script
 
@@ -36,7 +36,7 @@ for _path in (ROOT, ROOT / "benchmarks"):
 
 from real_data import DEFAULT_DATA, QUICK_DATA, QUICK_TRAIN, last_json  # noqa: E402
 
-from moe_train.utils.atomic import write_json, write_text  # noqa: E402
+from moe_train.utils.atomic import write_json  # noqa: E402
 from moe_train.utils.provenance import finish, provenance  # noqa: E402
 
 VARIANTS = ("dense", "token-token", "token-target", "token-lp", "target-target", "lp-lp")
@@ -71,30 +71,6 @@ def averages(pairs: dict[str, dict[str, Any]]) -> dict[str, Any]:
     return {f"{name}_{metric}": mean(keys, metric) for name, keys in
             (("en_xx", out_en), ("xx_en", into_en), ("all_directions", list(pairs)))
             for metric in ("bleu", "chrf")}
-
-
-def external_test(args, work: Path, export: Path, directions: list[str], log_dir: Path
-                  ) -> dict[str, Any]:
-    """Score `export` on --test-dir per direction (all of DIR's domains of that pair)."""
-    from moe_train.data.corpus import discover
-
-    scores: dict[str, Any] = {}
-    for direction in directions:
-        corpora = discover(args.test_dir, pairs=[direction], splits=["test"])
-        if not corpora:
-            continue
-        src_lang, tgt_lang = direction.split("-")
-        src = work / "external" / f"{direction}.src"
-        ref = work / "external" / f"{direction}.ref"
-        src.parent.mkdir(parents=True, exist_ok=True)
-        write_text(src, "".join(c.src.read_text(encoding="utf-8") for c in corpora))
-        write_text(ref, "".join(c.tgt.read_text(encoding="utf-8") for c in corpora))
-        out = cli(["evaluate", "--checkpoint", str(export), "--src", str(src), "--ref", str(ref),
-                   "--src-lang", src_lang, "--tgt-lang", tgt_lang, *beam_args(args)],
-                  log_dir / f"external-{direction}.log")
-        result = last_json(out)["all"]
-        scores[direction] = {k: result[k] for k in ("sentences", "bleu", "chrf")}
-    return {"pairs": scores, **averages(scores)}
 
 
 def beam_args(args) -> list[str]:
@@ -139,7 +115,10 @@ def run_variant(args, variant: str, work: Path, prepared: Path, common: list[str
                                 "--out", str(sub)], vdir / "extract.log"))
         record["extraction"] = {k: report[k] for k in ("task", "task_ids", "full", "extracted")}
     if args.test_dir:
-        record["external_test"] = external_test(args, vdir, export, sorted(pairs), vdir)
+        from thor_eval import score_test_dir
+
+        scores = score_test_dir(export, args.test_dir, args.beam)
+        record["test_dir"] = scores and {**scores, **averages(scores["pairs"])}
     record["wall_seconds"] = round(time.time() - t0, 1)
     print(f"{variant}: {summary['step']} steps, test BLEU {record['test']['bleu']:.2f} "
           f"(en->xx {record['test']['en_xx_bleu']}, xx->en {record['test']['xx_en_bleu']})",

@@ -215,6 +215,31 @@ class RawSplit:
         return self._raw_tgt[int(i)]
 
 
+def score_test_dir(export: str | Path, test_dir: str | Path, beam: int | None = None
+                   ) -> dict[str, Any] | None:
+    """BLEU / chrF of a model's export on DIR's test files (`RawSplit`: its directions and
+    domains), overall, per domain and per direction; None when DIR has none of them."""
+    from moe_train.train.export import load_for_inference
+
+    inf = load_for_inference(export)
+    raw = RawSplit(test_dir, inf)
+    if not len(raw):
+        return None
+    ecfg = inf.cfg.eval if beam is None else EvalConfig(
+        beam=beam, lenpen=inf.cfg.eval.lenpen, max_len_a=inf.cfg.eval.max_len_a,
+        max_len_b=inf.cfg.eval.max_len_b, max_sentences=inf.cfg.eval.max_sentences)
+    metrics, _ = evaluate_dataset(inf.model, raw, inf.vocab, inf.manifest, ParallelRuntime(),
+                                  ecfg, inf.cfg.data.max_tokens)
+
+    def table(group: dict[str, Any]) -> dict[str, Any]:
+        return {k: {m: v[m] for m in ("sentences", "bleu", "chrf")} for k, v in group.items()}
+
+    return {"test_dir": str(test_dir), "beam": ecfg.beam, "skipped": raw.skipped,
+            "all": table({"all": metrics["all"]})["all"], "domains": table(metrics["domains"]),
+            "pairs": table(metrics["pairs"]),
+            "bleu_signature": metrics["all"]["bleu_signature"]}
+
+
 def source_texts(dataset: Any, vocab: Any) -> list[str]:
     """Every source sentence of a split as the model reads it: its token ids decoded (domain
     and language tags dropped), so that training and test text are normalised alike."""

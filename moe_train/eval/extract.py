@@ -167,7 +167,8 @@ def format_report(report: dict[str, Any]) -> str:
     from moe_train.eval.params import human
 
     full, sub = report["full"], report["extracted"]
-    rows = [f"| task {report['task']} ({', '.join(f'{s} id {i}' for s, i in report['task_ids'].items())})",
+    ids = ", ".join(f"{side} id {i}" for side, i in report["task_ids"].items())
+    rows = [f"| task {report['task']} ({ids})",
             f"| {'':<22} {'train all':>10} {'serving all':>12} {'serving dec.':>13}",
             f"| {'full model':<22} {human(full['total']):>10} {human(full['serving_all']):>12} "
             f"{human(full['serving_decoder']):>13}",

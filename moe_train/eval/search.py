@@ -47,28 +47,58 @@ def max_lengths(model: Any, src_tokens_BS: Tensor, pad_id: int, max_len_a: float
     return max_len_B.clamp(max=limit) if limit is not None else max_len_B
 
 
+def min_lengths(min_len: int, B: int, device: torch.device) -> Tensor | None:
+    """The minimum output length (tokens including eos) per sentence, LongTensor (B,); None
+    when there is no minimum."""
+    return torch.full((B,), min_len, dtype=torch.long, device=device) if min_len > 0 else None
+
+
 def _stop(local_done: bool, sync_done: Callable[[bool], bool] | None) -> bool:
     return local_done if sync_done is None else bool(sync_done(local_done))
 
 
 def _next_log_probs(model: IncrementalSeq2Seq, prev_N1: Tensor, enc: Any,
                     ctx: ForwardContext | None, cache: Any, step: int, max_len_N: Tensor,
-                    bos_id: int, eos_id: int, pad_id: int, min_len: int = 0) -> Tensor:
+                    bos_id: int, eos_id: int, pad_id: int,
+                    min_len_N: Tensor | None = None) -> Tensor:
     """Float32 log-probs (N, V) of the next token; pad (and bos) banned, eos banned before
-    `min_len` tokens and forced at the limit (the limit wins)."""
+    `min_len_N` tokens (None: no minimum) and forced at the limit (the limit wins)."""
     logits_N1V, _ = model.decode(prev_N1, enc, ctx, cache)
     lprobs_NV = torch.log_softmax(logits_N1V[:, -1].float(), dim=-1)
     lprobs_NV[:, pad_id] = -torch.inf
     if bos_id != eos_id:
         lprobs_NV[:, bos_id] = -torch.inf
     at_limit_N = step + 1 >= max_len_N
-    if step + 1 < min_len:
-        lprobs_NV[:, eos_id] = torch.where(at_limit_N, lprobs_NV[:, eos_id], -torch.inf)
+    if min_len_N is not None:
+        ban_N = (step + 1 < min_len_N) & ~at_limit_N
+        lprobs_NV[:, eos_id] = torch.where(ban_N, -torch.inf, lprobs_NV[:, eos_id])
     if bool(at_limit_N.any()):
         eos_NV = torch.full_like(lprobs_NV, -torch.inf)
         eos_NV[:, eos_id] = lprobs_NV[:, eos_id]
         lprobs_NV = torch.where(at_limit_N[:, None], eos_NV, lprobs_NV)
     return lprobs_NV
+
+
+class _LiveRows:
+    """The decoding rows still running, and how to drop the others (fairseq's batch pruning).
+
+    A finished sentence's rows leave the batch: the encoder states, the context and the decoder
+    cache keep only the live rows, so the remaining steps cost what the live sentences need,
+    not what the batch once held. Under `sync_done` (expert parallelism) a rank whose every
+    sentence has finished keeps its last rows decoding dummy steps, so it still takes part in
+    each step's all-to-all; rows are never dropped to zero.
+    """
+
+    def __init__(self, enc: Any, ctx: ForwardContext | None, cache: Any) -> None:
+        self.enc, self.ctx, self.cache = enc, ctx, cache
+
+    def keep(self, rows_R: Tensor, cache: bool = True) -> None:
+        """Keep only `rows_R` (indices of the current rows), in that order; `cache` False
+        leaves the decoder cache to the caller (beam search reorders it once per step)."""
+        self.enc = self.enc.index_select(rows_R)
+        self.ctx = None if self.ctx is None else self.ctx.index_select(rows_R)
+        if cache:
+            self.cache.reorder(rows_R)
 
 
 @torch.no_grad()
@@ -78,28 +108,44 @@ def greedy_search(model: IncrementalSeq2Seq, src_tokens_BS: Tensor, bos_id: int,
                   sync_done: Callable[[bool], bool] | None = None,
                   min_len: int = 0) -> list[list[int]]:
     """Most likely next token at every step; returns each sentence's tokens without bos/eos.
-    `min_len`: eos is banned until that many tokens (eos included), e.g. for fixed-length
-    throughput measurements."""
+    Finished sentences leave the batch (`_LiveRows`). `min_len`: eos is banned until that many
+    tokens (eos included), e.g. for fixed-length throughput measurements."""
     B = src_tokens_BS.size(0)
     device = src_tokens_BS.device
-    max_len_B = max_lengths(model, src_tokens_BS, pad_id, max_len_a, max_len_b).to(device)
-    enc = model.encode(src_tokens_BS, ctx)
-    cache = model.new_decoder_cache()
-    prev_B1 = torch.full((B, 1), bos_id, dtype=torch.long, device=device)
-    finished_B = torch.zeros(B, dtype=torch.bool, device=device)
-    steps: list[Tensor] = []
+    max_len_A = max_lengths(model, src_tokens_BS, pad_id, max_len_a, max_len_b).to(device)
+    min_len_A = min_lengths(min_len, B, device)
+    live = _LiveRows(model.encode(src_tokens_BS, ctx), ctx, model.new_decoder_cache())
+    sentence_A = torch.arange(B, device=device)  # the sentence of each live row
+    prev_A1 = torch.full((B, 1), bos_id, dtype=torch.long, device=device)
+    finished_A = torch.zeros(B, dtype=torch.bool, device=device)
+    tokens_AT = torch.empty((B, 0), dtype=torch.long, device=device)
+    results: list[list[int] | None] = [None] * B
     for step in itertools.count():
-        lprobs_BV = _next_log_probs(model, prev_B1, enc, ctx, cache, step, max_len_B,
-                                    bos_id, eos_id, pad_id, min_len)
-        next_B = lprobs_BV.argmax(dim=-1)
-        next_B = torch.where(finished_B, torch.full_like(next_B, pad_id), next_B)
-        steps.append(next_B)
-        finished_B |= next_B.eq(eos_id)  # the length limit forces eos, so this ends the loop
-        if _stop(bool(finished_B.all()), sync_done):
+        lprobs_AV = _next_log_probs(model, prev_A1, live.enc, live.ctx, live.cache, step,
+                                    max_len_A, bos_id, eos_id, pad_id, min_len_A)
+        next_A = lprobs_AV.argmax(dim=-1)
+        next_A = torch.where(finished_A, torch.full_like(next_A, pad_id), next_A)
+        tokens_AT = torch.cat([tokens_AT, next_A[:, None]], dim=1)
+        finished_A |= next_A.eq(eos_id)  # the length limit forces eos, so this ends the loop
+        num_done = int(finished_A.sum())  # one host sync per step
+        if _stop(num_done == finished_A.numel(), sync_done):
             break
-        prev_B1 = next_B[:, None]  # finished rows feed pad
-    out_BT = torch.stack(steps, dim=1).tolist()
-    return [_strip(row, eos_id) for row in out_BT]
+        prev_A1 = next_A[:, None]  # finished rows feed pad while they stay
+        if 0 < num_done < finished_A.numel():
+            done_rows = finished_A.nonzero().flatten()
+            for row, tokens in zip(sentence_A[done_rows].tolist(),
+                                   tokens_AT.index_select(0, done_rows).tolist()):
+                results[row] = tokens
+            keep_R = (~finished_A).nonzero().flatten()
+            live.keep(keep_R)
+            sentence_A, prev_A1, tokens_AT, max_len_A, finished_A = (
+                t.index_select(0, keep_R) for t in (sentence_A, prev_A1, tokens_AT, max_len_A,
+                                                    finished_A))
+            if min_len_A is not None:
+                min_len_A = min_len_A.index_select(0, keep_R)
+    for row, tokens in zip(sentence_A.tolist(), tokens_AT.tolist()):
+        results[row] = tokens
+    return [_strip(tokens, eos_id) for tokens in results]
 
 
 def _strip(tokens: list[int], eos_id: int) -> list[int]:
@@ -118,61 +164,81 @@ def beam_search(model: IncrementalSeq2Seq, src_tokens_BS: Tensor, bos_id: int, e
     Each step takes the top 2K of the K x V extensions per sentence. Eos extensions ranked in the
     top K become finished hypotheses (scored sum(log p) / len**lenpen, len counting eos); the K
     best non-eos extensions stay live. A sentence stops once it has K finished hypotheses (the
-    fairseq rule, so beam 1 is greedy) or reaches its length limit.
+    fairseq rule, so beam 1 is greedy) or reaches its length limit, and its rows leave the batch
+    (`_LiveRows`).
     """
     if beam < 1:
         raise ValueError(f"beam: expected a positive integer, got {beam}")
     B, K = src_tokens_BS.size(0), beam
-    N = B * K
     device = src_tokens_BS.device
-    max_len_B = max_lengths(model, src_tokens_BS, pad_id, max_len_a, max_len_b).to(device)
-    max_len_N = max_len_B.repeat_interleave(K)
+    max_len_L = max_lengths(model, src_tokens_BS, pad_id, max_len_a, max_len_b).to(device)
+    min_len_L = min_lengths(min_len, B, device)
 
     expand_N = torch.arange(B, device=device).repeat_interleave(K)
-    enc = model.encode(src_tokens_BS, ctx).index_select(expand_N)
-    ctx_N = None if ctx is None else ctx.index_select(expand_N)
-    cache = model.new_decoder_cache()
+    live = _LiveRows(model.encode(src_tokens_BS, ctx).index_select(expand_N),
+                     None if ctx is None else ctx.index_select(expand_N),
+                     model.new_decoder_cache())
+    sentence_L = list(range(B))  # the sentence of each live sentence slot (L = live)
 
     # Only beam 0 is live at the start; the others are -inf so they never win a slot.
-    scores_BK = torch.full((B, K), -torch.inf, device=device)
-    scores_BK[:, 0] = 0.0
-    tokens_NT = torch.empty((N, 0), dtype=torch.long, device=device)
-    prev_N1 = torch.full((N, 1), bos_id, dtype=torch.long, device=device)
-    row_base_B1 = torch.arange(B, device=device)[:, None] * K
+    scores_LK = torch.full((B, K), -torch.inf, device=device)
+    scores_LK[:, 0] = 0.0
+    tokens_NT = torch.empty((B * K, 0), dtype=torch.long, device=device)
+    prev_N1 = torch.full((B * K, 1), bos_id, dtype=torch.long, device=device)
     finished: list[list[tuple[float, list[int]]]] = [[] for _ in range(B)]
-    done_B = torch.zeros(B, dtype=torch.bool, device=device)
+    done_L = torch.zeros(B, dtype=torch.bool, device=device)
 
     for step in itertools.count():
-        lprobs_NV = _next_log_probs(model, prev_N1, enc, ctx_N, cache, step, max_len_N,
-                                    bos_id, eos_id, pad_id, min_len)
+        L = len(sentence_L)
+        lprobs_NV = _next_log_probs(model, prev_N1, live.enc, live.ctx, live.cache, step,
+                                    max_len_L.repeat_interleave(K), bos_id, eos_id, pad_id,
+                                    min_len_L if min_len_L is None
+                                    else min_len_L.repeat_interleave(K))
         V = lprobs_NV.size(-1)
-        cand_BX = (scores_BK[:, :, None] + lprobs_NV.view(B, K, V)).view(B, K * V)
-        top_scores_BC, top_idx_BC = cand_BX.topk(min(2 * K, K * V), dim=1)
-        top_beam_BC = top_idx_BC // V
-        top_tok_BC = top_idx_BC % V
-        is_eos_BC = top_tok_BC.eq(eos_id)
+        cand_LX = (scores_LK[:, :, None] + lprobs_NV.view(L, K, V)).view(L, K * V)
+        top_scores_LC, top_idx_LC = cand_LX.topk(min(2 * K, K * V), dim=1)
+        top_beam_LC = top_idx_LC // V
+        top_tok_LC = top_idx_LC % V
+        is_eos_LC = top_tok_LC.eq(eos_id)
 
-        final_BK = is_eos_BC[:, :K] & top_scores_BC[:, :K].isfinite() & ~done_B[:, None]
-        if bool(final_BK.any()):  # one host transfer per step, not per hypothesis
-            b_F, c_F = final_BK.nonzero(as_tuple=True)
-            hyps = tokens_NT.index_select(0, b_F * K + top_beam_BC[b_F, c_F]).tolist()
-            scores = (top_scores_BC[b_F, c_F].double() / (step + 1) ** lenpen).tolist()
+        final_LK = is_eos_LC[:, :K] & top_scores_LC[:, :K].isfinite() & ~done_L[:, None]
+        if bool(final_LK.any()):  # one host transfer per step, not per hypothesis
+            b_F, c_F = final_LK.nonzero(as_tuple=True)
+            hyps = tokens_NT.index_select(0, b_F * K + top_beam_LC[b_F, c_F]).tolist()
+            scores = (top_scores_LC[b_F, c_F].double() / (step + 1) ** lenpen).tolist()
             for b, score, hyp in zip(b_F.tolist(), scores, hyps):
-                finished[b].append((score, hyp))
-        n_finished_B = torch.tensor([len(f) for f in finished], device=device)
-        done_B |= n_finished_B.ge(K) | max_len_B.le(step + 1)
-        if _stop(bool(done_B.all()), sync_done):
+                finished[sentence_L[b]].append((score, hyp))
+        n_finished_L = torch.tensor([len(finished[b]) for b in sentence_L], device=device)
+        done_L |= n_finished_L.ge(K) | max_len_L.le(step + 1)
+        num_done = int(done_L.sum())
+        if _stop(num_done == L, sync_done):
             break
 
         # Live: the first K non-eos candidates, in score order (there are at most K eos ones).
-        C = top_idx_BC.size(1)
-        rank_BC = torch.arange(C, device=device)[None] + is_eos_BC.long() * C
-        live_BK = rank_BC.topk(K, dim=1, largest=False).indices
-        scores_BK = top_scores_BC.gather(1, live_BK)
-        reorder_N = (row_base_B1 + top_beam_BC.gather(1, live_BK)).view(N)
-        next_N = top_tok_BC.gather(1, live_BK).view(N)
+        C = top_idx_LC.size(1)
+        rank_LC = torch.arange(C, device=device)[None] + is_eos_LC.long() * C
+        live_LK = rank_LC.topk(K, dim=1, largest=False).indices
+        scores_LK = top_scores_LC.gather(1, live_LK)
+        row_base_L1 = torch.arange(L, device=device)[:, None] * K
+        reorder_LK = row_base_L1 + top_beam_LC.gather(1, live_LK)
+        next_LK = top_tok_LC.gather(1, live_LK)
+        if 0 < num_done < L:  # done sentences leave the batch (_LiveRows)
+            keep_S = (~done_L).nonzero().flatten()
+            for b in done_L.nonzero().flatten().tolist():
+                if not finished[sentence_L[b]]:  # unreachable with a finite model
+                    finished[sentence_L[b]].append((-torch.inf, _strip(
+                        tokens_NT[b * K].tolist(), eos_id)))
+            sentence_L = [sentence_L[b] for b in keep_S.tolist()]
+            rows_R = (keep_S[:, None] * K + torch.arange(K, device=device)[None]).view(-1)
+            reorder_LK, next_LK, scores_LK, max_len_L, done_L = (
+                t.index_select(0, keep_S) for t in (reorder_LK, next_LK, scores_LK, max_len_L,
+                                                    done_L))
+            if min_len_L is not None:
+                min_len_L = min_len_L.index_select(0, keep_S)
+            live.keep(rows_R, cache=False)  # the cache follows reorder_N below
+        reorder_N, next_N = reorder_LK.view(-1), next_LK.view(-1)
         tokens_NT = torch.cat([tokens_NT.index_select(0, reorder_N), next_N[:, None]], dim=1)
-        cache.reorder(reorder_N)
+        live.cache.reorder(reorder_N)
         prev_N1 = next_N[:, None]
 
     results = []
@@ -180,5 +246,5 @@ def beam_search(model: IncrementalSeq2Seq, src_tokens_BS: Tensor, bos_id: int, e
         if finished[b]:
             results.append(max(finished[b], key=lambda item: item[0])[1])
         else:  # unreachable with a finite model: the limit forces eos on every live beam
-            results.append(_strip(tokens_NT[b * K].tolist(), eos_id))
+            results.append(_strip(tokens_NT[sentence_L.index(b) * K].tolist(), eos_id))
     return results

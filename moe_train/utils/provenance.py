@@ -21,7 +21,7 @@ REPO = Path(__file__).resolve().parents[2]
 """The checkout the running moe_train package lives in."""
 
 LIBRARIES = ("torch", "deepspeed", "numpy", "scikit-learn", "sentencepiece", "sacrebleu",
-             "megatron-core", "triton", "safetensors", "skops")
+             "megatron-core", "triton", "safetensors", "skops", "transformers")
 """Distributions whose versions are recorded (None where not installed)."""
 
 MAX_DIRTY_PATHS = 20

@@ -14,7 +14,8 @@ from tests.conftest import ROOT, debug_overrides, run_cli
 CONFIG = str(ROOT / "configs" / "debug-cpu.yaml")
 HYBRID = ["moe.num_experts=4", "moe.k=2", "moe.layers=all", "moe.encoder_router=topk",
           "moe.decoder_router=task", "moe.decoder_task_source=tgt_lang", "data.lang_tags=true",
-          "data.pairs=[en-de,en-fr,de-en]", "data.vocab_size=300", "train.max_steps=120", "optim.lr=3e-3",
+          "data.pairs=[en-de,en-fr,de-en]", "data.vocab_size=300", "train.max_steps=120",
+          "optim.lr=3e-3",
           "train.validate_every=0", "checkpoint.save_every=120"]
 
 

@@ -250,3 +250,64 @@ def test_min_len_bans_eos_until_then_but_the_limit_wins() -> None:
     for beam in (1, 3):
         out = beam_search(model, src, BOS, EOS, PAD, beam=beam, min_len=3, **kwargs)
         assert [len(h) for h in out] == [2, 1], out
+
+
+class _SentenceEnc(_Enc):
+    """Encoder output that remembers which sentence each row is (source token 10 + i)."""
+
+    def __init__(self, sid_B: torch.Tensor) -> None:
+        super().__init__(len(sid_B))
+        self.sid_B = sid_B
+
+    def index_select(self, index):
+        return _SentenceEnc(self.sid_B.index_select(0, index))
+
+
+class _PerSentence(TableModel):
+    """TableModel whose first step depends on the sentence, recording the rows of each step."""
+
+    def __init__(self, first: dict[int, dict[int, float]], *args) -> None:
+        super().__init__(*args)
+        self.first, self.rows = first, []
+
+    def encode(self, src_tokens_BS, ctx=None):
+        return _SentenceEnc(src_tokens_BS[:, 0] - 10)
+
+    def decode(self, tgt_in_BT, enc, ctx=None, cache=None):
+        self.rows.append(tgt_in_BT.size(0))
+        logits, aux = super().decode(tgt_in_BT, enc, ctx, cache)
+        if cache.tokens.size(1) == 1:
+            for row, sid in enumerate(enc.sid_B.tolist()):
+                logits[row, 0] = -30.0
+                for token, p in self.first[sid].items():
+                    logits[row, 0, token] = math.log(p)
+        return logits, aux
+
+
+@pytest.mark.parametrize("beam", [1, 2])
+def test_finished_sentences_leave_the_batch(beam: int) -> None:
+    """A done sentence's rows leave the batch (fairseq's pruning): later steps decode fewer
+    rows, and every sentence's output equals decoding it alone."""
+    # Sentences 0 and 2 end after one token (a or c); sentence 1 goes on with b b b b.
+    first = {0: {A: 0.9, C: 0.1}, 1: {B_: 0.9, C: 0.1}, 2: {A: 0.8, C: 0.2}}
+    table = {(A,): {EOS: 1.0}, (C,): {EOS: 1.0}, (B_,): {B_: 0.99, EOS: 0.01},
+             (B_, B_): {B_: 0.99, EOS: 0.01}, (B_, B_, B_): {B_: 0.99, EOS: 0.01},
+             (B_, B_, B_, B_): {EOS: 1.0}}
+    src = torch.tensor([[10, EOS], [11, EOS], [12, EOS]])
+    kw = dict(max_len_a=0, max_len_b=8)
+
+    def run(model, src_BS):
+        if beam == 1:
+            return greedy_search(model, src_BS, BOS, EOS, PAD, **kw)
+        return beam_search(model, src_BS, BOS, EOS, PAD, beam=beam, **kw)
+
+    model = _PerSentence(first, table, {EOS: 1.0}, 6)
+    out = run(model, src)
+    assert out[0] == out[2] == [A]
+    if beam == 1:
+        assert out[1] == [B_, B_, B_, B_] and model.rows == [3, 3, 1, 1, 1], model.rows
+    else:  # sentences 0 and 2 are done after step 1 (both beams finished), 1 goes on
+        assert model.rows[:3] == [6, 6, 2] and set(model.rows[2:]) == {2}, model.rows
+    alone = [run(_PerSentence({0: first[i]}, table, {EOS: 1.0}, 6), src[i:i + 1] - i)[0]
+             for i in range(3)]
+    assert alone == out

@@ -1,0 +1,83 @@
+"""benchmarks/decode_throughput.py and benchmarks/multilingual.py at --quick sizes: the records
+hold what their docstrings promise, every figure measured (positive, consistent), with
+provenance; multilingual.py scores an external --test-dir and skips cleanly without data."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import ROOT, SHARED_DATA, cli_env
+
+
+def _bench(script: str, *args: str, cwd, timeout: float = 600) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *args], cwd=cwd,
+                          env=cli_env(), capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def test_decode_throughput_quick(tmp_path) -> None:
+    out = tmp_path / "d.json"
+    _bench("decode_throughput.py", "--quick", "--out", str(out), cwd=tmp_path)
+    r = json.loads(out.read_text())
+    assert r["provenance"]["git"]["commit"] and r["provenance"]["command"]
+    models = ("token_moe", "task_moe", "task_extracted", "dense_active")
+    sweep = r["decode_sweep"]
+    for name in models:
+        rates = sweep["tokens_per_s"][name]
+        assert len(rates) == len(sweep["batch_sizes"]) and min(rates) > 0
+        assert sweep["peak"][name]["tokens_per_s"] == max(rates)
+        split = r["encoder_decoder_split"]["models"][name]
+        assert 0 < split["encoder_share"] < 1
+    p = r["params"]
+    # Equal training parameters for the two MoE models; the sub-network is smaller, its
+    # decoder as small as the dense model of equal active parameters (same FFN width 2F).
+    assert abs(p["token_moe"]["total"] - p["task_moe"]["total"]) < 0.01 * p["task_moe"]["total"]
+    assert p["task_extracted"]["total"] < p["task_moe"]["total"]
+    assert abs(p["task_extracted"]["decoder"] - p["dense_active"]["decoder"]) \
+        < 0.01 * p["dense_active"]["decoder"]
+    train = r["training"]["ratio_vs_dense_active"]
+    assert set(train) == {"token_moe", "task_moe"} and min(train.values()) > 0
+    marian = r["marian"]
+    if "skipped" not in marian:
+        for key in ("greedy", "beam5"):
+            assert min(marian[key]["sentences_per_s"].values()) > 0
+    ep = r["ep2"]
+    assert 0 < ep["all_to_all_share"] < 1 and ep["ranks"][0]["calls"] > 0
+    acc = r["acceptance"]
+    assert acc["extracted_over_token_moe_peak"] == round(
+        sweep["peak"]["task_extracted"]["tokens_per_s"] / sweep["peak"]["token_moe"]["tokens_per_s"],
+        3)
+
+
+@pytest.mark.skipif(not SHARED_DATA.is_dir(), reason="../shared OPUS data absent")
+def test_multilingual_quick(tmp_path) -> None:
+    ext = tmp_path / "ext" / "EMEA"  # an external test set: 5 de-en pairs of one domain
+    ext.mkdir(parents=True)
+    for lang in ("de", "en"):
+        lines = (SHARED_DATA / "EMEA" / f"EMEA.de-en.train.{lang}").read_text().splitlines()
+        (ext / f"EMEA.de-en.test.{lang}").write_text("\n".join(lines[-5:]) + "\n")
+    out = tmp_path / "m.json"
+    _bench("multilingual.py", "--quick", "--variants", "dense,token-target", "--minutes", "1",
+           "--work", str(tmp_path / "w"), "--out", str(out), "--test-dir", str(tmp_path / "ext"),
+           cwd=tmp_path)
+    r = json.loads(out.read_text())
+    assert r["directions"] == ["de-en", "en-de", "en-fr", "fr-en"]
+    dense, task = r["variants"]["dense"], r["variants"]["token-target"]
+    for v in (dense, task):
+        assert set(v["test"]["pairs"]) == set(r["directions"]) and v["steps"] == 4
+        assert v["test"]["en_xx_bleu"] is not None and v["test"]["xx_en_bleu"] is not None
+        ext_scores = v["test_dir"]
+        assert list(ext_scores["pairs"]) == ["de-en"] and ext_scores["all"]["sentences"] == 5
+    assert "extraction" in task and "extraction" not in dense
+    assert task["extraction"]["extracted"]["total"] < task["extraction"]["full"]["total"]
+    assert task["params"]["total"] > dense["params"]["total"]
+
+
+def test_multilingual_skips_without_data(tmp_path) -> None:
+    proc = _bench("multilingual.py", "--data", str(tmp_path / "none"), cwd=tmp_path)
+    assert proc.stdout.startswith("skipped:")
