@@ -60,11 +60,17 @@ def _stop(local_done: bool, sync_done: Callable[[bool], bool] | None) -> bool:
 def _next_log_probs(model: IncrementalSeq2Seq, prev_N1: Tensor, enc: Any,
                     ctx: ForwardContext | None, cache: Any, step: int, max_len_N: Tensor,
                     bos_id: int, eos_id: int, pad_id: int,
-                    min_len_N: Tensor | None = None) -> Tensor:
+                    min_len_N: Tensor | None = None, normalize: bool = True) -> Tensor:
     """Float32 log-probs (N, V) of the next token; pad (and bos) banned, eos banned before
-    `min_len_N` tokens (None: no minimum) and forced at the limit (the limit wins)."""
+    `min_len_N` tokens (None: no minimum) and forced at the limit (the limit wins).
+    `normalize` False returns the logits with the same bans: enough for an argmax (greedy),
+    without the log-softmax over the vocabulary."""
     logits_N1V, _ = model.decode(prev_N1, enc, ctx, cache)
-    lprobs_NV = torch.log_softmax(logits_N1V[:, -1].float(), dim=-1)
+    lprobs_NV = logits_N1V[:, -1].float()
+    if normalize:
+        lprobs_NV = torch.log_softmax(lprobs_NV, dim=-1)
+    elif lprobs_NV.data_ptr() == logits_N1V.data_ptr():
+        lprobs_NV = lprobs_NV.clone()  # the bans below must not write into the model's output
     lprobs_NV[:, pad_id] = -torch.inf
     if bos_id != eos_id:
         lprobs_NV[:, bos_id] = -torch.inf
@@ -122,7 +128,8 @@ def greedy_search(model: IncrementalSeq2Seq, src_tokens_BS: Tensor, bos_id: int,
     results: list[list[int] | None] = [None] * B
     for step in itertools.count():
         lprobs_AV = _next_log_probs(model, prev_A1, live.enc, live.ctx, live.cache, step,
-                                    max_len_A, bos_id, eos_id, pad_id, min_len_A)
+                                    max_len_A, bos_id, eos_id, pad_id, min_len_A,
+                                    normalize=False)
         next_A = lprobs_AV.argmax(dim=-1)
         next_A = torch.where(finished_A, torch.full_like(next_A, pad_id), next_A)
         tokens_AT = torch.cat([tokens_AT, next_A[:, None]], dim=1)
