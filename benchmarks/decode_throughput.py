@@ -38,7 +38,11 @@ import torch
 import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+for _path in (ROOT, ROOT / "benchmarks"):
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
+
+from real_data import write_record  # noqa: E402
 
 from moe_train.config import load_config  # noqa: E402
 from moe_train.eval.extract import extract, load_extracted  # noqa: E402
@@ -47,8 +51,7 @@ from moe_train.eval.search import beam_search, greedy_search  # noqa: E402
 from moe_train.models.build import build_model  # noqa: E402
 from moe_train.models.context import ForwardContext  # noqa: E402
 from moe_train.moe.routing import NUM_LANGS_KEY  # noqa: E402
-from moe_train.utils.atomic import write_json  # noqa: E402
-from moe_train.utils.provenance import finish, provenance  # noqa: E402
+from moe_train.utils.provenance import provenance  # noqa: E402
 
 PAD, BOS, EOS = 0, 1, 2
 LANGS = ["cs", "de", "en", "fr"]
@@ -375,12 +378,7 @@ def main(argv: list[str] | None = None) -> None:
     record = {"benchmark": "decode_throughput", "sizes": s, "task": TASK, "params": params,
               "decode_sweep": sweep, "encoder_decoder_split": split, "training": train,
               "marian": marian, "ep2": ep, "acceptance": acceptance}
-    record["provenance"] = finish(prov)
-    write_json(out, record)
-    import json
-
-    print(json.dumps(acceptance, indent=2))
-    print(f"wrote {out}")
+    write_record(out, record, prov)
 
 
 if __name__ == "__main__":

@@ -175,9 +175,13 @@ class RawSplit:
         manifest = self.manifest = inf.manifest
         vocab = inf.vocab
         directions = sorted({f"{c['src_lang']}-{c['tgt_lang']}" for c in manifest["corpora"]})
-        corpora = discover(test_dir, pairs=directions, splits=["test"])
+        present = {frozenset((c.src_lang, c.tgt_lang))
+                   for c in discover(test_dir, splits=["test"])}
+        self.skipped: list[str] = [f"{test_dir}: no {d} test files" for d in directions
+                                   if frozenset(d.split("-")) not in present]
+        directions = [d for d in directions if frozenset(d.split("-")) in present]
+        corpora = discover(test_dir, pairs=directions, splits=["test"]) if directions else []
         max_chars = int(manifest.get("data_config", {}).get("max_chars", 2048))
-        self.skipped: list[str] = []
         src_ids, tgt_ids, raw_tgt, meta = [], [], [], []
         for files in corpora:
             if files.domain not in manifest["domains"]:
