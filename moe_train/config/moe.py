@@ -19,6 +19,13 @@ domain, or explicit task ids supplied with the batch."""
 
 LAYER_PATTERNS = ("every_other", "all")
 
+
+def task_count(source: str, manifest: dict) -> int:
+    """Number of tasks of a task source in a prepared data manifest (0 when it names none)."""
+    langs, domains = len(manifest.get("langs", [])), len(manifest.get("domains", []))
+    return {"domain": domains, "tgt_lang": langs, "src_lang": langs, "other_lang": langs,
+            "lang_pair": langs * langs}.get(source, 0)
+
 ROUTER_NAMES = ("gated", "gshard", "gumbel", "sentence", "single", "switch", "task", "thor",
                 "topk", "topp")
 """The names moe_train.moe.registry.ROUTERS registers (kept equal by a test); checked here so
@@ -189,6 +196,12 @@ class MoEConfig(RouterConfig):
 
     def router_name(self, side: str) -> str:
         return getattr(self, f"{side}_router")
+
+    def learned_task_router(self, side: str) -> bool:
+        """Whether `side` routes by a learned GATE(task) (not a fixed assignment, not a frozen
+        table): its number of tasks is `num_tasks`, or the data's when that is 0."""
+        return (self.enabled and self.router_name(side) == "task" and not self.assignment
+                and not getattr(self, f"{side}_task_table"))
 
     def side_experts(self, side: str) -> int:
         """Experts per MoE layer of `side`: its own count, else `num_experts`."""

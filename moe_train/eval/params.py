@@ -226,11 +226,8 @@ def _need_num_tasks(cfg: ExperimentConfig) -> None:
         raise ConfigError("thor.num_tasks: 0 takes K from the prepared data, which `params` "
                           "does not read; expected the number of tasks (e.g. "
                           "thor.num_tasks=5 for five domains)")
-    moe = cfg.moe
     for side in SIDES:
-        learned = (moe.enabled and moe.router_name(side) == "task" and not moe.assignment
-                   and not getattr(moe, f"{side}_task_table"))
-        if learned and not moe.num_tasks:
+        if cfg.moe.learned_task_router(side) and not cfg.moe.num_tasks:
             raise ConfigError(f"moe.num_tasks: 0 takes the number of {side} tasks from the "
                               "prepared data, which `params --config` does not read; expected "
                               "the number of tasks (or use `params --checkpoint`)")

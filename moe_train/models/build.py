@@ -18,6 +18,7 @@ from typing import Any
 
 from torch import nn
 
+from moe_train.config.moe import task_count
 from moe_train.config.schema import ExperimentConfig, ModelConfig
 from moe_train.models.transformer import Seq2SeqTransformer, dense_ffn_factory
 from moe_train.moe.adapters import AdapterExperts, AdapterSlot
@@ -29,20 +30,11 @@ from moe_train.moe.thor_router import TaskPredictor
 from moe_train.errors import ConfigError
 
 
-def task_count(source: str, manifest: dict[str, Any]) -> int:
-    """Number of tasks of a task source in the prepared data (0 when it names none)."""
-    langs, domains = len(manifest.get("langs", [])), len(manifest.get("domains", []))
-    return {"domain": domains, "tgt_lang": langs, "src_lang": langs, "other_lang": langs,
-            "lang_pair": langs * langs}.get(source, 0)
-
-
 def _router_config(cfg: ExperimentConfig, side: str, manifest: dict[str, Any] | None):
     """The side's router settings; a learned task router without `moe.num_tasks` gets the
     data's number of tasks of its source."""
     rcfg = cfg.moe.router_config(side)
-    learned_task = (cfg.moe.router_name(side) == "task" and not rcfg.assignment
-                    and not getattr(cfg.moe, f"{side}_task_table"))
-    if learned_task and not rcfg.num_tasks and manifest is not None:
+    if cfg.moe.learned_task_router(side) and not rcfg.num_tasks and manifest is not None:
         rcfg.num_tasks = task_count(rcfg.task_source, manifest)
     return rcfg
 

@@ -102,6 +102,8 @@ class TaskRouter(Router):
         self.task_source = cfg.task_source
         self.embed: nn.Embedding | None = None
         self.gate: nn.Linear | None = None
+        self.frozen = bool(task_table)
+        """Whether the table comes from the checkpoint (and may leave tasks unserved)."""
         if task_table:
             self.num_tasks = task_table
             # Learned state of an extracted model: saved with the checkpoint.
@@ -173,7 +175,8 @@ class TaskRouter(Router):
         sid_T = rctx.sentence_ids_T
         if not self.learned:
             ids_BK = self.table_ids_NK[task_ids_B]
-            self._served(ids_BK, task_ids_B)
+            if self.frozen:  # a fixed assignment serves every task: no extra host sync
+                self._served(ids_BK, task_ids_B)
             expert_ids_TK = ids_BK[sid_T]
             weights_TK = self.table_weights_NK[task_ids_B][sid_T].to(x_TD.dtype)
             return Routing(expert_ids_TK=expert_ids_TK, weights_TK=weights_TK, probs_TE=None,

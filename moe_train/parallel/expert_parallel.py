@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from moe_train.config.moe import task_count
 from moe_train.errors import ConfigError
 from moe_train.kernels.permute import permute, unpermute
 from moe_train.moe.dispatcher import LocalDispatcher
@@ -194,13 +195,11 @@ def moe_param_groups(model: nn.Module, groups: list[dict[str, Any]], ep_size: in
 def check_moe_against_data(cfg: Any, manifest: dict[str, Any]) -> None:
     """Task routers need task ids the prepared data has, and enough task embeddings."""
     moe = cfg.moe
-    num_langs, num_domains = len(manifest["langs"]), len(manifest["domains"])
-    needed = {"lang_pair": num_langs * num_langs, "tgt_lang": num_langs, "src_lang": num_langs,
-              "other_lang": num_langs, "domain": num_domains}
     if getattr(cfg, "uses_thor", False) and cfg.thor.num_tasks:
         source = cfg.thor.task_source
-        if cfg.thor.num_tasks < needed[source]:
-            raise ConfigError(f"thor.num_tasks: expected at least {needed[source]} (tasks by "
+        if cfg.thor.num_tasks < task_count(source, manifest):
+            raise ConfigError(f"thor.num_tasks: expected at least "
+                              f"{task_count(source, manifest)} (tasks by "
                               f"{source} in the prepared data, see thor.task_source), got "
                               f"{cfg.thor.num_tasks}")
     for side in ("encoder", "decoder"):
@@ -214,8 +213,9 @@ def check_moe_against_data(cfg: Any, manifest: dict[str, Any]) -> None:
         tasks = getattr(moe, f"{side}_task_table") or len(moe.assignment) or moe.num_tasks
         if not tasks:
             continue  # a learned gate with num_tasks 0 takes the data's count
-        if tasks < needed[source]:
-            raise ConfigError(f"moe.num_tasks: expected at least {needed[source]} (tasks by "
+        if tasks < task_count(source, manifest):
+            raise ConfigError(f"moe.num_tasks: expected at least "
+                              f"{task_count(source, manifest)} (tasks by "
                               f"{source} in the prepared data, see {field}), got {tasks}")
 
 
