@@ -183,6 +183,18 @@ def _add_extract(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", required=True, help="directory of the extracted export")
 
 
+def _add_convert(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("convert", help="Hugging Face Qwen2-MoE directory <-> moe_train export",
+                       description="--from-hf: a local transformers Qwen2-MoE directory "
+                       "(config.json, safetensors, tokenizer files) to a moe_train export whose "
+                       "sparse blocks are our MoE layers; --to-hf: a hf_qwen2_moe export or "
+                       "checkpoint to a directory transformers loads. Ends with one JSON line.")
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("--from-hf", metavar="DIR", help="transformers model directory")
+    where.add_argument("--to-hf", metavar="CHECKPOINT", help="export or checkpoint directory")
+    p.add_argument("--out", required=True, help="directory to write")
+
+
 def _add_routing_stats(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("routing-stats", help="expert x domain / task tables (CSV) and heatmaps",
                        description="Teacher-forced forwards over a prepared split; per MoE layer "
@@ -219,7 +231,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="moe-train", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     for add in (_add_synth, _add_prepare, _add_train, _add_translate, _add_evaluate, _add_demo,
-                _add_params, _add_extract, _add_routing_stats, _add_pipeline):
+                _add_params, _add_extract, _add_convert, _add_routing_stats, _add_pipeline):
         add(sub)
     return parser
 

@@ -223,6 +223,8 @@ def cmd_params(args: argparse.Namespace) -> int:
     else:
         cfg = load_config(args.config, args.overrides)  # before torch: errors fail fast
         vocab_size, manifest = cfg.data.vocab_size, None
+        if cfg.decoder_only:
+            vocab_size = cfg.qwen.vocab_size
     from moe_train.eval.params import count_parameters, format_params
 
     report = count_parameters(cfg, vocab_size, manifest)
@@ -243,6 +245,19 @@ def cmd_extract(args: argparse.Namespace) -> int:
     print(format_report(report))
     print(f"| wrote {out}")
     _json_line({"checkpoint": str(inf.source), "out": str(out), **report})
+    return 0
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    from moe_train.models.hf_io import convert_from_hf, convert_to_hf
+
+    if args.from_hf:
+        summary = convert_from_hf(args.from_hf, args.out)
+    else:
+        summary = convert_to_hf(args.to_hf, args.out)
+    print(f"| wrote {args.out}: {summary['tensors']} tensors, {summary['parameters']:,} "
+          f"parameters, tokenizer files: {', '.join(summary['tokenizer']) or 'none'}")
+    _json_line({"from": args.from_hf or args.to_hf, "out": args.out, **summary})
     return 0
 
 

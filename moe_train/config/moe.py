@@ -44,6 +44,9 @@ class RouterConfig:
     k: int = 2
     """Experts per token for topk / sentence / task routers (switch is 1, gshard 2, topp
     varies); at most the number of experts (checked when the router is built)."""
+    renormalize: bool = True
+    """topk router: renormalise the k weights to sum 1; False keeps the raw softmax
+    probabilities (Qwen's ``norm_topk_prob: false``, e.g. Qwen1.5-MoE-A2.7B)."""
     capacity_factor: float = 0.0
     """Expert capacity as a multiple of the even share T*K/E, read by the dispatcher;
     0 means dropless (no token is ever dropped)."""

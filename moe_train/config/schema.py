@@ -13,8 +13,13 @@ from typing import Any
 from moe_train.config.adapters import AdapterConfig, MoAConfig
 from moe_train.config.moe import ROUTER_NAMES, MoEConfig
 from moe_train.config.gated import GatedConfig
+from moe_train.config.qwen import QwenConfig
 from moe_train.config.thor import ThorConfig
 from moe_train.errors import ConfigError
+
+
+ARCHS = ("seq2seq", "hf_qwen2_moe")
+"""Model architectures `model.arch` names (dispatched in moe_train.models.build)."""
 
 
 def _check(cond: bool, path: str, expected: str, got: Any) -> None:
@@ -35,8 +40,12 @@ def _choice(obj: Any, section: str, name: str, allowed: tuple[str, ...]) -> None
 
 @dataclass
 class ModelConfig:
-    """Encoder-decoder Transformer (pre-norm, tied embeddings)."""
+    """Encoder-decoder Transformer (pre-norm, tied embeddings), or the decoder-only arch."""
 
+    arch: str = "seq2seq"
+    """seq2seq (this section's encoder-decoder Transformer) or hf_qwen2_moe (a Hugging Face
+    Qwen2-MoE decoder-only model shaped by the ``qwen`` section, our MoE layer in its blocks);
+    the other fields of this section describe the seq2seq model only."""
     d_model: int = 512
     """Model (embedding) dimension."""
     n_heads: int = 8
@@ -69,6 +78,7 @@ class ModelConfig:
             value = getattr(self, name)
             _check(0.0 <= value < 1.0, f"model.{name}", "a probability in [0, 1)", value)
         _choice(self, "model", "activation", ("relu", "gelu"))
+        _choice(self, "model", "arch", ARCHS)
 
 
 @dataclass
@@ -254,6 +264,7 @@ class ExperimentConfig:
     moa: MoAConfig = field(default_factory=MoAConfig)
     thor: ThorConfig = field(default_factory=ThorConfig)
     gated: GatedConfig = field(default_factory=GatedConfig)
+    qwen: QwenConfig = field(default_factory=QwenConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -282,11 +293,35 @@ class ExperimentConfig:
         if self.adapters.enabled and self.adapters.router == "gated":
             _check(self.moe.ep_size == 1, "moe.ep_size", "1 with adapters.router gated (every "
                    "token uses every adapter: the adapters stay on each rank)", self.moe.ep_size)
+        if self.decoder_only:
+            self._check_decoder_only()
         if self.moe.enabled:
             sides = (self.moe.encoder_router, self.moe.decoder_router)
             _check("gated" not in sides, "moe.encoder_router",
                    "an FFN router other than gated (gated mixes adapters: adapters.router)",
                    sides)
+
+    @property
+    def decoder_only(self) -> bool:
+        """Whether the model is the decoder-only Qwen2-MoE (`model.arch` hf_qwen2_moe)."""
+        return self.model.arch == "hf_qwen2_moe"
+
+    def _check_decoder_only(self) -> None:
+        """hf_qwen2_moe: the MoE shape comes from the moe section; no encoder, no adapters."""
+        moe = self.moe
+        _check(moe.enabled, "moe.num_experts", "a positive number of routed experts per MoE "
+               "layer with model.arch hf_qwen2_moe", moe.num_experts)
+        _check(moe.expert_ffn_dim > 0, "moe.expert_ffn_dim", "the routed experts' SwiGLU inner "
+               "dimension (Qwen's moe_intermediate_size) with model.arch hf_qwen2_moe",
+               moe.expert_ffn_dim)
+        _check(moe.decoder_router not in ("dense", "gated"), "moe.decoder_router",
+               "an FFN router (topk reproduces Qwen's) with model.arch hf_qwen2_moe",
+               moe.decoder_router)
+        _check(not self.adapters.enabled, "adapters.num_experts",
+               "0 with model.arch hf_qwen2_moe (adapters are an encoder-decoder feature)",
+               self.adapters.num_experts)
+        _check(moe.router_name("decoder") != "thor", "moe.decoder_router",
+               "not thor yet with model.arch hf_qwen2_moe", moe.decoder_router)
 
     @property
     def uses_thor(self) -> bool:

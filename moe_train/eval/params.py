@@ -51,7 +51,10 @@ from moe_train.moe.layer import MoELayer
 from moe_train.moe.thor_router import TaskPredictor, ThorRouter
 
 SIDES = ("encoder", "decoder")
-EMBEDDING_PREFIXES = ("embed_tokens.", "tgt_embed_tokens.", "output_proj.")
+EMBEDDING_PREFIXES = ("embed_tokens.", "tgt_embed_tokens.", "output_proj.",
+                      "hf.model.embed_tokens.", "hf.lm_head.")
+DECODER_ONLY_PREFIXES = ("hf.model.layers.", "hf.model.norm.")
+"""The decoder-only Qwen2-MoE's layers and final norm count as its decoder."""
 EXTRACTABLE_ROUTERS = ("task",)
 """Routers whose choice depends only on the task: their sub-network can be served alone."""
 
@@ -94,7 +97,7 @@ def _side_of(name: str) -> str:
     for side in SIDES:
         if name.startswith((f"{side}_layers.", f"{side}_norm.")):
             return side
-    return "other"
+    return "decoder" if name.startswith(DECODER_ONLY_PREFIXES) else "other"
 
 
 def experts_per_token(router: nn.Module, num_experts: int) -> tuple[int, bool, str]:

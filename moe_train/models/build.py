@@ -30,7 +30,7 @@ from moe_train.moe.thor_router import TaskPredictor
 from moe_train.errors import ConfigError
 
 
-def _router_config(cfg: ExperimentConfig, side: str, manifest: dict[str, Any] | None):
+def router_config(cfg: ExperimentConfig, side: str, manifest: dict[str, Any] | None):
     """The side's router settings; a learned task router without `moe.num_tasks` gets the
     data's number of tasks of its source."""
     rcfg = cfg.moe.router_config(side)
@@ -49,7 +49,7 @@ def moe_ffn_factory(cfg: ExperimentConfig, manifest: dict[str, Any] | None = Non
         if not moe.is_moe_layer(side, layer_idx, num_layers):
             return dense_ffn_factory(side, layer_idx, mcfg)
         name, num_experts = moe.router_name(side), moe.side_experts(side)
-        rcfg = _router_config(cfg, side, manifest)
+        rcfg = router_config(cfg, side, manifest)
         settings = {}
         if name == "thor":
             settings = {"thor": cfg.thor, "loss_scale": 1.0 / num_thor_layers(cfg)}
@@ -144,8 +144,13 @@ def thor_predictor_layer(cfg: ExperimentConfig) -> int:
     return layer
 
 
-def build_model(cfg: ExperimentConfig, manifest: dict[str, Any]) -> Seq2SeqTransformer:
-    """A single-device Seq2SeqTransformer sized to the prepared data's vocabulary."""
+def build_model(cfg: ExperimentConfig, manifest: dict[str, Any]) -> nn.Module:
+    """The single-device model of `model.arch`: a Seq2SeqTransformer sized to the prepared
+    data's vocabulary, or the decoder-only Qwen2-MoE (moe_train.models.hf_qwen2moe)."""
+    if cfg.decoder_only:
+        from moe_train.models.hf_qwen2moe import Qwen2MoEForCausalLM
+
+        return Qwen2MoEForCausalLM(cfg, manifest)
     ffn_factory = moe_ffn_factory(cfg, manifest) if cfg.moe.enabled else None
     adapters = adapter_factory(cfg) if cfg.adapters.enabled else None
     providers = {}

@@ -1,6 +1,6 @@
 """Local experts with stacked weights, run as grouped GEMMs over expert-sorted rows.
 
-Both modules take ``forward(x_ND, counts_E) -> y_ND``: x_ND holds the rows routed to this
+Every module takes ``forward(x_ND, counts_E) -> y_ND``: x_ND holds the rows routed to this
 module's experts, grouped by expert (expert 0's `counts_E[0]` rows first, as
 `moe_train.kernels.permute` leaves them), and y_ND is in the same order.
 
@@ -27,6 +27,7 @@ from moe_train.errors import ConfigError
 from moe_train.kernels import grouped_gemm, use_triton
 from moe_train.kernels.expert_ffn import expert_ffn
 from moe_train.kernels.grad_buffers import GradBuffers
+from moe_train.kernels.swiglu_ffn import swiglu_ffn, swiglu_grouped
 
 
 def rows_expert(counts_E: Tensor, num_rows: int) -> Tensor:
@@ -108,3 +109,41 @@ class Experts(StackedExperts):
             h_NF = F.dropout(h_NF, dropout, self.training)
         return grouped_gemm(h_NF, self.w2_EFD, counts_E, self.b2_ED, backend=self.backend,
                             grad_buffers=bufs, grad_names=("w2_EFD", "b2_ED"))
+
+
+class SwiGLUExperts(StackedExperts):
+    """E SwiGLU experts (Qwen2-MoE): y = (silu(x w_gate[e]) * (x w_up[e])) w_down[e], no biases.
+
+    Our layout, stacked on dim 0: w_gate_EDF, w_up_EDF (E x D x F), w_down_EFD (E x F x D).
+    Hugging Face's Qwen2-MoE stores gate and up fused and transposed (gate_up_proj E x 2F x D,
+    gate rows first) and down_proj as E x D x F: a checkpoint converter maps between the two.
+    Weights start normal(0, init_std) (0.02 is Qwen's initializer_range). Paths as in
+    `Experts`: on the torch backend (CPU) `kernels.swiglu_ffn` runs the three GEMMs expert by
+    expert, writing weight gradients into `grad_buffers`; with Triton (GPU) three grouped GEMMs
+    with silu * up between them (`kernels.swiglu_ffn.swiglu_grouped`).
+    """
+
+    def __init__(self, num_experts: int, d_model: int, ffn_dim: int, *, backend: str = "auto",
+                 init_std: float = 0.02) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.backend = backend
+        self.init_std = init_std
+        self.grad_buffers = GradBuffers()
+        self.w_gate_EDF = nn.Parameter(torch.empty(num_experts, d_model, ffn_dim))
+        self.w_up_EDF = nn.Parameter(torch.empty(num_experts, d_model, ffn_dim))
+        self.w_down_EFD = nn.Parameter(torch.empty(num_experts, ffn_dim, d_model))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """normal(0, init_std) for all three weights."""
+        for w in (self.w_gate_EDF, self.w_up_EDF, self.w_down_EFD):
+            nn.init.normal_(w, 0.0, self.init_std)
+
+    def forward(self, x_ND: Tensor, counts_E: Tensor) -> Tensor:
+        self._check_rows(x_ND, counts_E)
+        weights = (self.w_gate_EDF, self.w_up_EDF, self.w_down_EFD)
+        if not use_triton(x_ND, self.backend):
+            return swiglu_ffn(x_ND, *weights, counts_E, self.grad_buffers)
+        return swiglu_grouped(x_ND, *weights, counts_E, backend=self.backend,
+                              grad_buffers=self.grad_buffers)

@@ -4,7 +4,8 @@ A router maps the (layer-normed) token states and a `RoutingContext` to a `Routi
 picked by name from the explicit registry in moe_train.moe.registry (`build_router`). This file
 holds the token-level ones; moe_train.moe.sentence_router the sentence- and task-level ones:
 
-- ``topk``: softmax over E, top-k, weights renormalised over the k (Eq. 4 of THOR-MoE).
+- ``topk``: softmax over E, top-k, weights renormalised over the k (Eq. 4 of THOR-MoE), or the
+  raw probabilities with ``moe.renormalize: false`` (Qwen's norm_topk_prob false).
 - ``switch``: top-1 whose weight is the raw top-1 probability (Switch Transformer), so the gate
   gets a gradient from the main loss.
 - ``gshard``: top-2, renormalised (GShard).
@@ -49,7 +50,7 @@ class TopKRouter(Router):
 
     def _selection(self, cfg: RouterConfig) -> tuple[int, bool]:
         """(k, renormalize) of this router."""
-        return cfg.k, True
+        return cfg.k, cfg.renormalize
 
     def forward(self, x_TD: Tensor, rctx: RoutingContext | None = None) -> Routing:
         """Gate, then softmax, top-k, weights and losses in one autograd node (`top_k_gate`:

@@ -1,0 +1,306 @@
+"""Hugging Face Qwen2-MoE directories <-> moe_train models: config and weight mapping.
+
+`moe-train convert --from-hf DIR --out OUT` reads a local model directory (config.json,
+safetensors, single or sharded, tokenizer files) and writes a moe_train export of the same
+model: our config, our weights, the tokenizer copied. ``--to-hf CHECKPOINT --out OUT`` writes
+a directory transformers loads with ``Qwen2MoeForCausalLM.from_pretrained``, experts saved one
+by one as transformers saves them. Weights map one to one except in the sparse blocks:
+
+    HF (per layer i, ``model.layers.{i}.mlp.``)    ours (``hf.model.layers.{i}.mlp.moe.``)
+    gate.weight                       (E, D)        router.gate.weight.weight    (E, D)
+    experts.gate_up_proj              (E, 2F, D)    experts.w_gate_EDF, w_up_EDF (E, D, F)
+    experts.down_proj                 (E, D, F)     experts.w_down_EFD           (E, F, D)
+    shared_expert.{gate,up,down}_proj.weight        shared_expert.{gate,up,down}_proj.weight
+    shared_expert_gate.weight         (1, D)        shared_expert.gate.weight    (1, D)
+
+Checkpoints saved per expert (``experts.{e}.{gate,up,down}_proj.weight``, as transformers and
+the released Qwen1.5-MoE-A2.7B files store them) are stacked on the way in; stacked files are
+read as well. Every other name gets the ``hf.``
+prefix. Files are read with safetensors only (no code runs); bad input is a one-line error.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+from torch import Tensor
+
+from moe_train.config.loader import config_from_dict
+from moe_train.config.schema import ExperimentConfig
+from moe_train.errors import CheckpointError, ConfigError, MoeTrainError
+from moe_train.utils.atomic import atomic_dir
+from moe_train.utils.safe_load import read_json_object, require_file, save_tensors
+
+PREFIX = "hf."
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt",
+                   "special_tokens_map.json", "added_tokens.json", "generation_config.json",
+                   "tokenizer.model")
+"""Files copied with the weights in both directions when present (never executed)."""
+_SPARSE = re.compile(r"model\.layers\.(\d+)\.mlp\.(gate\.weight|experts\..+|shared_expert\..+|"
+                     r"shared_expert_gate\.weight)$")
+_LEGACY = re.compile(r"experts\.(\d+)\.(gate|up|down)_proj\.weight$")
+
+
+# ------------------------------------------------------------------------------------ config
+def config_from_hf(hf: dict[str, Any], source: Path) -> ExperimentConfig:
+    """Our config of a Qwen2-MoE config.json (default topk router: Qwen's own routing)."""
+    if hf.get("model_type") != "qwen2_moe":
+        raise ConfigError(f"{source}: model_type is {hf.get('model_type')!r}; expected "
+                          "'qwen2_moe' (a Hugging Face Qwen2-MoE model directory)")
+    n = int(hf.get("num_hidden_layers", 0))
+    step = int(hf.get("decoder_sparse_step", 1) or 1)
+    dense = set(hf.get("mlp_only_layers") or [])
+    sparse = [i for i in range(n) if i not in dense and (i + 1) % step == 0]
+    if not sparse or not hf.get("num_experts"):
+        raise ConfigError(f"{source}: no sparse MoE layer (num_experts "
+                          f"{hf.get('num_experts')}); expected a Qwen2-MoE model")
+    rope = hf.get("rope_parameters") or {}
+    qwen = {key: hf[key] for key in (
+        "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+        "intermediate_size", "shared_expert_intermediate_size", "max_position_embeddings",
+        "rms_norm_eps", "tie_word_embeddings", "initializer_range", "qkv_bias") if key in hf}
+    qwen["num_key_value_heads"] = hf.get("num_key_value_heads") or qwen["num_attention_heads"]
+    qwen["rope_theta"] = float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    moe = {"num_experts": hf["num_experts"], "k": hf.get("num_experts_per_tok", 4),
+           "expert_ffn_dim": hf.get("moe_intermediate_size", 1408),
+           "renormalize": bool(hf.get("norm_topk_prob", False)),
+           "layers": "all" if len(sparse) == n else ",".join(map(str, sparse)),
+           "encoder_router": "dense", "decoder_router": "topk",
+           "aux_loss_coef": hf.get("router_aux_loss_coef", 0.001), "z_loss_coef": 0.0}
+    try:
+        return config_from_dict({"model": {"arch": "hf_qwen2_moe"}, "qwen": qwen, "moe": moe})
+    except MoeTrainError as exc:
+        raise ConfigError(f"{source}: {exc}") from None
+
+
+def hf_config_dict(cfg: ExperimentConfig) -> dict[str, Any]:
+    """transformers' config.json content for our Qwen2-MoE config."""
+    from moe_train.models.hf_qwen2moe import qwen_hf_config
+
+    return qwen_hf_config(cfg).to_dict()
+
+
+# ----------------------------------------------------------------------------------- weights
+def read_hf_weights(model_dir: Path) -> Iterator[tuple[str, Tensor]]:
+    """(name, tensor) of a model directory's safetensors, single file or sharded."""
+    from safetensors import safe_open
+
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = read_json_object(index, "a safetensors index (weight_map)").get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{index}: no weight_map; expected a safetensors index")
+        files = sorted(set(weight_map.values()))
+    else:
+        require_file(model_dir / "model.safetensors", "the model's weights (model.safetensors "
+                     "or model.safetensors.index.json)")
+        files = ["model.safetensors"]
+    for name in files:
+        path = require_file(model_dir / name, "a weights shard named by the index")
+        try:
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                for key in f.keys():
+                    yield key, f.get_tensor(key)
+        except MoeTrainError:
+            raise
+        except Exception as exc:  # noqa: BLE001  (SafetensorError, OSError)
+            raise CheckpointError(f"{path}: not a readable safetensors file "
+                                  f"({type(exc).__name__}: {str(exc)[:200]})") from None
+
+
+def hf_to_ours(weights: Iterator[tuple[str, Tensor]], cfg: ExperimentConfig,
+               source: Path) -> dict[str, Tensor]:
+    """Our state dict from HF (name, tensor) pairs (stacked or per-expert experts)."""
+    F_ = cfg.moe.expert_ffn_dim
+    out: dict[str, Tensor] = {}
+    legacy: dict[tuple[int, str], dict[int, Tensor]] = {}
+    for name, t in weights:
+        m = _SPARSE.match(name)
+        if m is None:
+            out[PREFIX + name] = t
+            continue
+        base, rest = f"{PREFIX}model.layers.{m.group(1)}.mlp.moe.", m.group(2)
+        legacy_m = _LEGACY.match(rest)
+        if rest == "gate.weight":
+            out[base + "router.gate.weight.weight"] = t
+        elif rest == "experts.gate_up_proj":
+            if t.dim() != 3 or t.size(1) != 2 * F_:
+                raise CheckpointError(f"{source}: {name} has shape {tuple(t.shape)}; expected "
+                                      f"(E, {2 * F_}, D)")
+            out[base + "experts.w_gate_EDF"] = t[:, :F_].transpose(1, 2).contiguous()
+            out[base + "experts.w_up_EDF"] = t[:, F_:].transpose(1, 2).contiguous()
+        elif rest == "experts.down_proj":
+            out[base + "experts.w_down_EFD"] = t.transpose(1, 2).contiguous()
+        elif legacy_m is not None:
+            legacy.setdefault((int(m.group(1)), legacy_m.group(2)), {})[int(legacy_m.group(1))] = t
+        elif rest == "shared_expert_gate.weight":
+            out[base + "shared_expert.gate.weight"] = t
+        elif rest.startswith("shared_expert."):
+            out[base + rest] = t
+        else:
+            raise CheckpointError(f"{source}: unknown tensor {name}; expected Qwen2-MoE weights")
+    ours_name = {"gate": "w_gate_EDF", "up": "w_up_EDF", "down": "w_down_EFD"}
+    for (layer, proj), per_expert in sorted(legacy.items()):
+        if sorted(per_expert) != list(range(len(per_expert))):
+            raise CheckpointError(f"{source}: layer {layer} {proj}_proj has experts "
+                                  f"{sorted(per_expert)[:5]}...; expected 0..E-1")
+        stacked = torch.stack([per_expert[e].t() for e in range(len(per_expert))])
+        out[f"{PREFIX}model.layers.{layer}.mlp.moe.experts.{ours_name[proj]}"] = \
+            stacked.contiguous()
+    if cfg.qwen.tie_word_embeddings and PREFIX + "lm_head.weight" not in out:
+        out[PREFIX + "lm_head.weight"] = out[PREFIX + "model.embed_tokens.weight"]
+    return out
+
+
+def ours_to_hf(state: dict[str, Tensor], source: Path | str,
+               per_expert: bool = False) -> dict[str, Tensor]:
+    """HF names and layouts of our state dict: the stacked gate_up_proj / down_proj of
+    transformers' modules, or with `per_expert` the ``experts.{e}.{gate,up,down}_proj.weight``
+    files transformers itself saves (and other Qwen2-MoE readers expect)."""
+    out: dict[str, Tensor] = {}
+    gates: dict[str, Tensor] = {}
+    for name, t in state.items():
+        if not name.startswith(PREFIX):
+            raise CheckpointError(f"{source}: tensor {name} is not part of a Qwen2-MoE model; "
+                                  "expected a model.arch hf_qwen2_moe checkpoint")
+        name = name[len(PREFIX):]
+        m = re.match(r"(model\.layers\.\d+\.mlp\.)moe\.(.+)$", name)
+        if m is None:
+            out[name] = t
+            continue
+        base, rest = m.groups()
+        if rest == "router.gate.weight.weight":
+            out[base + "gate.weight"] = t
+        elif rest in ("experts.w_gate_EDF", "experts.w_up_EDF"):
+            gates[base + rest[len("experts."):]] = t
+        elif rest == "experts.w_down_EFD":
+            out[base + "experts.down_proj"] = t.transpose(1, 2).contiguous()
+        elif rest == "shared_expert.gate.weight":
+            out[base + "shared_expert_gate.weight"] = t
+        elif rest.startswith("shared_expert."):
+            out[base + rest] = t
+        else:
+            raise CheckpointError(f"{source}: {PREFIX}{name} has no place in transformers' "
+                                  "Qwen2-MoE (convert --to-hf needs the topk router: a gate "
+                                  "matrix and nothing else)")
+    for key in sorted(k for k in gates if k.endswith("w_gate_EDF")):
+        base = key[:-len("w_gate_EDF")]
+        gate_up = torch.cat([gates[key], gates[base + "w_up_EDF"]], dim=2)  # (E, D, 2F)
+        out[base + "experts.gate_up_proj"] = gate_up.transpose(1, 2).contiguous()
+    return _per_expert(out) if per_expert else out
+
+
+def _per_expert(stacked: dict[str, Tensor]) -> dict[str, Tensor]:
+    """Stacked HF expert tensors split into transformers' saved per-expert layout."""
+    out: dict[str, Tensor] = {}
+    for name, t in stacked.items():
+        if name.endswith("experts.gate_up_proj"):
+            base, F_ = name[:-len("gate_up_proj")], t.size(1) // 2
+            for e in range(t.size(0)):
+                out[f"{base}{e}.gate_proj.weight"] = t[e, :F_].contiguous()
+                out[f"{base}{e}.up_proj.weight"] = t[e, F_:].contiguous()
+        elif name.endswith("experts.down_proj"):
+            base = name[:-len("down_proj")]
+            for e in range(t.size(0)):
+                out[f"{base}{e}.down_proj.weight"] = t[e].contiguous()
+        else:
+            out[name] = t
+    return out
+
+
+# ---------------------------------------------------------------------------------- commands
+def _copy_tokenizer(src: Path, dst: Path) -> list[str]:
+    copied = []
+    for name in TOKENIZER_FILES:
+        if (src / name).is_file():
+            shutil.copyfile(src / name, dst / name)
+            copied.append(name)
+    return copied
+
+
+def convert_from_hf(model_dir: str | Path, out_dir: str | Path) -> dict[str, Any]:
+    """Write our export of a local HF Qwen2-MoE directory; returns a summary."""
+    from moe_train.train.export import EXPORT_FORMAT, EXPORT_WEIGHTS
+
+    model_dir = Path(model_dir)
+    cfg_path = model_dir / "config.json"
+    hf = read_json_object(cfg_path, "a Hugging Face config.json")
+    cfg = config_from_hf(hf, cfg_path)
+    state = hf_to_ours(read_hf_weights(model_dir), cfg, model_dir)
+    check_state(cfg, state, model_dir)
+    pad = hf.get("pad_token_id")
+    pad = hf.get("eos_token_id") if pad is None else pad
+    manifest = {"vocab_size": cfg.qwen.vocab_size, "pad_id": int(pad if isinstance(pad, int)
+                                                                 else 0),
+                "tokenizer": "hf", "langs": [], "domains": []}
+    with atomic_dir(Path(out_dir), overwrite=True) as tmp:
+        save_tensors(tmp / EXPORT_WEIGHTS, {k: v.float() for k, v in state.items()},
+                     metadata={"format": EXPORT_FORMAT})
+        (tmp / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+        copied = _copy_tokenizer(model_dir, tmp)
+    return {"tensors": len(state), "parameters": _numel(state), "tokenizer": copied}
+
+
+def convert_to_hf(checkpoint: str | Path, out_dir: str | Path) -> dict[str, Any]:
+    """Write a transformers directory of a hf_qwen2_moe export or checkpoint."""
+    where, cfg, _, state = read_qwen(checkpoint)
+    hf_state = ours_to_hf(state, where, per_expert=True)
+    if cfg.qwen.tie_word_embeddings:
+        hf_state.pop("lm_head.weight", None)
+    with atomic_dir(Path(out_dir), overwrite=True) as tmp:
+        save_tensors(tmp / "model.safetensors", hf_state, metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(hf_config_dict(cfg), indent=2) + "\n")
+        copied = _copy_tokenizer(where, tmp)
+    return {"tensors": len(hf_state), "parameters": _numel(hf_state), "tokenizer": copied}
+
+
+def read_qwen(checkpoint: str | Path):
+    """(directory, config, manifest, state dict) of a hf_qwen2_moe export or checkpoint, the
+    weights checked against the config's model."""
+    from moe_train.train.checkpoint import consolidated_state_dict
+    from moe_train.train.export import _read_parts, load_export_weights
+
+    kind, where, cfg, manifest, _ = _read_parts(checkpoint)
+    if not cfg.decoder_only:
+        raise ConfigError(f"{where}: model.arch is {cfg.model.arch!r}; expected a "
+                          "hf_qwen2_moe export or checkpoint")
+    state = load_export_weights(where) if kind == "export" else consolidated_state_dict(where)
+    check_state(cfg, state, where)
+    return where, cfg, manifest, state
+
+
+def check_state(cfg: ExperimentConfig, state: dict[str, Tensor], source: Path) -> None:
+    """The names and shapes of the model `cfg` builds (on the meta device), else one line."""
+    from moe_train.models.build import build_model
+
+    with torch.device("meta"):
+        own = build_model(cfg, {"vocab_size": cfg.qwen.vocab_size, "pad_id": 0}).state_dict()
+    missing = [k for k in own if k not in state]
+    unexpected = [k for k in state if k not in own]
+    shapes = [f"{k} {tuple(state[k].shape)} vs {tuple(own[k].shape)}" for k in own
+              if k in state and state[k].shape != own[k].shape]
+    if missing or unexpected or shapes:
+        raise CheckpointError(f"{source}: weights do not match its config ({len(missing)} "
+                              f"missing {missing[:2]}, {len(unexpected)} unexpected "
+                              f"{unexpected[:2]}, {len(shapes)} of other shape {shapes[:1]})")
+
+
+def _numel(state: dict[str, Tensor]) -> int:
+    return sum({t.data_ptr(): t.numel() for t in state.values()}.values())
+
+
+def load_qwen(checkpoint: str | Path, device: torch.device | str = "cpu"):
+    """(model in eval mode, config, manifest) of a hf_qwen2_moe export or checkpoint; the
+    weights must match the config's model exactly."""
+    from moe_train.models.build import build_model
+
+    _, cfg, manifest, state = read_qwen(checkpoint)
+    model = build_model(cfg, manifest)
+    model.load_state_dict(state, strict=True)
+    return model.to(device).eval(), cfg, manifest

@@ -1,0 +1,107 @@
+"""`moe-train convert` both ways on a tiny random Qwen2-MoE saved by transformers: our model of
+the converted directory gives transformers' logits, the round trip HF -> ours -> HF gives
+identical tensors and logits, and bad directories are one-line errors with exit status 2."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from moe_train.models.hf_io import load_qwen
+from tests.conftest import ROOT, run_cli
+
+transformers = pytest.importorskip("transformers")
+
+
+def _tiny_hf(path, norm_topk_prob: bool, mlp_only_layers: list[int]):
+    cfg = transformers.Qwen2MoeConfig(
+        vocab_size=120, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        moe_intermediate_size=24, shared_expert_intermediate_size=40, num_experts=6,
+        num_experts_per_tok=2, norm_topk_prob=norm_topk_prob, mlp_only_layers=mlp_only_layers,
+        eos_token_id=2, tie_word_embeddings=False)
+    torch.manual_seed(3)
+    model = transformers.Qwen2MoeForCausalLM(cfg).eval()
+    with torch.no_grad():  # HF zero-initialises the router: give it something to route by
+        for name, p in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                p.normal_(0.0, 0.5)
+    model.save_pretrained(path)
+    (path / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 64}))
+    return model
+
+
+@pytest.mark.parametrize("norm_topk_prob,dense_layers", [(False, []), (True, [0])])
+def test_convert_round_trip(tmp_path, norm_topk_prob: bool, dense_layers: list[int]) -> None:
+    hf_dir, ours_dir, back_dir = tmp_path / "hf", tmp_path / "ours", tmp_path / "back"
+    hf_model = _tiny_hf(hf_dir, norm_topk_prob, dense_layers)
+    proc = run_cli(["convert", "--from-hf", str(hf_dir), "--out", str(ours_dir)], cwd=tmp_path)
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert summary["parameters"] == sum(p.numel() for p in hf_model.parameters())
+    assert (ours_dir / "tokenizer_config.json").is_file()
+
+    ids_BT = torch.randint(3, 120, (3, 10), generator=torch.Generator().manual_seed(0))
+    ours, cfg, _ = load_qwen(ours_dir)
+    assert cfg.moe.renormalize is norm_topk_prob and cfg.moe.k == 2
+    with torch.no_grad():
+        want = hf_model(input_ids=ids_BT).logits
+        torch.testing.assert_close(ours(ids_BT).logits_BTV, want, atol=1e-5, rtol=1e-5)
+
+    run_cli(["convert", "--to-hf", str(ours_dir), "--out", str(back_dir)], cwd=tmp_path)
+    back = transformers.Qwen2MoeForCausalLM.from_pretrained(back_dir).eval()
+    original = hf_model.state_dict()
+    assert set(back.state_dict()) == set(original)
+    for name, t in back.state_dict().items():
+        assert torch.equal(t, original[name]), name
+    with torch.no_grad():
+        assert torch.equal(back(input_ids=ids_BT).logits, want)
+    from safetensors import safe_open
+
+    with safe_open(str(back_dir / "model.safetensors"), "pt") as f, \
+            safe_open(str(hf_dir / "model.safetensors"), "pt") as g:
+        assert set(f.keys()) == set(g.keys())  # transformers' own saved layout
+
+    # A stacked file (transformers' module layout) reads back to the same weights.
+    stacked = tmp_path / "stacked"
+    stacked.mkdir()
+    (stacked / "config.json").write_text((back_dir / "config.json").read_text())
+    from safetensors.torch import save_file
+
+    save_file({k: v.contiguous() for k, v in back.state_dict().items()},
+              str(stacked / "model.safetensors"))
+    run_cli(["convert", "--from-hf", str(stacked), "--out", str(tmp_path / "ours2")],
+            cwd=tmp_path)
+    again, _, _ = load_qwen(tmp_path / "ours2")
+    for name, t in again.state_dict().items():
+        assert torch.equal(t, ours.state_dict()[name]), name
+
+
+def test_convert_bad_directories_are_one_line_errors(tmp_path) -> None:
+    bad = tmp_path / "llama"
+    bad.mkdir()
+    (bad / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    proc = run_cli(["convert", "--from-hf", str(bad), "--out", str(tmp_path / "o")],
+                   cwd=tmp_path, check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "model_type" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "o").exists()
+    (bad / "config.json").write_text("{not json")
+    proc = run_cli(["convert", "--from-hf", str(bad), "--out", str(tmp_path / "o")],
+                   cwd=tmp_path, check=False)
+    assert proc.returncode == 2 and "config.json" in proc.stderr
+    proc = run_cli(["convert", "--to-hf", str(bad), "--out", str(tmp_path / "o")],
+                   cwd=tmp_path, check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+
+
+def test_params_of_the_qwen_configs_match_seed_003() -> None:
+    """003: Qwen1.5-MoE-A2.7B 14.3B total / 2.7B active; Trim-MoE 3.52B / 2.27B (2%)."""
+    for name, total, active in (("qwen1.5-moe-a2.7b", 14.3e9, 2.7e9),
+                                ("qwen1.5-moe-trim8", 3.52e9, 2.27e9)):
+        proc = run_cli(["params", "--config", str(ROOT / "configs" / f"{name}.yaml")],
+                       cwd=ROOT)
+        report = json.loads(proc.stdout.strip().splitlines()[-1])
+        assert abs(report["total"] / total - 1) < 0.02, (name, report["total"])
+        assert abs(report["active_all"] / active - 1) < 0.02, (name, report["active_all"])

@@ -1,0 +1,154 @@
+"""Qwen2-MoE with our MoE layer (moe_train.models.hf_qwen2moe) against transformers' own."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moe_train.config import load_config
+from moe_train.errors import ConfigError
+from moe_train.models.build import build_model
+from moe_train.models.hf_io import hf_to_ours, ours_to_hf
+from moe_train.models.hf_qwen2moe import Qwen2MoEForCausalLM, moe_blocks, qwen_hf_config
+
+transformers = pytest.importorskip("transformers")
+
+V = 96
+
+
+def tiny(*extra: str, renormalize: bool = False, layers: str = "all"):
+    """A tiny Qwen2-MoE config: 3 layers, D 32, 8 experts top-2, shared expert 40."""
+    return load_config(None, [
+        "model.arch=hf_qwen2_moe", f"qwen.vocab_size={V}", "qwen.hidden_size=32",
+        "qwen.num_hidden_layers=3", "qwen.num_attention_heads=4", "qwen.num_key_value_heads=2",
+        "qwen.intermediate_size=48", "qwen.shared_expert_intermediate_size=40",
+        "qwen.max_position_embeddings=64", "moe.num_experts=8", "moe.k=2",
+        "moe.expert_ffn_dim=24", f"moe.layers={layers}", f"moe.renormalize={renormalize}",
+        "moe.z_loss_coef=0", *extra])
+
+
+def ours_and_hf(cfg, seed: int = 0):
+    """Our model and transformers' Qwen2MoeForCausalLM holding the same weights."""
+    torch.manual_seed(seed)
+    ours = build_model(cfg, {"vocab_size": V, "pad_id": 0}).eval()
+    hf = transformers.Qwen2MoeForCausalLM(qwen_hf_config(cfg)).eval()
+    hf.load_state_dict(ours_to_hf(ours.state_dict(), "test"), strict=True)
+    return ours, hf
+
+
+@pytest.mark.parametrize("renormalize", [False, True])
+def test_block_equals_transformers_block_outputs_and_gradients(renormalize: bool) -> None:
+    cfg = tiny(renormalize=renormalize)
+    ours, hf = ours_and_hf(cfg)
+    ours_block = ours.hf.model.layers[1].mlp
+    hf_block = hf.model.layers[1].mlp
+    assert isinstance(hf_block, transformers.models.qwen2_moe.modeling_qwen2_moe
+                      .Qwen2MoeSparseMoeBlock)
+    x_BTD = torch.randn(3, 11, 32)
+    g_BTD = torch.randn(3, 11, 32)
+    results = []
+    for block, call in ((ours_block, lambda x: _call_ours(ours, block, x)), (hf_block, hf_block)):
+        x = x_BTD.clone().requires_grad_(True)
+        y = call(x)
+        (y * g_BTD).sum().backward()
+        results.append((y.detach(), x.grad))
+    (y_ours, dx_ours), (y_hf, dx_hf) = results
+    torch.testing.assert_close(y_ours, y_hf, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(dx_ours, dx_hf, atol=1e-5, rtol=1e-5)
+    # Weight gradients, mapped to HF's layout.
+    ours_grads = {"hf." + k: v for k, v in _grads(ours).items()}
+    mapped = ours_to_hf({k: v for k, v in ours_grads.items() if "layers.1.mlp" in k}, "test")
+    hf_grads = {k: v for k, v in _grads(hf).items() if "layers.1.mlp" in k}
+    assert set(mapped) == set(hf_grads)
+    for name, grad in hf_grads.items():
+        torch.testing.assert_close(mapped[name], grad, atol=1e-5, rtol=1e-5, msg=name)
+
+
+def _call_ours(model: Qwen2MoEForCausalLM, block, x_BTD):
+    from moe_train.models.context import ForwardContext
+
+    model.calls.start(ForwardContext(side="decoder"))
+    return block(x_BTD)
+
+
+def _grads(model) -> dict[str, torch.Tensor]:
+    prefix = "hf." if isinstance(model, Qwen2MoEForCausalLM) else ""
+    return {name[len(prefix):]: p.grad for name, p in model.named_parameters()
+            if p.grad is not None}
+
+
+def test_model_logits_equal_transformers_model() -> None:
+    cfg = tiny(layers="1,2")
+    ours, hf = ours_and_hf(cfg, seed=1)
+    ids_BT = torch.randint(1, V, (2, 9))
+    mask_BT = torch.ones_like(ids_BT)
+    mask_BT[1, 6:] = 0  # right padding
+    with torch.no_grad():
+        ours_out = ours(ids_BT, attention_mask_BT=mask_BT)
+        hf_logits = hf(input_ids=ids_BT, attention_mask=mask_BT).logits
+    keep = mask_BT.bool()
+    torch.testing.assert_close(ours_out.logits_BTV[keep], hf_logits[keep], atol=1e-5, rtol=1e-5)
+    assert set(ours_out.aux_losses) == {"load_balance"}
+    assert isinstance(ours.hf.model.layers[0].mlp,
+                      transformers.models.qwen2_moe.modeling_qwen2_moe.Qwen2MoeMLP)
+    assert len(moe_blocks(ours)) == 2
+
+
+def test_padding_is_never_routed() -> None:
+    ours, _ = ours_and_hf(tiny())
+    ids_BT = torch.randint(1, V, (2, 6))
+    mask_BT = torch.ones_like(ids_BT)
+    mask_BT[0, 2:] = 0
+    with torch.no_grad():
+        ours(ids_BT, attention_mask_BT=mask_BT)
+    for block in moe_blocks(ours):
+        assert int(block.moe.tokens_per_expert_E.sum()) == 2 * int(mask_BT.sum())
+
+
+@pytest.mark.parametrize("router", ["topp", "switch", "gshard"])
+def test_other_routers_train_inside_qwen_blocks(router: str) -> None:
+    cfg = tiny(f"moe.decoder_router={router}")
+    torch.manual_seed(0)
+    model = build_model(cfg, {"vocab_size": V, "pad_id": 0}).train()
+    ids_BT = torch.randint(1, V, (2, 8))
+    out = model(ids_BT)
+    loss = torch.nn.functional.cross_entropy(out.logits_BTV[:, :-1].flatten(0, 1),
+                                             ids_BT[:, 1:].flatten())
+    (loss + sum(out.aux_losses.values())).backward()
+    block = moe_blocks(model)[0]
+    assert block.moe.experts.w_gate_EDF.grad is not None
+    assert block.moe.router.gate.weight.weight.grad.abs().sum() > 0
+
+
+def test_per_expert_checkpoint_layout_is_stacked_on_import() -> None:
+    cfg = tiny()
+    ours, hf = ours_and_hf(cfg, seed=2)
+    legacy = {}
+    for name, t in hf.state_dict().items():
+        if name.endswith("experts.gate_up_proj"):
+            base = name[:-len("gate_up_proj")]
+            for e in range(t.size(0)):
+                legacy[f"{base}{e}.gate_proj.weight"] = t[e, :24]
+                legacy[f"{base}{e}.up_proj.weight"] = t[e, 24:]
+        elif name.endswith("experts.down_proj"):
+            base = name[:-len("down_proj")]
+            for e in range(t.size(0)):
+                legacy[f"{base}{e}.down_proj.weight"] = t[e]
+        else:
+            legacy[name] = t
+    state = hf_to_ours(iter(legacy.items()), cfg, "test")
+    own = ours.state_dict()
+    assert set(state) == set(own)
+    for name, t in own.items():
+        assert torch.equal(state[name], t), name
+
+
+def test_config_errors_name_the_field() -> None:
+    with pytest.raises(ConfigError, match="moe.expert_ffn_dim"):
+        tiny("moe.expert_ffn_dim=0")
+    with pytest.raises(ConfigError, match="qwen.num_key_value_heads"):
+        tiny("qwen.num_key_value_heads=3")
+    with pytest.raises(ConfigError, match="model.arch"):
+        load_config(None, ["model.arch=llama"])
+    with pytest.raises(ConfigError, match="qwen.vocab_size"):
+        build_model(tiny(), {"vocab_size": V + 1, "pad_id": 0})
