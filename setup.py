@@ -27,14 +27,14 @@ setup(
         "mpi4py>=4.0,<5",
         "safetensors>=0.4",  # exports: model.safetensors (no pickle)
         "skops>=0.10",  # scikit-learn models (clusterers, classifiers) without pickle
+        # Hugging Face Qwen2-MoE (model.arch hf_qwen2_moe), its tokenizers, MarianMT baseline
+        "transformers>=5.0,<6",
     ],
     extras_require={
         # triton: the GPU kernels' fast path; on CPU its interpreter runs the equivalence tests
         "gpu": ["triton>=3.0; platform_system == 'Linux'"],
-        # megatron-core: the Megatron-style baseline of benchmarks/moe_layer.py;
-        # transformers: the MarianMT baseline of benchmarks/decode_throughput.py
-        "dev": ["pytest>=8", "triton>=3.0; platform_system == 'Linux'", "megatron-core>=0.9",
-                "transformers>=5.0,<6"],
+        # megatron-core: the Megatron-style baseline of benchmarks/moe_layer.py
+        "dev": ["pytest>=8", "triton>=3.0; platform_system == 'Linux'", "megatron-core>=0.9"],
     },
     entry_points={"console_scripts": ["moe-train=moe_train.cli:main"]},
 )

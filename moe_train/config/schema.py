@@ -14,6 +14,7 @@ from moe_train.config.adapters import AdapterConfig, MoAConfig
 from moe_train.config.moe import ROUTER_NAMES, MoEConfig
 from moe_train.config.gated import GatedConfig
 from moe_train.config.qwen import QwenConfig
+from moe_train.data.prompts import DEFAULT_PROMPT, check_template
 from moe_train.config.thor import ThorConfig
 from moe_train.errors import ConfigError
 
@@ -116,6 +117,15 @@ class DataConfig:
     """Sentence pairs carved out per corpus for the dev split when the data has no dev files."""
     test_per_domain: int = 200
     """Sentence pairs carved out per corpus for the test split when the data has no test files."""
+    tokenizer: str = ""
+    """A Hugging Face tokenizer directory (tokenizer.json + tokenizer_config.json, e.g. the
+    model directory of a decoder-only model) used instead of training sentencepiece; ''
+    trains sentencepiece."""
+    prompt_template: str = ""
+    """Decoder-only models: each source becomes this instruction prompt (placeholders
+    {source}, {src_lang}, {tgt_lang}, {src_name}, {tgt_name}; see moe_train.data.prompts);
+    '' keeps sources as they are (encoder-decoder models), or, for model.arch hf_qwen2_moe,
+    means the default template."""
     num_workers: int = 0
     """Reserved for background batch prefetching (0: batches are built in the training process)."""
 
@@ -129,6 +139,12 @@ class DataConfig:
         _choice(self, "data", "spm_model_type", ("unigram", "bpe"))
         _check(self.max_tokens >= self.max_len, "data.max_tokens",
                f"at least data.max_len ({self.max_len})", self.max_tokens)
+        if self.prompt_template:
+            check_template(self.prompt_template)
+        if self.tokenizer:
+            _check(not (self.lang_tags or self.domain_tags), "data.lang_tags",
+                   "false with data.tokenizer (<2xx> and <dom:NAME> tags are sentencepiece "
+                   "symbols; a prompt names the languages)", self.lang_tags or self.domain_tags)
         for name in ("dev_per_domain", "test_per_domain", "num_workers"):
             _check(getattr(self, name) >= 0, f"data.{name}", "a non-negative integer",
                    getattr(self, name))
@@ -155,7 +171,8 @@ class OptimConfig:
     grad_accum: int = 1
     """Micro-batches accumulated per optimizer step."""
     zero_stage: int = 0
-    """DeepSpeed ZeRO stage: 0, 1 or 2."""
+    """DeepSpeed ZeRO stage: 0, 1, 2 or 3 (3: parameters partitioned too, MoE layers as leaf
+    modules; expert parallelism needs 0-2)."""
     precision: str = "auto"
     """fp32, bf16, fp16, or auto (fp32 on CPU, bf16 on GPUs that support it, else fp16)."""
     max_nonfinite_steps: int = 10
@@ -174,7 +191,7 @@ class OptimConfig:
         _check(self.clip_norm >= 0, "optim.clip_norm", "a non-negative number", self.clip_norm)
         _check(self.weight_decay >= 0, "optim.weight_decay", "a non-negative number",
                self.weight_decay)
-        _check(self.zero_stage in (0, 1, 2), "optim.zero_stage", "one of 0, 1, 2",
+        _check(self.zero_stage in (0, 1, 2, 3), "optim.zero_stage", "one of 0, 1, 2, 3",
                self.zero_stage)
         _choice(self, "optim", "precision", ("auto", "fp32", "bf16", "fp16"))
 
@@ -295,6 +312,9 @@ class ExperimentConfig:
                    "token uses every adapter: the adapters stay on each rank)", self.moe.ep_size)
         if self.decoder_only:
             self._check_decoder_only()
+        if self.optim.zero_stage == 3:
+            _check(self.moe.ep_size == 1, "moe.ep_size", "1 with optim.zero_stage 3 (expert "
+                   "parallelism runs with ZeRO 0-2)", self.moe.ep_size)
         if self.moe.enabled:
             sides = (self.moe.encoder_router, self.moe.decoder_router)
             _check("gated" not in sides, "moe.encoder_router",
@@ -322,6 +342,8 @@ class ExperimentConfig:
                self.adapters.num_experts)
         _check(moe.router_name("decoder") != "thor", "moe.decoder_router",
                "not thor yet with model.arch hf_qwen2_moe", moe.decoder_router)
+        if not self.data.prompt_template:
+            self.data.prompt_template = DEFAULT_PROMPT
 
     @property
     def uses_thor(self) -> bool:

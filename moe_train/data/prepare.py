@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
 import zlib
 from pathlib import Path
 from typing import Any
@@ -33,8 +34,10 @@ import numpy as np
 
 from moe_train.config.schema import DataConfig
 from moe_train.data.corpus import SPLITS, CorpusFiles, read_pairs
+from moe_train.data.hf_tokenizer import TOKENIZER_CONFIG, TOKENIZER_JSON, HFTokenizer
+from moe_train.data.prompts import format_prompt
 from moe_train.data.shards import MANIFEST, ShardedDataset, read_manifest, write_shard
-from moe_train.data.vocab import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Vocab, domain_tag, lang_tag, \
+from moe_train.data.vocab import Vocab, domain_tag, lang_tag, \
     train_sentencepiece
 from moe_train.errors import ConfigError, DataError
 from moe_train.utils.atomic import atomic_dir, write_json
@@ -74,9 +77,24 @@ def check_fits_model(prepared_dir: str | os.PathLike, max_positions: int,
                     f"{longest - 1} tokens plus end-of-sentence)")
 
 
-def load_vocab(prepared_dir: str | os.PathLike) -> Vocab:
-    """The sentencepiece vocabulary of a prepared directory."""
-    return Vocab(Path(prepared_dir) / load_manifest(prepared_dir)["spm_model"])
+def load_vocab(prepared_dir: str | os.PathLike) -> Vocab | HFTokenizer:
+    """The tokenizer of a prepared directory: its sentencepiece model, or the Hugging Face
+    tokenizer `prepare` copied there (``data.tokenizer``)."""
+    return open_tokenizer(Path(prepared_dir), load_manifest(prepared_dir))
+
+
+def open_tokenizer(directory: Path, manifest: dict[str, Any]) -> Vocab | HFTokenizer:
+    """The tokenizer a manifest names, read from `directory` (a prepared dir or an export)."""
+    if manifest.get("tokenizer") == HFTokenizer.kind:
+        return HFTokenizer(directory)
+    return Vocab(directory / manifest.get("spm_model", "spm.model"))
+
+
+def tokenizer_files(directory: Path, manifest: dict[str, Any]) -> list[Path]:
+    """The files of a manifest's tokenizer in `directory` (copied into checkpoints/exports)."""
+    if manifest.get("tokenizer") == HFTokenizer.kind:
+        return [directory / TOKENIZER_JSON, directory / TOKENIZER_CONFIG]
+    return [directory / manifest.get("spm_model", "spm.model")]
 
 
 def _check_out_dir(out_dir: Path, overwrite: bool) -> None:
@@ -207,12 +225,19 @@ def prepare(corpora: list[CorpusFiles], out_dir: str | os.PathLike, data_cfg: Da
     tgt_langs = sorted({c.tgt_lang for c in train_files.values()})
 
     with atomic_dir(out_dir, overwrite=True) as tmp:
-        train_text = (line for name in names for side in texts[name]["train"] for line in side)
-        model = train_sentencepiece(
-            train_text, tmp / SPM_PREFIX, data_cfg.vocab_size, data_cfg.spm_model_type,
-            [*map(lang_tag, tgt_langs), *map(domain_tag, domains)], seed,
-            data_cfg.spm_max_sentences)
-        vocab = Vocab(model)
+        if data_cfg.tokenizer:
+            for path in HFTokenizer(data_cfg.tokenizer).files():
+                shutil.copyfile(path, tmp / path.name)
+            vocab: Vocab | HFTokenizer = HFTokenizer(tmp)
+            model = tmp / TOKENIZER_JSON
+        else:
+            train_text = (line for name in names for side in texts[name]["train"]
+                          for line in side)
+            model = train_sentencepiece(
+                train_text, tmp / SPM_PREFIX, data_cfg.vocab_size, data_cfg.spm_model_type,
+                [*map(lang_tag, tgt_langs), *map(domain_tag, domains)], seed,
+                data_cfg.spm_max_sentences)
+            vocab = Vocab(model)
 
         corpus_entries = []
         for name in names:
@@ -222,8 +247,9 @@ def prepare(corpora: list[CorpusFiles], out_dir: str | os.PathLike, data_cfg: Da
                 "src_lang": files.src_lang, "tgt_lang": files.tgt_lang,
                 "src_lang_id": langs.index(files.src_lang),
                 "tgt_lang_id": langs.index(files.tgt_lang),
-                "lang_tag_id": vocab.lang_tag_id(files.tgt_lang),
-                "domain_tag_id": vocab.domain_tag_id(files.domain),
+                "lang_tag_id": None if data_cfg.tokenizer else vocab.lang_tag_id(files.tgt_lang),
+                "domain_tag_id": None if data_cfg.tokenizer else
+                vocab.domain_tag_id(files.domain),
                 "carved": carved[name], "train_dropped_overlap": dropped[name],
                 "files": {split: {"src": str(f.src), "tgt": str(f.tgt)}
                           for split, f in groups[name].items()},
@@ -239,11 +265,15 @@ def prepare(corpora: list[CorpusFiles], out_dir: str | os.PathLike, data_cfg: Da
             for name in names:
                 src, tgt = texts[name].get(split, ([], []))
                 files = train_files[name]
-                prefix = vocab.source_prefix(files.domain if data_cfg.domain_tags else None,
-                                             files.tgt_lang if data_cfg.lang_tags else None)
+                prefix = [] if data_cfg.tokenizer else vocab.source_prefix(
+                    files.domain if data_cfg.domain_tags else None,
+                    files.tgt_lang if data_cfg.lang_tags else None)
                 limit = data_cfg.max_len if split == "train" else EVAL_MAX_LEN
+                prompts = src if not data_cfg.prompt_template else [
+                    format_prompt(data_cfg.prompt_template, line, files.src_lang,
+                                  files.tgt_lang) for line in src]
                 src_ids, tgt_ids, kept, too_long, empty = _encode_split(
-                    vocab, src, tgt, prefix, limit)
+                    vocab, prompts, tgt, prefix, limit)
                 raw = split in RAW_TEXT_SPLITS
                 write_shard(split_dir, name, src_ids, tgt_ids,
                             raw_src=[src[i] for i in kept] if raw else None,
@@ -258,7 +288,9 @@ def prepare(corpora: list[CorpusFiles], out_dir: str | os.PathLike, data_cfg: Da
 
         manifest = {
             "version": MANIFEST_VERSION, "spm_model": model.name, "vocab_size": vocab.size,
-            "pad_id": PAD_ID, "unk_id": UNK_ID, "bos_id": BOS_ID, "eos_id": EOS_ID,
+            "tokenizer": HFTokenizer.kind if data_cfg.tokenizer else "spm",
+            "pad_id": vocab.pad_id, "unk_id": vocab.unk_id, "bos_id": vocab.bos_id,
+            "eos_id": vocab.eos_id,
             "lang_tags": data_cfg.lang_tags, "domain_tags": data_cfg.domain_tags,
             "domains": domains, "langs": langs,
             "corpora": corpus_entries, "splits": splits,

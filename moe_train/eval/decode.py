@@ -18,6 +18,7 @@ from moe_train.data.batching import Batch, eval_batches
 from moe_train.data.vocab import Vocab
 from moe_train.errors import DataError
 from moe_train.eval.search import beam_search, greedy_search
+from moe_train.parallel.zero3 import is_partitioned
 from moe_train.models.context import ForwardContext
 from moe_train.moe.routing import NUM_LANGS_KEY
 from moe_train.parallel.collectives import all_gather_object, all_ranks_true
@@ -86,7 +87,9 @@ def translate_dataset(model: torch.nn.Module, dataset: Any, vocab: Vocab, rt: Pa
                            max_sentences=ecfg.max_sentences,
                            indices=None if indices is None else np.asarray(indices))
     local: dict[int, str] = {}
-    sync_done = (lambda done: all_ranks_true(rt, done)) if rt.ep_size > 1 else None
+    # Expert parallelism and ZeRO-3 make every forward collective: ranks decode in lockstep.
+    lockstep = rt.ep_size > 1 or (rt.world_size > 1 and is_partitioned(model))
+    sync_done = (lambda done: all_ranks_true(rt, done)) if lockstep else None
     for batch in batches:
         batch = batch.to(rt.device)
         ctx = batch_context(batch, vocab.pad_id, len(dataset.manifest["langs"]))

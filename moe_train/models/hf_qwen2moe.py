@@ -153,13 +153,15 @@ class Qwen2MoEForCausalLM(nn.Module):
 
     def forward(self, input_ids_BT: Tensor, ctx: ForwardContext | None = None,
                 attention_mask_BT: Tensor | None = None, position_ids_BT: Tensor | None = None,
-                past_key_values: Any = None, use_cache: bool = False) -> ModelOutput:
+                past_key_values: Any = None, use_cache: bool = False,
+                logits_to_keep: int = 0) -> ModelOutput:
         """Logits (B, T, V) of every position and the MoE blocks' aux losses.
 
         Padding is where `attention_mask_BT` is 0 (default: none; over the cached and the new
         positions when decoding with `past_key_values`); it is never routed. Positions count
         the real tokens before each one (left padding shifts nothing) unless given. With
         `use_cache`, ``extras["past_key_values"]`` holds transformers' cache for the next call.
+        `logits_to_keep` > 0: logits of the last that many positions only (B, that, V).
         """
         ctx = (ctx or ForwardContext()).replace(side="decoder")
         T = input_ids_BT.size(1)
@@ -171,7 +173,7 @@ class Qwen2MoEForCausalLM(nn.Module):
         self.calls.start(ctx)
         out = self.hf(input_ids=input_ids_BT, attention_mask=attention_mask_BT,
                       position_ids=position_ids_BT, past_key_values=past_key_values,
-                      use_cache=use_cache)
+                      use_cache=use_cache, logits_to_keep=logits_to_keep)
         extras = {"past_key_values": out.past_key_values} if use_cache else {}
         return ModelOutput(out.logits, dict(self.calls.aux), extras)
 

@@ -22,6 +22,7 @@ from torch import Tensor, nn
 
 from moe_train.errors import CheckpointError
 from moe_train.moe.experts import StackedExperts
+from moe_train.parallel.zero3 import full_shape
 from moe_train.parallel.optim_state import (adam_step, fp32_param, get_moments, set_moments,
                                              set_param)
 from moe_train.parallel.runtime import ParallelRuntime
@@ -110,13 +111,14 @@ def load_expert_shards(model: nn.Module, optimizer: Any, rt: ParallelRuntime,
     for name, p in params.items():
         if name not in shards[0]["params"]:
             raise CheckpointError(f"{tag_dir}: no expert tensor {name!r} in the checkpoint")
-        L = p.size(0)
+        shape = full_shape(p)
+        L = shape[0]
         lo = rt.ep_rank * L
         full = torch.cat([s["params"][name] for s in shards], 0)
-        if full.shape[1:] != p.shape[1:] or lo + L > full.size(0):
+        if full.shape[1:] != shape[1:] or lo + L > full.size(0):
             raise CheckpointError(f"{tag_dir}: expert tensor {name!r} has shape "
                                   f"{tuple(full.shape)}, the model needs slice {lo}:{lo + L} of "
-                                  f"shape {tuple(p.shape)}")
+                                  f"shape {tuple(shape)}")
         set_param(optimizer, p, full[lo:lo + L])
         if all(name in s["moments"] for s in shards):
             moments = {k: torch.cat([s["moments"][name][k] for s in shards], 0)[lo:lo + L]

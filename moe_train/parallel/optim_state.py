@@ -1,4 +1,4 @@
-"""Per-parameter Adam state under ZeRO 0, 1 and 2, independent of how it is partitioned.
+"""Per-parameter Adam state under ZeRO 0-3, independent of how it is partitioned.
 
 Under ZeRO 0 the optimizer keeps a state dict per parameter. Under ZeRO 1/2 DeepSpeed keeps one
 flat fp32 partition per parameter group and rank, and maps each parameter to its fragment
@@ -23,13 +23,20 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from moe_train.errors import CheckpointError
+from moe_train.parallel.zero3 import full_shape, is_zero3, z3_get, z3_set
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
-def is_zero_partitioned(optimizer: Any) -> bool:
+def _zero12(optimizer: Any) -> bool:
     """Whether `optimizer` is DeepSpeed's ZeRO stage 1/2 optimizer (flat fp32 partitions)."""
     return hasattr(optimizer, "single_partition_of_fp32_groups")
+
+
+def is_zero_partitioned(optimizer: Any) -> bool:
+    """Whether `optimizer` is a DeepSpeed ZeRO optimizer (stage 1, 2 or 3: partitioned fp32
+    master weights and Adam state; see parallel/zero3.py for stage 3)."""
+    return _zero12(optimizer) or is_zero3(optimizer)
 
 
 def _base(optimizer: Any) -> Any:
@@ -89,8 +96,10 @@ def _zero_set(optimizer: Any, p: nn.Parameter, key: str | None, value: Tensor,
 
 
 def fp32_param(optimizer: Any, p: nn.Parameter) -> Tensor:
-    """The fp32 master value of `p` (collective under ZeRO 1/2)."""
-    if is_zero_partitioned(optimizer):
+    """The fp32 master value of `p` (collective under ZeRO 1-3)."""
+    if is_zero3(optimizer):
+        return z3_get(optimizer, p, None)
+    if _zero12(optimizer):
         return _zero_get(optimizer, p, None)
     return p.detach().float().cpu().clone()
 
@@ -100,7 +109,8 @@ def get_moments(optimizer: Any, p: nn.Parameter) -> dict[str, Tensor] | None:
     if is_zero_partitioned(optimizer):
         if adam_step(optimizer) == 0.0:  # same answer on every rank
             return None
-        return {k: _zero_get(optimizer, p, k) for k in MOMENTS}
+        get = z3_get if is_zero3(optimizer) else _zero_get
+        return {k: get(optimizer, p, k) for k in MOMENTS}
     slot = optimizer.state.get(p, {})
     if not all(k in slot for k in MOMENTS):
         return None
@@ -109,6 +119,9 @@ def get_moments(optimizer: Any, p: nn.Parameter) -> dict[str, Tensor] | None:
 
 def set_param(optimizer: Any, p: nn.Parameter, value: Tensor) -> None:
     """Set `p` and its fp32 master copy (local: each rank writes what it owns)."""
+    if is_zero3(optimizer):
+        z3_set(optimizer, p, None, value)
+        return
     with torch.no_grad():
         p.copy_(value.to(p.device, p.dtype))
     if is_zero_partitioned(optimizer):
@@ -118,8 +131,9 @@ def set_param(optimizer: Any, p: nn.Parameter, value: Tensor) -> None:
 def set_moments(optimizer: Any, p: nn.Parameter, moments: dict[str, Tensor], step: float) -> None:
     """Set the Adam moments of `p` from full tensors (local)."""
     if is_zero_partitioned(optimizer):
+        put = z3_set if is_zero3(optimizer) else _zero_set
         for k in MOMENTS:
-            _zero_set(optimizer, p, k, moments[k], step)
+            put(optimizer, p, k, moments[k], step)
         return
     slot = optimizer.state.setdefault(p, {})
     for k in MOMENTS:
@@ -149,9 +163,9 @@ def load_dense_state(model: nn.Module, optimizer: Any, state: dict[str, Any], sk
         if name not in state["params"]:
             raise CheckpointError(f"{where}: no optimizer state for parameter {name!r}")
         value = state["params"][name]
-        if value.shape != p.shape:
+        if value.shape != full_shape(p):
             raise CheckpointError(f"{where}: parameter {name!r} has shape {tuple(value.shape)}, "
-                                  f"the model needs {tuple(p.shape)}")
+                                  f"the model needs {tuple(full_shape(p))}")
         set_param(optimizer, p, value)
         if name in state["moments"]:
             set_moments(optimizer, p, state["moments"][name], state["step"])

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from moe_train.errors import ConfigError
+from moe_train.parallel.zero3 import is_zero3, skipped_zero3_step
 
 _ZERO_INTERNALS = ("averaged_gradients", "bit16_groups", "dp_process_group", "loss_scale",
                    "device", "check_grad_overflow", "check_overflow", "overflow")
@@ -108,6 +109,8 @@ def skipped_update(engine: Any) -> Iterator[None]:
     opt = engine.optimizer
     if isinstance(opt, DeepSpeedZeroOptimizer):
         guard = _force_zero_overflow(opt)
+    elif is_zero3(opt):
+        guard = skipped_zero3_step(opt)
     elif hasattr(type(opt), "_skip_invalid_grad_norm"):  # FP16_Optimizer, FP16_UnfusedOptimizer
         guard = _replace_step(opt, lambda closure=None: opt._skip_invalid_grad_norm(), False)
     elif hasattr(type(opt), "clear_hp_grads"):  # BF16_Optimizer

@@ -341,7 +341,8 @@ def read_meta(tag_dir: str | Path) -> dict[str, Any]:
 
 
 def consolidated_state_dict(tag_dir: str | Path) -> dict[str, torch.Tensor]:
-    """Model weights of a step checkpoint, read without DeepSpeed (ZeRO 0-2 keep them whole)."""
+    """Model weights of a step checkpoint, read without DeepSpeed (ZeRO 0-2 keep them whole
+    in the model states; under ZeRO-3 the trainable ones come from the per-parameter state)."""
     path = Path(tag_dir) / "mp_rank_00_model_states.pt"
     if not path.is_file():
         raise CheckpointError(f"{path}: missing model states")
@@ -350,5 +351,8 @@ def consolidated_state_dict(tag_dir: str | Path) -> dict[str, torch.Tensor]:
     if not isinstance(state, dict):
         raise CheckpointError(f"{path}: no 'module' weights in the model states")
     state = dict(state)
+    dense = Path(tag_dir) / DENSE_OPTIM
+    if dense.is_file() and any(v.numel() == 0 for v in state.values()):  # ZeRO-3 partitions
+        state.update(load_torch(dense, "per-parameter optimizer state")["params"])
     state.update(full_expert_state(Path(tag_dir)))
     return {k: v.float() if v.is_floating_point() else v for k, v in state.items()}

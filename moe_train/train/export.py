@@ -16,12 +16,13 @@ import json
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
 from moe_train.config.loader import config_from_dict
 from moe_train.config.schema import ExperimentConfig
+from moe_train.data.hf_tokenizer import HFTokenizer
 from moe_train.data.vocab import Vocab
 from moe_train.errors import CheckpointError, MoeTrainError
 from moe_train.models.build import build_model
@@ -40,16 +41,18 @@ class InferenceModel:
     """Everything translation needs."""
 
     model: torch.nn.Module
-    vocab: Vocab
+    vocab: Vocab | HFTokenizer
     cfg: ExperimentConfig
     manifest: dict[str, Any]
     source: Path
 
 
 def export_inference(out_dir: str | Path, state_dict: dict[str, torch.Tensor],
-                     cfg: ExperimentConfig, manifest: dict[str, Any], spm_model: Path,
+                     cfg: ExperimentConfig, manifest: dict[str, Any],
+                     tokenizer: Path | Sequence[Path],
                      extra_json: dict[str, dict[str, Any]] | None = None) -> Path:
-    """Write model.safetensors (fp32 weights), config.json, manifest.json, spm.model and any
+    """Write model.safetensors (fp32 weights), config.json, manifest.json, the tokenizer
+    file(s) (spm.model, or a Hugging Face tokenizer.json + tokenizer_config.json) and any
     `extra_json` files ({file name: JSON object}) atomically."""
     out_dir = Path(out_dir)
     with atomic_dir(out_dir, overwrite=True) as tmp:
@@ -58,7 +61,8 @@ def export_inference(out_dir: str | Path, state_dict: dict[str, torch.Tensor],
         save_tensors(tmp / EXPORT_WEIGHTS, weights, metadata={"format": EXPORT_FORMAT})
         (tmp / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
-        shutil.copyfile(spm_model, tmp / "spm.model")
+        for path in [tokenizer] if isinstance(tokenizer, Path) else tokenizer:
+            shutil.copyfile(path, tmp / Path(path).name)
         for name, obj in (extra_json or {}).items():
             (tmp / name).write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
     return out_dir
@@ -153,7 +157,7 @@ def read_config(path: str | Path) -> tuple[ExperimentConfig, dict[str, Any]]:
 def load_for_inference(path: str | Path, device: torch.device | str = "cpu") -> InferenceModel:
     """Load a model for translation, in eval mode, on `device`."""
     kind, where, cfg, manifest, weights = _read_parts(path)
-    vocab = _load_vocab(require_file(where / "spm.model", "the sentencepiece model of the data"))
+    vocab = _load_vocab(where, manifest)
     state = load_export_weights(where) if kind == "export" else consolidated_state_dict(where)
     model = build_model(cfg, manifest)
     _check_weights(model, state, weights)
@@ -162,7 +166,15 @@ def load_for_inference(path: str | Path, device: torch.device | str = "cpu") -> 
     return InferenceModel(model=model, vocab=vocab, cfg=cfg, manifest=manifest, source=where)
 
 
-def _load_vocab(spm: Path) -> Vocab:
+def _load_vocab(where: Path, manifest: dict[str, Any]) -> Vocab | HFTokenizer:
+    """The tokenizer of an export or checkpoint: its sentencepiece model, or the Hugging Face
+    tokenizer files its manifest names; a bad file is a one-line CheckpointError."""
+    if manifest.get("tokenizer") == HFTokenizer.kind:
+        try:
+            return HFTokenizer(where)
+        except MoeTrainError as exc:
+            raise CheckpointError(str(exc)) from None
+    spm = require_file(where / "spm.model", "the sentencepiece model of the data")
     try:
         return Vocab(spm)
     except MoeTrainError:

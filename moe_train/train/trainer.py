@@ -21,11 +21,14 @@ import torch
 
 from moe_train.config.schema import ExperimentConfig
 from moe_train.data.batching import Batch, TrainBatchIterator, eval_batches
-from moe_train.data.prepare import load_manifest, load_vocab
+from moe_train.data.prepare import load_manifest, load_vocab, tokenizer_files
 from moe_train.data.shards import ShardedDataset
 from moe_train.errors import CheckpointError, MoeTrainError
 from moe_train.eval.decode import batch_context
 from moe_train.eval.evaluate import evaluate_dataset
+from moe_train.models.lm_batch import teacher_forced
+from moe_train.parallel.zero3 import gathered_state_dict, is_partitioned, mark_moe_leaf_modules, \
+    zero3_grad_norm
 from moe_train.models.build import build_model, moe_layers
 from moe_train.parallel.collectives import (all_reduce_floats, grad_norm_and_clip,
                                             parameters_are_finite, step_is_finite)
@@ -85,7 +88,7 @@ class Trainer:
         prepared = Path(cfg.data.prepared_dir)
         self.manifest = load_manifest(prepared)
         self.vocab = load_vocab(prepared)
-        self.spm_model = prepared / self.manifest["spm_model"]
+        self.tokenizer_files = tokenizer_files(prepared, self.manifest)
         self.train_set = ShardedDataset(prepared, "train")
         self.dev_set = ShardedDataset(prepared, "dev") if "dev" in self.manifest["splits"] else None
 
@@ -105,6 +108,8 @@ class Trainer:
         optimizer = torch.optim.AdamW(groups, lr=cfg.optim.lr, betas=cfg.optim.betas,
                                       eps=cfg.optim.eps)
         scheduler = inverse_sqrt_scheduler(optimizer, cfg.optim.warmup_steps)
+        if cfg.optim.zero_stage == 3:
+            mark_moe_leaf_modules(model)
         self.ds_config = build_deepspeed_config(cfg, rt.world_size, rt.device)
         detect = deepspeed_sees_moe_layers() if rt.ep_size > 1 else contextlib.nullcontext()
         with detect:
@@ -158,7 +163,8 @@ class Trainer:
         extras = self.hooks.batch_extras(batch)
         if extras:
             ctx = ctx.replace(extras={**ctx.extras, **extras})
-        out = self.engine(batch.src_tokens_BS, batch.tgt_in_BT, ctx)
+        out = teacher_forced(self.engine, batch.src_tokens_BS, batch.tgt_in_BT, ctx,
+                             self.vocab.pad_id, self.cfg.decoder_only)
         loss_sum, nll_sum = label_smoothed_nll(out.logits_BTV, batch.tgt_out_BT,
                                                self.vocab.pad_id, self.cfg.optim.label_smoothing)
         scale = self.rt.world_size * self.cfg.optim.grad_accum / batch.step_tgt_tokens
@@ -188,6 +194,8 @@ class Trainer:
             self.last_grad_norm = grad_norm_and_clip(self.engine.module, self.expert_param_ids,
                                                      self.rt, self.cfg.optim.clip_norm,
                                                      loss_scale(self.engine))
+        elif self.cfg.optim.zero_stage == 3:
+            self.last_grad_norm = zero3_grad_norm(self.engine.optimizer)
         else:
             self.last_grad_norm = zero_grad_norm(self.engine.optimizer)
         return self.last_grad_norm
@@ -300,7 +308,7 @@ class Trainer:
         meta = {"step": self.step, "tokens_seen": self.tokens_seen,
                 "data_state": self.batches.state_dict(), "config": self.cfg.to_dict(),
                 "world_size": self.rt.world_size}
-        attachments = {"spm.model": self.spm_model,
+        attachments = {**{path.name: path for path in self.tokenizer_files},
                        "manifest.json": Path(self.cfg.data.prepared_dir) / "manifest.json"}
         with without_deepspeed_moe_checkpointing(self.engine):
             return save_checkpoint(self.engine, self.rt, self.ckpt_dir, self.step, meta,
@@ -321,13 +329,16 @@ class Trainer:
             load_expert_shards(self.engine.module, self.engine.optimizer, self.rt, tag_dir)
 
     def export(self, tag_dir: Path) -> Path | None:
-        """Standalone weights (experts assembled from the checkpoint `tag_dir`), rank 0."""
+        """Standalone weights (experts assembled from the checkpoint `tag_dir`), rank 0;
+        collective under ZeRO-3 (every rank gathers the partitioned weights)."""
+        module = self.engine.module
+        state = gathered_state_dict(module) if is_partitioned(module) else None
         if not self.rt.is_main:
             return None
-        state = self.engine.module.state_dict()
+        state = module.state_dict() if state is None else state
         state.update(full_expert_state(tag_dir))
         return export_inference(self.ckpt_dir / "export", state, self.cfg, self.manifest,
-                                self.spm_model)
+                                self.tokenizer_files)
 
     # ------------------------------------------------------------------ the loop
     def _log(self, window: dict[str, float], elapsed: float) -> None:

@@ -33,7 +33,7 @@ def test_parse_overrides_nested():
 @pytest.mark.parametrize("override, message", [
     ("model.n_heads=3", "model.d_model: expected a multiple of model.n_heads (3)"),
     ("optim.precision=fp8", "optim.precision: expected one of auto, fp32, bf16, fp16"),
-    ("optim.zero_stage=3", "optim.zero_stage: expected one of 0, 1, 2"),
+    ("optim.zero_stage=4", "optim.zero_stage: expected one of 0, 1, 2, 3"),
     ("model.dropout=1.5", "model.dropout: expected a probability in [0, 1)"),
     ("train.max_steps=abc", "train.max_steps: expected an integer"),
     ("train.max_steps=0", "train.max_steps: expected a positive number"),

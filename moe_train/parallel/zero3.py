@@ -1,0 +1,131 @@
+"""ZeRO stage 3: MoE layers as leaf modules, per-parameter state access, gathered weights.
+
+Under ZeRO-3 DeepSpeed partitions every parameter over the data-parallel ranks and gathers a
+module's parameters in a hook before its forward. Our MoE layer is marked a ZeRO-3 leaf
+(`mark_moe_leaf_modules`): all its parameters (router, every expert, shared expert) are gathered
+once when the layer starts, whatever experts its tokens use, so a rank whose batch leaves an
+expert idle never waits for a gather the others skip (the hang transformers' own blocks have
+unless marked). Expert parallelism stays with ZeRO 0-2.
+
+Per-parameter access mirrors parallel/optim_state.py for ZeRO 1/2: getting a full fp32 value
+or Adam moment is COLLECTIVE (an all-gather over the parameter's partition group), setting is
+local (each rank writes its own partition: the fp32 master copy and, for values, the working
+copy ``ds_tensor``). The partition of a parameter is its ``ds_tensor`` (padded to equal
+sizes); the fp32 and Adam partitions are located through the optimizer's ``grad_position``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def is_zero3(optimizer: Any) -> bool:
+    """Whether `optimizer` is DeepSpeed's ZeRO stage 3 optimizer."""
+    return hasattr(optimizer, "fp32_partitioned_groups_flat")
+
+
+def mark_moe_leaf_modules(model: nn.Module) -> int:
+    """Mark every `MoELayer` of `model` a ZeRO-3 leaf module; returns how many there are."""
+    from deepspeed.utils import set_z3_leaf_modules
+
+    from moe_train.moe.layer import MoELayer
+
+    count = sum(isinstance(m, MoELayer) for m in model.modules())
+    if count:
+        set_z3_leaf_modules(model, [MoELayer])
+    return count
+
+
+def _partition(optimizer: Any, p: nn.Parameter, key: str | None) -> tuple[Tensor, int]:
+    """(this rank's fp32 partition of `p` or of its Adam state `key`, partition rank)."""
+    part, _ = optimizer._get_fp32_opt_state_partition(p, release_swap_buffers=False,
+                                                      optim_state_key=key)
+    return part, dist.get_rank(group=optimizer._get_param_partition_group(p))
+
+
+def z3_get(optimizer: Any, p: nn.Parameter, key: str | None) -> Tensor:
+    """Full fp32 value (key None) or Adam state of `p` on CPU (collective)."""
+    part, _ = _partition(optimizer, p, key)
+    return optimizer._fp32_state_allgather(p, part).detach().cpu().clone()
+
+
+def _ensure_moments(optimizer: Any, p: nn.Parameter, step: float) -> None:
+    group_idx = optimizer.grad_position[optimizer.get_param_id(p)][0]
+    flat = optimizer.fp32_partitioned_groups_flat[group_idx]
+    slot = optimizer.optimizer.state[flat]
+    if not all(k in slot for k in MOMENTS):  # Adam's state is created lazily
+        slot.update({k: torch.zeros_like(flat) for k in MOMENTS})
+        slot["step"] = torch.tensor(step, dtype=torch.float32)
+
+
+def z3_set(optimizer: Any, p: nn.Parameter, key: str | None, value: Tensor,
+           step: float = 0.0) -> None:
+    """Write this rank's partition of the full `value` (local)."""
+    if key is not None:
+        _ensure_moments(optimizer, p, step)
+    part, rank = _partition(optimizer, p, key)
+    flat = value.reshape(-1)
+    lo = rank * part.numel()
+    n = max(0, min(part.numel(), flat.numel() - lo))
+    with torch.no_grad():
+        part.zero_()
+        part[:n].copy_(flat[lo:lo + n].to(part.device, part.dtype))
+        if key is None:
+            p.ds_tensor.zero_()
+            p.ds_tensor[:n].copy_(flat[lo:lo + n].to(p.ds_tensor.device, p.ds_tensor.dtype))
+
+
+def adam_step(optimizer: Any) -> float:
+    """Adam's update count under ZeRO-3 (0.0 before the first step)."""
+    for slot in optimizer.optimizer.state.values():
+        if "step" in slot:
+            return float(slot["step"])
+    return 0.0
+
+
+def full_shape(p: nn.Parameter) -> torch.Size:
+    """A parameter's full shape, partitioned (ZeRO-3) or not."""
+    return getattr(p, "ds_shape", p.shape)
+
+
+def is_partitioned(model: nn.Module) -> bool:
+    """Whether `model`'s parameters are ZeRO-3 partitioned (forwards are then collective:
+    every rank must run the same number of them)."""
+    return any(hasattr(p, "ds_id") for p in model.parameters())
+
+
+def zero3_grad_norm(optimizer: Any) -> float:
+    """The exact unscaled global gradient norm under ZeRO-3 before `engine.step()`: DeepSpeed's
+    own per-group norms of the reduced gradient partitions (collective)."""
+    from deepspeed.runtime.utils import combine_grad_norm_groups
+
+    norm = combine_grad_norm_groups(optimizer._get_norm_groups())
+    return float(norm) / float(optimizer.loss_scale)
+
+
+@contextlib.contextmanager
+def skipped_zero3_step(optimizer: Any) -> Iterator[None]:
+    """`step()` inside this block sees an invalid gradient norm and takes DeepSpeed's own
+    overflow path: gradients dropped, no update, the loss scaler told."""
+    optimizer._get_norm_groups = lambda: [torch.tensor(float("inf"))]
+    try:
+        yield
+    finally:
+        del optimizer._get_norm_groups  # the class's method again
+
+
+def gathered_state_dict(model: nn.Module) -> dict[str, Tensor]:
+    """The full state dict of a ZeRO-3 partitioned model (collective: every rank gathers;
+    fp32 copies on CPU)."""
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=None):
+        return {k: v.detach().float().cpu().clone() if v.is_floating_point() else v.cpu().clone()
+                for k, v in model.state_dict().items()}
