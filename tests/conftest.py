@@ -66,6 +66,24 @@ def tiny_prepared(tiny_corpus, tmp_path_factory) -> Path:
     return out
 
 
+@pytest.fixture(scope="session")
+def qwen_prepared(tiny_corpus, tmp_path_factory) -> tuple[Path, Path]:
+    """(prepared dir, tokenizer dir): `tiny_corpus` prepared for the tiny Qwen2-MoE with a
+    400-token byte-level BPE tokenizer trained here (no download)."""
+    from moe_train.config import load_config
+    from moe_train.data.corpus import discover
+    from moe_train.data.hf_tokenizer import train_bpe_tokenizer
+    from moe_train.data.prepare import prepare
+
+    work = tmp_path_factory.mktemp("qwen-data")
+    texts = [line for f in sorted(Path(tiny_corpus).rglob("*train*"))
+             for line in f.read_text(encoding="utf-8").splitlines()]
+    tok = train_bpe_tokenizer(texts, work / "tokenizer", 400)
+    cfg = load_config(ROOT / "configs" / "qwen-moe-tiny-cpu.yaml", [f"data.tokenizer={tok}"])
+    prepare(discover(tiny_corpus), work / "prepared", cfg.data, seed=1)
+    return work / "prepared", tok
+
+
 _LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
                   "SLURM_PROCID", "SLURM_STEP_ID", "SLURM_STEPID")
 _LAUNCHER_PREFIXES = ("OMPI_COMM_WORLD_", "PMI_", "PMIX_")

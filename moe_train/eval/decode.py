@@ -17,7 +17,9 @@ from moe_train.config.schema import EvalConfig
 from moe_train.data.batching import Batch, eval_batches
 from moe_train.data.vocab import Vocab
 from moe_train.errors import DataError
+from moe_train.eval.lm_search import lm_beam_search, lm_greedy_search
 from moe_train.eval.search import beam_search, greedy_search
+from moe_train.models.lm_batch import left_padded_prompts
 from moe_train.parallel.zero3 import is_partitioned
 from moe_train.models.context import ForwardContext
 from moe_train.moe.routing import NUM_LANGS_KEY
@@ -66,6 +68,15 @@ def search(model: torch.nn.Module, src_BS: torch.Tensor, ctx: ForwardContext, vo
     `sync_done` (expert parallelism) makes every rank take the same number of decoder steps.
     """
     beam = ecfg.beam if beam is None else beam
+    if getattr(model, "decoder_only", False):
+        # The source is the filled prompt + eos: left-pad it without the eos. The length limit
+        # counts the prompt's tokens (template included) as the source length.
+        prompt_BP, mask_BP = left_padded_prompts(src_BS, vocab.pad_id)
+        kw = dict(eos_id=vocab.eos_id, pad_id=vocab.pad_id, max_len_a=ecfg.max_len_a,
+                  max_len_b=ecfg.max_len_b, ctx=ctx, sync_done=sync_done)
+        if beam <= 1:
+            return lm_greedy_search(model, prompt_BP, mask_BP, **kw)
+        return lm_beam_search(model, prompt_BP, mask_BP, beam=beam, lenpen=ecfg.lenpen, **kw)
     kw = dict(bos_id=vocab.bos_id, eos_id=vocab.eos_id, pad_id=vocab.pad_id,
               max_len_a=ecfg.max_len_a, max_len_b=ecfg.max_len_b, ctx=ctx, sync_done=sync_done)
     if beam <= 1:

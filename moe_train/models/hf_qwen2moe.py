@@ -129,6 +129,9 @@ class Qwen2MoEForCausalLM(nn.Module):
     inside the blocks (``hf.model.layers.{i}.mlp.moe.*``; moe_train.models.hf_io maps them).
     """
 
+    decoder_only = True
+    """Read by evaluation and training code that serves both architectures."""
+
     def __init__(self, cfg: ExperimentConfig, manifest: dict[str, Any] | None = None) -> None:
         super().__init__()
         from moe_train.models.build import router_config  # build.py dispatches here

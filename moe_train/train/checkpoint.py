@@ -50,6 +50,8 @@ _TAG_RE = re.compile(r"^step_(\d+)$")
 COMPLETE = "complete.json"
 DENSE_OPTIM = "optim_dense.pt"
 KILL_ENV = "MOE_TRAIN_TEST_KILL_AT"
+ZERO3_MODEL_STATES = "zero_pp_rank_0_mp_rank_00_model_states.pt"
+"""Rank 0's model states under ZeRO-3 (DeepSpeed's name; no 'mp_rank_00_model_states.pt')."""
 
 
 def step_tag(step: int) -> str:
@@ -344,6 +346,8 @@ def consolidated_state_dict(tag_dir: str | Path) -> dict[str, torch.Tensor]:
     """Model weights of a step checkpoint, read without DeepSpeed (ZeRO 0-2 keep them whole
     in the model states; under ZeRO-3 the trainable ones come from the per-parameter state)."""
     path = Path(tag_dir) / "mp_rank_00_model_states.pt"
+    if not path.is_file() and (Path(tag_dir) / ZERO3_MODEL_STATES).is_file():
+        path = Path(tag_dir) / ZERO3_MODEL_STATES  # buffers whole, parameters partitioned
     if not path.is_file():
         raise CheckpointError(f"{path}: missing model states")
     states = load_torch(path, "DeepSpeed model states")

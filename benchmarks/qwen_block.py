@@ -1,0 +1,394 @@
+"""One Qwen2-MoE sparse block on the CPU: ours against transformers' own, forward + backward.
+
+    .venv/bin/python benchmarks/qwen_block.py [--reps 15] [--threads 2] [--quick] [--out PATH]
+
+Qwen2-MoE sizes D=512, moe_intermediate_size F=352, shared expert 1408, T=2048 tokens (B=1),
+fp32: E=60 experts top-4 and E=8 top-2. Every block gets the same weights (our state dict,
+mapped with `ours_to_hf`) and the same input and output gradient; each step is forward +
+backward with gradients to the input and to every block weight (reset to None before each step).
+
+- `ours`: `QwenMoEBlock` as `build_model` makes it for `model.arch=hf_qwen2_moe`: the registry
+  router `topk` with Qwen's semantics (softmax over E, top-k raw probabilities: norm_topk_prob
+  false, `moe.renormalize=false`), aux losses off (`moe.aux_loss_coef=0`,
+  `moe.z_loss_coef=0`, so every block computes the same function), `LocalDispatcher` dropless
+  (`moe.capacity_factor=0`; `moe.dropped_slots` is checked to be 0), `SwiGLUExperts` (on CPU
+  `kernels/swiglu_ffn.py`) and `GatedSharedExpert`.
+- `hf_default`: transformers' `Qwen2MoeSparseMoeBlock` taken from a `Qwen2MoeForCausalLM` built
+  with no experts implementation requested. How transformers picks it: `Qwen2MoeExperts` is
+  decorated with `@use_experts_implementation` (transformers/integrations/moe.py), whose
+  `forward` looks up `self.config._experts_implementation` in `ALL_EXPERTS_FUNCTIONS` at every
+  call ("eager" or a name it does not hold: the class's own forward). `PreTrainedModel.__init__`
+  resolves an unset value through `get_correct_experts_implementation(None)`: "grouped_mm" when
+  `_grouped_mm_can_dispatch()` passes (the model class lets its implementation be set), else
+  "eager". grouped_mm sorts the T*k slots by expert,
+  runs two grouped GEMMs (`torch.nn.functional.grouped_mm` where `_can_use_grouped_mm` allows
+  it, else transformers' per-expert `torch.mm` loop) and un-permutes. The JSON records the name
+  resolved and the kernel used. (A block built alone from a bare config has the value None and
+  runs eager: that is not the default a model gets.)
+- `hf_eager`: the same block from a model built with `experts_implementation="eager"`: the
+  per-expert Python loop of modeling_qwen2_moe.py (one_hot mask, `torch.where`, index_add_).
+
+Floors (`benchmarks/swiglu_experts.py`'s `impls`, imported, on our router's per-expert counts;
+their own random values of the same shapes: the time does not depend on them):
+
+- `per_expert_floor`: the SwiGLU chain per expert on exactly those counts, per-expert leaves,
+  no routing, gather or scatter; `dense_floor`: one SwiGLU chain over all N = T*k rows.
+  These cover the routed experts only.
+- `shared_router`: the rest of a block's necessary work, fwd + bwd: the router GEMM (T x D x E),
+  softmax, top-k and the gradient through the kept probabilities, and the shared expert
+  (SwiGLU D -> 1408 -> D over T rows, `swiglu_experts.swiglu`) times sigmoid of its D -> 1 gate.
+- Comparable floors (the choice made here): the blocks are measured against
+  `per_expert_floor_full` = per_expert_floor + shared_router and `dense_floor_full` =
+  dense_floor + shared_router, each run as one step. The `ratios` use these; the same ratios
+  against the routed-only floors are under `ratios_routed_only_floors`, for information.
+
+Before timing, each size checks (atol = rtol = 1e-4) that ours, hf_default and hf_eager agree
+on the output, the input gradient and every weight gradient (mapped to HF names), and that
+ours dropped no slot. Timing: `--warmup` steps of every contender, then `--reps` rounds, each
+round running every contender once in an order rotated by one each round; `ms` is the median,
+`min_ms` the minimum. `acceptance` (computed): ours <= 1.05x per_expert_floor_full and
+hf_eager / ours >= 5, per size. Writes benchmarks/results/qwen_block_cpu.json; `--quick` (tiny
+sizes, 2 reps) checks the script and writes qwen_block_cpu_quick.json (or `--out`).
+
+Shape legend: B sequences, T tokens, D model dim, E experts, k experts per token, N = T*k
+routed rows, F expert FFN dim, S shared-expert FFN dim.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+for _path in (ROOT, ROOT / "benchmarks"):
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
+
+from real_data import write_record  # noqa: E402
+from swiglu_experts import impls as swiglu_impls  # noqa: E402
+from swiglu_experts import swiglu  # noqa: E402
+
+from moe_train.config import load_config  # noqa: E402
+from moe_train.models.build import build_model  # noqa: E402
+from moe_train.models.context import ForwardContext  # noqa: E402
+from moe_train.models.hf_io import ours_to_hf  # noqa: E402
+from moe_train.models.hf_qwen2moe import moe_blocks, qwen_hf_config  # noqa: E402
+from moe_train.utils.malloc import tune_cpu_allocator  # noqa: E402
+from moe_train.utils.provenance import provenance  # noqa: E402
+
+FULL = {"T": 2048, "D": 512, "F": 352, "S": 1408, "configs": [(60, 4), (8, 2)], "reps": 15,
+        "warmup": 2}
+QUICK = {"T": 128, "D": 64, "F": 48, "S": 96, "configs": [(60, 4), (8, 2)], "reps": 2,
+         "warmup": 1}
+TOL = 1e-4
+VOCAB = 32
+TARGETS = {"ours_over_per_expert_floor": ("<=", 1.05), "eager_over_ours": (">=", 5.0)}
+CALIBRATION = {
+    "source": "the issue, for calibration (not measured here)",
+    "transformers": "5.23",
+    "hf_default_over_dense_floor": 1.88, "hf_default_over_per_expert_floor": 0.99,
+    "hf_eager_over_dense_floor": 11.8}
+Step = Callable[[], None]
+
+
+def block_config(E: int, k: int, s: dict[str, Any]):
+    """A one-layer Qwen2-MoE config whose single layer is sparse."""
+    D = s["D"]
+    return load_config(None, [
+        "model.arch=hf_qwen2_moe", f"qwen.vocab_size={VOCAB}", f"qwen.hidden_size={D}",
+        "qwen.num_hidden_layers=1", "qwen.num_attention_heads=4", "qwen.num_key_value_heads=2",
+        f"qwen.intermediate_size={s['S']}", f"qwen.shared_expert_intermediate_size={s['S']}",
+        "qwen.max_position_embeddings=64", f"moe.num_experts={E}", f"moe.k={k}",
+        f"moe.expert_ffn_dim={s['F']}", "moe.layers=all", "moe.decoder_router=topk",
+        "moe.renormalize=false", "moe.aux_loss_coef=0", "moe.z_loss_coef=0",
+        "moe.capacity_factor=0"])
+
+
+def blocks(E: int, k: int, s: dict[str, Any], seed: int = 0) -> dict[str, Any]:
+    """Our model and its block, and transformers' default and eager blocks with its weights."""
+    import transformers
+
+    cfg = block_config(E, k, s)
+    torch.manual_seed(seed)
+    ours = build_model(cfg, {"vocab_size": VOCAB, "pad_id": 0}).train()
+    state = ours_to_hf(ours.state_dict(), "benchmark")
+    hf = {}
+    for name, requested in (("hf_default", None), ("hf_eager", "eager")):
+        extra = {} if requested is None else {"experts_implementation": requested}
+        model = transformers.Qwen2MoeForCausalLM(qwen_hf_config(cfg, **extra)).train()
+        model.load_state_dict(state, strict=True)
+        hf[name] = model
+    return {"ours_model": ours, "ours": moe_blocks(ours)[0], "hf_models": hf,
+            **{name: m.model.layers[0].mlp for name, m in hf.items()}}
+
+
+def fwd_bwd(call: Callable[[torch.Tensor], torch.Tensor], block: torch.nn.Module,
+            x_BTD: torch.Tensor, g_BTD: torch.Tensor) -> Callable[[], torch.Tensor]:
+    """A step of `block`: grads reset to None, forward on a leaf copy of x, backward of g."""
+    x = x_BTD.clone().requires_grad_(True)
+    params = list(block.parameters())
+
+    def step() -> torch.Tensor:
+        x.grad = None
+        for p in params:
+            p.grad = None
+        y = call(x)
+        y.backward(g_BTD)
+        return y.detach()
+
+    step.x = x  # type: ignore[attr-defined]
+    return step
+
+
+def equality_check(b: dict[str, Any], steps: dict[str, Callable[[], torch.Tensor]]
+                   ) -> dict[str, Any]:
+    """Max abs differences of output, input gradient and weight gradients, ours vs each HF
+    block; raises if any is beyond TOL (atol and rtol)."""
+    ys = {name: steps[name]() for name in ("ours", "hf_default", "hf_eager")}
+    ours_grads = ours_to_hf({"hf." + n: p.grad for n, p in b["ours_model"].hf.named_parameters()
+                             if ".mlp." in n and p.grad is not None}, "benchmark")
+    out: dict[str, Any] = {"tolerance": {"atol": TOL, "rtol": TOL}, "weights_compared": None}
+    failures = []
+    for name in ("hf_default", "hf_eager"):
+        hf_grads = {n: p.grad for n, p in b["hf_models"][name].named_parameters()
+                    if ".mlp." in n and p.grad is not None}
+        if set(hf_grads) != set(ours_grads):
+            failures.append(f"{name}: gradient names differ "
+                            f"{sorted(set(hf_grads) ^ set(ours_grads))}")
+            continue
+        pairs = {"output": (ys["ours"], ys[name]),
+                 "input_grad": (steps["ours"].x.grad, steps[name].x.grad),  # type: ignore
+                 **{f"grad:{n}": (ours_grads[n], g) for n, g in hf_grads.items()}}
+        diffs = {}
+        for what, (a, ref) in pairs.items():
+            diffs[what] = float((a - ref).abs().max())
+            if not torch.allclose(a, ref, atol=TOL, rtol=TOL):
+                failures.append(f"{name} {what}: max abs diff {diffs[what]:.3g}")
+        out[f"ours_vs_{name}"] = {"output_max_abs_diff": diffs["output"],
+                                  "input_grad_max_abs_diff": diffs["input_grad"],
+                                  "weight_grad_max_abs_diff": max(
+                                      v for w, v in diffs.items() if w.startswith("grad:"))}
+        out["weights_compared"] = sorted(hf_grads)
+    out["output_max_abs"] = float(ys["ours"].abs().max())  # the scale atol is measured against
+    out["passed"] = not failures
+    if failures:
+        raise SystemExit("qwen_block: ours and transformers' blocks disagree: "
+                         + "; ".join(failures))
+    return out
+
+
+def shared_router_step(T: int, D: int, E: int, k: int, S: int, seed: int = 2) -> Step:
+    """fwd + bwd of the router (GEMM, softmax, top-k, gradient through the kept probabilities)
+    and the sigmoid-gated shared expert, on leaves of their own: the work a block adds to its
+    routed experts, without dispatch or combine."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, D, generator=g).requires_grad_(True)
+    w_router = (torch.randn(D, E, generator=g) * 0.02).requires_grad_(True)
+    shared = [(torch.randn(*shape, generator=g) * 0.02).requires_grad_(True)
+              for shape in ((D, S), (D, S), (S, D), (D, 1))]
+    g_TD, g_Tk = torch.randn(T, D, generator=g), torch.randn(T, k, generator=g)
+    leaves = [x, w_router, *shared]
+
+    def step() -> None:
+        for leaf in leaves:
+            leaf.grad = None
+        probs_TE = torch.softmax(x @ w_router, dim=-1)
+        top_Tk = probs_TE.topk(k, dim=-1).values
+        y_TD = torch.sigmoid(x @ shared[3]) * swiglu(x, *shared[:3])
+        torch.autograd.backward([y_TD, top_Tk], [g_TD, g_Tk])
+
+    return step
+
+
+def rotated_rounds(fns: dict[str, Step], reps: int, warmup: int) -> dict[str, list[float]]:
+    """Milliseconds of each fn in each of `reps` rounds after `warmup` runs each; every round
+    runs every fn once, the order rotated by one from round to round."""
+    names = list(fns)
+    for _ in range(warmup):
+        for name in names:
+            fns[name]()
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(reps):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            start = time.perf_counter()
+            fns[name]()
+            times[name].append((time.perf_counter() - start) * 1e3)
+    return times
+
+
+def bench(E: int, k: int, s: dict[str, Any], reps: int, warmup: int) -> dict[str, Any]:
+    T, D = s["T"], s["D"]
+    b = blocks(E, k, s)
+    g = torch.Generator().manual_seed(1)
+    x_BTD, g_BTD = torch.randn(1, T, D, generator=g), torch.randn(1, T, D, generator=g)
+    calls = b["ours_model"].calls
+
+    def ours_call(x: torch.Tensor) -> torch.Tensor:
+        calls.start(ForwardContext(side="decoder"))  # what the model does before each forward
+        return b["ours"](x)
+
+    steps = {"ours": fwd_bwd(ours_call, b["ours"], x_BTD, g_BTD),
+             "hf_default": fwd_bwd(b["hf_default"], b["hf_default"], x_BTD, g_BTD),
+             "hf_eager": fwd_bwd(b["hf_eager"], b["hf_eager"], x_BTD, g_BTD)}
+    check = equality_check(b, steps)
+    moe = b["ours"].moe
+    counts_E = moe.tokens_per_expert_E.clone()
+    if int(moe.dropped_slots) != 0 or int(counts_E.sum()) != T * k:
+        raise SystemExit(f"qwen_block: ours dropped {int(moe.dropped_slots)} slots "
+                         f"(routed {int(counts_E.sum())} of {T * k})")
+
+    floors = swiglu_impls(counts_E, D, s["F"])
+    extra = shared_router_step(T, D, E, k, s["S"])
+
+    def full(floor: Callable[[], object]) -> Step:
+        def step() -> None:
+            floor()
+            extra()
+        return step
+
+    fns: dict[str, Step] = {
+        **steps, "per_expert_floor": floors["per_expert_floor"],
+        "dense_floor": floors["dense_floor"], "shared_router": extra,
+        "per_expert_floor_full": full(floors["per_expert_floor"]),
+        "dense_floor_full": full(floors["dense_floor"])}
+    times = rotated_rounds(fns, reps, warmup)
+    dropped_after = int(moe.dropped_slots)
+    if dropped_after != 0:
+        raise SystemExit(f"qwen_block: ours dropped {dropped_after} slots while timed")
+    ms = {name: statistics.median(t) for name, t in times.items()}
+    for name, t in times.items():
+        print(f"E={E:3d} k={k} T={T} {name:22s} {ms[name]:9.2f} ms (min {min(t):.2f})",
+              flush=True)
+
+    def ratios(per_expert: str, dense: str) -> dict[str, float]:
+        return {"ours_over_per_expert_floor": round(ms["ours"] / ms[per_expert], 3),
+                "ours_over_dense_floor": round(ms["ours"] / ms[dense], 3),
+                "hf_default_over_dense_floor": round(ms["hf_default"] / ms[dense], 3),
+                "hf_default_over_per_expert_floor": round(ms["hf_default"] / ms[per_expert], 3),
+                "hf_eager_over_dense_floor": round(ms["hf_eager"] / ms[dense], 3),
+                "eager_over_ours": round(ms["hf_eager"] / ms["ours"], 3)}
+
+    return {"E": E, "k": k, "B": 1, "T": T, "N": T * k, "D": D, "F": s["F"],
+            "shared_expert_F": s["S"],
+            "hf_experts_implementation": {name: m.config._experts_implementation
+                                          for name, m in b["hf_models"].items()},
+            "tokens_per_expert": {"min": int(counts_E.min()), "max": int(counts_E.max()),
+                                  "empty_experts": int((counts_E == 0).sum()),
+                                  "counts": counts_E.tolist()},
+            "ours_dropped_slots": dropped_after,
+            "equality_check": check,
+            "ms": {name: round(v, 3) for name, v in ms.items()},
+            "min_ms": {name: round(min(t), 3) for name, t in times.items()},
+            "ms_reps": {name: [round(v, 3) for v in t] for name, t in times.items()},
+            "ratios": ratios("per_expert_floor_full", "dense_floor_full"),
+            "ratios_routed_only_floors": ratios("per_expert_floor", "dense_floor")}
+
+
+def acceptance(results: list[dict[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {"targets": {name: f"{op} {bound}"
+                                       for name, (op, bound) in TARGETS.items()},
+                           "floors": "per_expert_floor_full (routed experts + shared expert "
+                                     "+ router)"}
+    holds_all = True
+    for r in results:
+        row = {}
+        for name, (op, bound) in TARGETS.items():
+            value = r["ratios"][name]
+            holds = value <= bound if op == "<=" else value >= bound
+            holds_all &= holds
+            row[name] = {"value": value, "target": f"{op} {bound}", "holds": holds}
+        out[f"E{r['E']}_k{r['k']}"] = row
+    out["all_hold"] = holds_all
+    return out
+
+
+def experts_implementation_info(results: list[dict[str, Any]]) -> dict[str, Any]:
+    import transformers
+    from transformers.integrations import moe as hf_moe
+
+    info: dict[str, Any] = {
+        "version": transformers.__version__,
+        "selection": "Qwen2MoeExperts is decorated with @use_experts_implementation "
+                     "(transformers/integrations/moe.py): its forward looks up "
+                     "config._experts_implementation in ALL_EXPERTS_FUNCTIONS at every call; "
+                     "'eager' runs the class's own per-expert loop. PreTrainedModel.__init__ "
+                     "resolves an unset value with get_correct_experts_implementation(None): "
+                     "'grouped_mm' if _grouped_mm_can_dispatch() passes, else 'eager'. "
+                     "hf_eager's model is built with experts_implementation='eager'.",
+        "available": ["eager", *sorted(hf_moe.ALL_EXPERTS_FUNCTIONS.keys())],
+    }
+    for name in ("hf_default", "hf_eager"):  # the name each model resolved, over all sizes
+        info[f"{name}_resolved"] = sorted({r["hf_experts_implementation"][name]
+                                           for r in results})
+    x, w = torch.randn(4, 8), torch.randn(2, 8, 8)
+    native = hf_moe._can_use_grouped_mm(x, w, torch.tensor([2, 4], dtype=torch.int32))
+    info["grouped_mm_kernel"] = ("torch.nn.functional.grouped_mm"
+                                 if native and hasattr(F, "grouped_mm") else
+                                 "torch._grouped_mm" if native else
+                                 "transformers::grouped_mm_fallback (per-expert torch.mm loop)")
+    return info
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="tiny sizes, 2 reps (a smoke test)")
+    ap.add_argument("--reps", type=int, default=None, help="timed rounds")
+    ap.add_argument("--warmup", type=int, default=None, help="untimed steps of each first")
+    ap.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    ap.add_argument("--out", default=None,
+                    help="default benchmarks/results/qwen_block_cpu[_quick].json")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    prov = provenance(sys.argv if argv is None else ["benchmarks/qwen_block.py", *argv])
+    s = QUICK if args.quick else FULL
+    reps, warmup = args.reps or s["reps"], s["warmup"] if args.warmup is None else args.warmup
+    suffix = "_quick" if args.quick else ""
+    out = Path(args.out or ROOT / "benchmarks" / "results" / f"qwen_block_cpu{suffix}.json")
+    allocator = tune_cpu_allocator()
+    results = [bench(E, k, s, reps, warmup) for E, k in s["configs"]]
+    record = {
+        "benchmark": f"qwen_block_cpu{suffix}",
+        "config": {"quick": args.quick, "threads": torch.get_num_threads(), "reps": reps,
+                   "warmup": warmup, "B": 1, "T": s["T"], "D": s["D"], "F": s["F"],
+                   "shared_expert_F": s["S"], "experts_topk": s["configs"], "dtype": "float32",
+                   "router": "topk, softmax then top-k raw probabilities "
+                             "(moe.renormalize=false = norm_topk_prob false)",
+                   "aux_loss_coef": 0.0, "z_loss_coef": 0.0, "capacity_factor": 0.0},
+        "transformers": experts_implementation_info(results),
+        "floors": "Comparable floors: per_expert_floor_full = per_expert_floor (routed "
+                  "experts, swiglu_experts.py) + shared_router (router GEMM, softmax, top-k, "
+                  "sigmoid-gated shared expert), dense_floor_full = dense_floor + "
+                  "shared_router, each run as one step; `ratios` use them. "
+                  "`ratios_routed_only_floors`: the same against the routed-experts-only "
+                  "floors, for information.",
+        "method": {
+            "ours": "QwenMoEBlock: topk router, LocalDispatcher dropless, SwiGLUExperts "
+                    "(kernels/swiglu_ffn.py), GatedSharedExpert",
+            "hf_default": "transformers Qwen2MoeSparseMoeBlock, default experts "
+                          "implementation (see transformers.*_resolved)",
+            "hf_eager": "the same block with experts_implementation='eager'",
+            "per_expert_floor": "SwiGLU per expert on ours' counts, per-expert leaves",
+            "dense_floor": "one SwiGLU chain over all T*k rows",
+            "shared_router": "router GEMM + softmax + top-k + sigmoid-gated shared SwiGLU",
+            "per_expert_floor_full": "per_expert_floor then shared_router, one step",
+            "dense_floor_full": "dense_floor then shared_router, one step"},
+        "timing": "forward + backward (grads to input and all weights); ms: median, min_ms: "
+                  "minimum over reps rounds after warmup steps each; each round runs every "
+                  "contender once, the order rotated by one per round",
+        "allocator": allocator, "results": results,
+        "acceptance": acceptance(results),
+        "calibration_from_issue": CALIBRATION,
+    }
+    write_record(out, record, prov)
+
+
+if __name__ == "__main__":
+    main()

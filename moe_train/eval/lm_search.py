@@ -1,0 +1,290 @@
+"""Greedy and beam search over a decoder-only model with transformers' KV cache.
+
+Works with any model called like `Qwen2MoEForCausalLM`: ``model(input_ids_BT, ctx,
+attention_mask_BT=..., past_key_values=..., use_cache=True)`` returning an output with
+``logits_BTV`` and the cache in ``extras["past_key_values"]`` (a transformers ``Cache``: rows
+are selected with ``batch_select_indices``, else ``reorder_cache``); the prefill also passes
+``logits_to_keep=1`` (the last position's logits only). The caller sets train/eval mode;
+search leaves it.
+
+Prompts are LEFT-padded (mask 0 at the padding), so every prompt ends in the last column and
+its continuation starts right after it. One prefill call runs over the prompts; its last
+position gives the first token's distribution, then each step feeds the new token with the
+attention mask extended by one column (the mask always covers the cached and the new
+positions; the model derives positions from it, so left padding shifts nothing). Beam search
+prefills the B prompts once and repeats the cache rows K times.
+
+Lengths: as in moe_train.eval.search, a sentence may produce at most
+``max_len = floor(max_len_a * src_len + max_len_b)`` tokens (at least 1) counting the final
+eos, which is forced at that limit. The prompt holds template tokens (instruction, language
+tags) besides the source sentence, so the source length is given per sentence as
+``src_len_B``; without it, the prompt's real token count is used. ``max_new_B`` gives the limits
+directly instead. The limit is also capped so that prompt + output fit the model's
+``max_positions`` (when it has one). Pad is never produced; ``min_len`` bans eos before that
+many tokens (eos included).
+
+Finished sentences leave the batch (search.py's `_LiveRows`): the KV cache, the attention mask,
+the `ForwardContext` (``ctx.index_select``, so per-sentence routing inputs such as
+``ctx.tgt_lang_B`` follow) and the per-row state keep only the live rows. ``sync_done`` is
+search.py's: under expert parallelism a rank that has finished keeps decoding dummy steps (its
+finished rows feed pad, masked out) so every rank calls the model equally often; rows never
+drop to zero.
+
+Shape legend: B sentences, P prompt length, T positions so far, K beam, N = B * K decoding rows
+(A live greedy rows, L live sentences), V vocabulary, C candidates per step (2K).
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, Callable
+
+import torch
+from torch import Tensor
+
+from moe_train.eval.search import _LiveRows, _next_log_probs, _stop, _strip, min_lengths
+from moe_train.models.context import ForwardContext
+
+
+class _GivenLogits:
+    """Stands in for search.py's ``model.decode`` so `_next_log_probs` applies its bans
+    (pad, min_len, eos forced at the limit) to logits this module already computed."""
+
+    def __init__(self, logits_N1V: Tensor) -> None:
+        self.logits_N1V = logits_N1V
+
+    def decode(self, *_: Any) -> tuple[Tensor, dict[str, Tensor]]:
+        return self.logits_N1V, {}
+
+
+def _constrained(logits_N1V: Tensor, ctx: ForwardContext | None, step: int, max_len_N: Tensor,
+                 eos_id: int, pad_id: int, min_len_N: Tensor | None,
+                 normalize: bool) -> Tensor:
+    # bos_id = eos_id: no bos to ban (the prompt ends where the output begins).
+    return _next_log_probs(_GivenLogits(logits_N1V), None, None, ctx, None, step, max_len_N,
+                           eos_id, eos_id, pad_id, min_len_N, normalize=normalize)
+
+
+class _Mask:
+    """The attention mask (N, T) of the cached positions, as `_LiveRows`'s ``enc``."""
+
+    def __init__(self, mask_NT: Tensor) -> None:
+        self.mask_NT = mask_NT
+
+    def index_select(self, rows_R: Tensor) -> _Mask:
+        return _Mask(self.mask_NT.index_select(0, rows_R))
+
+    def extend(self, new_N: Tensor) -> None:
+        self.mask_NT = torch.cat([self.mask_NT, new_N.to(self.mask_NT.dtype)[:, None]], dim=1)
+
+
+class _KVCache:
+    """transformers' cache behind the ``reorder(rows)`` `_LiveRows` calls."""
+
+    def __init__(self, cache: Any) -> None:
+        self.cache = cache
+
+    def reorder(self, rows_R: Tensor) -> None:
+        select = getattr(self.cache, "batch_select_indices", None)
+        if select is not None:
+            select(rows_R)
+        else:
+            self.cache.reorder_cache(rows_R)
+
+
+def lm_max_lengths(model: Any, prompt_mask_BP: Tensor, max_len_a: float, max_len_b: float,
+                   src_len_B: Tensor | None = None,
+                   max_new_B: Tensor | None = None) -> Tensor:
+    """Per-sentence output length limit (tokens including eos), LongTensor (B,): `max_new_B`
+    if given, else floor(max_len_a * src_len_B + max_len_b) (src_len_B: the prompts' real
+    token counts when None); at least 1, and at most the positions the prompt leaves free."""
+    prompt_len_B = prompt_mask_BP.ne(0).sum(dim=1)
+    if max_new_B is not None:
+        max_len_B = torch.as_tensor(max_new_B, device=prompt_mask_BP.device).long()
+    else:
+        src_B = prompt_len_B if src_len_B is None else torch.as_tensor(src_len_B)
+        src_B = src_B.to(prompt_mask_BP.device).double()
+        max_len_B = (max_len_a * src_B + max_len_b).floor().long()
+    max_len_B = max_len_B.clamp(min=1)
+    limit = getattr(model, "max_positions", None)
+    if limit is not None:
+        max_len_B = torch.minimum(max_len_B, (limit - prompt_len_B).clamp(min=1))
+    return max_len_B
+
+
+def _prefill(model: Any, prompt_BP: Tensor, prompt_mask_BP: Tensor | None,
+             ctx: ForwardContext | None) -> tuple[Tensor, Tensor, ForwardContext | None, Any]:
+    """One call over the prompts: (mask (B, P), last logits (B, 1, V), ctx, cache)."""
+    mask_BP = (torch.ones_like(prompt_BP) if prompt_mask_BP is None
+               else prompt_mask_BP.to(prompt_BP.device).long())
+    if bool(mask_BP[:, -1].eq(0).any()):
+        raise ValueError("lm search: prompts must be left-padded (every mask row ends in 1)")
+    if ctx is not None:  # the model fills the padding of each call from the attention mask
+        ctx = ctx.replace(tgt_pad_mask_BT=None)
+    out = model(prompt_BP, ctx, attention_mask_BT=mask_BP, use_cache=True, logits_to_keep=1)
+    return mask_BP, out.logits_BTV[:, -1:], ctx, out.extras["past_key_values"]
+
+
+def _step(model: Any, prev_N: Tensor, live: _LiveRows, real_N: Tensor) -> Tensor:
+    """Feed one token per row (real_N False: a pad, masked out); the next logits (N, 1, V)."""
+    live.enc.extend(real_N)
+    out = model(prev_N[:, None], live.ctx, attention_mask_BT=live.enc.mask_NT,
+                past_key_values=live.cache.cache, use_cache=True)
+    live.cache.cache = out.extras["past_key_values"]
+    return out.logits_BTV[:, -1:]
+
+
+@torch.no_grad()
+def lm_greedy_search(model: Any, prompt_BP: Tensor, prompt_mask_BP: Tensor | None, eos_id: int,
+                     pad_id: int, max_len_a: float = 1.2, max_len_b: int = 10,
+                     src_len_B: Tensor | None = None, ctx: ForwardContext | None = None,
+                     sync_done: Callable[[bool], bool] | None = None, min_len: int = 0,
+                     max_new_B: Tensor | None = None) -> list[list[int]]:
+    """Most likely next token at every step; returns each sentence's continuation without
+    the prompt and eos. Lengths, `min_len`, `sync_done`: see the module docstring."""
+    B = prompt_BP.size(0)
+    device = prompt_BP.device
+    mask_BP, logits_A1V, ctx, cache = _prefill(model, prompt_BP, prompt_mask_BP, ctx)
+    max_len_A = lm_max_lengths(model, mask_BP, max_len_a, max_len_b, src_len_B, max_new_B)
+    min_len_A = min_lengths(min_len, B, device)
+    live = _LiveRows(_Mask(mask_BP), ctx, _KVCache(cache))
+    sentence_A = torch.arange(B, device=device)
+    finished_A = torch.zeros(B, dtype=torch.bool, device=device)
+    tokens_AT = torch.empty((B, 0), dtype=torch.long, device=device)
+    results: list[list[int] | None] = [None] * B
+    for step in itertools.count():
+        if step > 0:
+            logits_A1V = _step(model, prev_A, live, ~finished_A)
+        lprobs_AV = _constrained(logits_A1V, live.ctx, step, max_len_A, eos_id, pad_id,
+                                 min_len_A, normalize=False)
+        next_A = lprobs_AV.argmax(dim=-1)
+        next_A = torch.where(finished_A, torch.full_like(next_A, pad_id), next_A)
+        tokens_AT = torch.cat([tokens_AT, next_A[:, None]], dim=1)
+        finished_A |= next_A.eq(eos_id)  # the length limit forces eos, so this ends the loop
+        num_done = int(finished_A.sum())  # one host sync per step
+        if _stop(num_done == finished_A.numel(), sync_done):
+            break
+        prev_A = next_A  # finished rows feed pad (masked) while they stay
+        if 0 < num_done < finished_A.numel():
+            done_rows = finished_A.nonzero().flatten()
+            for row, tokens in zip(sentence_A[done_rows].tolist(),
+                                   tokens_AT.index_select(0, done_rows).tolist()):
+                results[row] = tokens
+            keep_R = (~finished_A).nonzero().flatten()
+            live.keep(keep_R)
+            sentence_A, prev_A, tokens_AT, max_len_A, finished_A = (
+                t.index_select(0, keep_R) for t in (sentence_A, prev_A, tokens_AT, max_len_A,
+                                                    finished_A))
+            if min_len_A is not None:
+                min_len_A = min_len_A.index_select(0, keep_R)
+    for row, tokens in zip(sentence_A.tolist(), tokens_AT.tolist()):
+        results[row] = tokens
+    return [_strip(tokens, eos_id) for tokens in results]
+
+
+@torch.no_grad()
+def lm_beam_search(model: Any, prompt_BP: Tensor, prompt_mask_BP: Tensor | None, eos_id: int,
+                   pad_id: int, beam: int = 5, lenpen: float = 1.0, max_len_a: float = 1.2,
+                   max_len_b: int = 10, src_len_B: Tensor | None = None,
+                   ctx: ForwardContext | None = None,
+                   sync_done: Callable[[bool], bool] | None = None, min_len: int = 0,
+                   max_new_B: Tensor | None = None) -> list[list[int]]:
+    """Batched beam search with search.py's `beam_search` rule; returns each sentence's best
+    continuation without the prompt and eos.
+
+    Each step takes the top 2K of the K x V extensions per sentence. Eos extensions ranked in the
+    top K become finished hypotheses (scored sum(log p) / len**lenpen, len counting eos); the K
+    best non-eos extensions stay live. A sentence stops once it has K finished hypotheses (so
+    beam 1 is greedy) or reaches its length limit, and its rows leave the batch.
+    """
+    if beam < 1:
+        raise ValueError(f"beam: expected a positive integer, got {beam}")
+    B, K = prompt_BP.size(0), beam
+    device = prompt_BP.device
+    mask_BP, logits_B1V, ctx, cache = _prefill(model, prompt_BP, prompt_mask_BP, ctx)
+    max_len_L = lm_max_lengths(model, mask_BP, max_len_a, max_len_b, src_len_B, max_new_B)
+    min_len_L = min_lengths(min_len, B, device)
+
+    expand_N = torch.arange(B, device=device).repeat_interleave(K)
+    live = _LiveRows(_Mask(mask_BP), ctx, _KVCache(cache))
+    if K > 1:  # one prefill per sentence, its rows repeated for the K beams
+        live.keep(expand_N)
+        logits_N1V = logits_B1V.index_select(0, expand_N)
+    else:
+        logits_N1V = logits_B1V
+    sentence_L = list(range(B))
+
+    # Only beam 0 is live at the start; the others are -inf so they never win a slot.
+    scores_LK = torch.full((B, K), -torch.inf, device=device)
+    scores_LK[:, 0] = 0.0
+    tokens_NT = torch.empty((B * K, 0), dtype=torch.long, device=device)
+    finished: list[list[tuple[float, list[int]]]] = [[] for _ in range(B)]
+    done_L = torch.zeros(B, dtype=torch.bool, device=device)
+
+    for step in itertools.count():
+        L = len(sentence_L)
+        if step > 0:
+            logits_N1V = _step(model, prev_N, live, torch.ones_like(prev_N, dtype=torch.bool))
+        lprobs_NV = _constrained(logits_N1V, live.ctx, step, max_len_L.repeat_interleave(K),
+                                 eos_id, pad_id, None if min_len_L is None
+                                 else min_len_L.repeat_interleave(K), normalize=True)
+        V = lprobs_NV.size(-1)
+        cand_LX = (scores_LK[:, :, None] + lprobs_NV.view(L, K, V)).view(L, K * V)
+        top_scores_LC, top_idx_LC = cand_LX.topk(min(2 * K, K * V), dim=1)
+        top_beam_LC = top_idx_LC // V
+        top_tok_LC = top_idx_LC % V
+        is_eos_LC = top_tok_LC.eq(eos_id)
+
+        final_LK = is_eos_LC[:, :K] & top_scores_LC[:, :K].isfinite() & ~done_L[:, None]
+        if bool(final_LK.any()):  # one host transfer per step, not per hypothesis
+            b_F, c_F = final_LK.nonzero(as_tuple=True)
+            hyps = tokens_NT.index_select(0, b_F * K + top_beam_LC[b_F, c_F]).tolist()
+            scores = (top_scores_LC[b_F, c_F].double() / (step + 1) ** lenpen).tolist()
+            for b, score, hyp in zip(b_F.tolist(), scores, hyps):
+                finished[sentence_L[b]].append((score, hyp))
+        n_finished_L = torch.tensor([len(finished[b]) for b in sentence_L], device=device)
+        done_L |= n_finished_L.ge(K) | max_len_L.le(step + 1)
+        num_done = int(done_L.sum())
+        if _stop(num_done == L, sync_done):
+            break
+
+        # Live: the first K non-eos candidates, in score order (there are at most K eos ones).
+        C = top_idx_LC.size(1)
+        rank_LC = torch.arange(C, device=device)[None] + is_eos_LC.long() * C
+        live_LK = rank_LC.topk(K, dim=1, largest=False).indices
+        scores_LK = top_scores_LC.gather(1, live_LK)
+        row_base_L1 = torch.arange(L, device=device)[:, None] * K
+        reorder_LK = row_base_L1 + top_beam_LC.gather(1, live_LK)
+        next_LK = top_tok_LC.gather(1, live_LK)
+        if 0 < num_done < L:  # done sentences leave the batch
+            keep_S = (~done_L).nonzero().flatten()
+            for b in done_L.nonzero().flatten().tolist():
+                if not finished[sentence_L[b]]:  # unreachable with a finite model
+                    finished[sentence_L[b]].append((-torch.inf, _strip(
+                        tokens_NT[b * K].tolist(), eos_id)))
+            sentence_L = [sentence_L[b] for b in keep_S.tolist()]
+            reorder_LK, next_LK, scores_LK, max_len_L, done_L = (
+                t.index_select(0, keep_S) for t in (reorder_LK, next_LK, scores_LK, max_len_L,
+                                                    done_L))
+            if min_len_L is not None:
+                min_len_L = min_len_L.index_select(0, keep_S)
+            # reorder_LK still indexes the old rows; the context follows the kept sentences
+            # (equal over a sentence's beams), the mask and the cache follow reorder_N below.
+            rows_R = (keep_S[:, None] * K + torch.arange(K, device=device)[None]).view(-1)
+            live.ctx = None if live.ctx is None else live.ctx.index_select(rows_R)
+        reorder_N, next_N = reorder_LK.view(-1), next_LK.view(-1)
+        tokens_NT = torch.cat([tokens_NT.index_select(0, reorder_N), next_N[:, None]], dim=1)
+        live.enc = live.enc.index_select(reorder_N)
+        live.cache.reorder(reorder_N)
+        prev_N = next_N
+
+    results = []
+    for b in range(B):
+        if finished[b]:
+            results.append(max(finished[b], key=lambda item: item[0])[1])
+        else:  # unreachable with a finite model: the limit forces eos on every live beam
+            results.append(_strip(tokens_NT[sentence_L.index(b) * K].tolist(), eos_id))
+    return results
+
+
+__all__ = ["lm_beam_search", "lm_greedy_search", "lm_max_lengths"]
