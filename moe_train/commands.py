@@ -147,21 +147,44 @@ def _source_prefix(inf, args: argparse.Namespace) -> list[int]:
                          getattr(args, "tgt_lang", None))
 
 
+def _prompts(inf, args: argparse.Namespace, lines: list[str]) -> list[str]:
+    """Raw lines as a decoder-only model's prompts (data.prompt_template), the languages from
+    --src-lang / --tgt-lang or the model's only choice."""
+    from moe_train.data.prompts import format_prompt
+
+    corpora = inf.manifest.get("corpora", [])
+
+    def choose(flag: str, key: str, needs: str) -> str:
+        known, given = sorted({c[key] for c in corpora}), getattr(args, flag.replace("-", "_"))
+        if known:
+            return _tag_choice(flag, given, known, needs)
+        if given is None:  # e.g. converted from Hugging Face: no training data to go by
+            raise ConfigError(f"--{flag}: this model names no languages; expected a code "
+                              "such as de")
+        return given
+
+    src = choose("src-lang", "src_lang", "translates from")
+    tgt = choose("tgt-lang", "tgt_lang", "translates into")
+    return [format_prompt(inf.cfg.data.prompt_template, line, src, tgt) for line in lines]
+
+
 def _raw_text_labels(inf, args: argparse.Namespace):
     """Language and domain ids for raw-text input: from --src-lang / --tgt-lang / --domain, or
     the model's only choice when its data had one."""
     from moe_train.eval.decode import RawTextLabels
 
     manifest = inf.manifest
-    corpora = manifest["corpora"]
+    corpora = manifest.get("corpora", [])
 
     def pick(flag: str, given: str | None, known: list[str], used: set[str]) -> int | None:
         if given is None:
             return known.index(next(iter(used))) if len(used) == 1 else None
+        if not known:  # a converted model that saw no corpus: no ids to give
+            return None
         _check_known(flag, given, known)
         return known.index(given)
 
-    langs, domains = manifest["langs"], manifest["domains"]
+    langs, domains = manifest.get("langs", []), manifest.get("domains", [])
     return RawTextLabels(
         src_lang=pick("src-lang", getattr(args, "src_lang", None), langs,
                       {c["src_lang"] for c in corpora}),
@@ -189,8 +212,12 @@ def cmd_translate(args: argparse.Namespace) -> int:
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     inf = load_for_inference(args.checkpoint, device)
+    if inf.cfg.decoder_only:  # the sources become the instruction prompts it trained on
+        lines, prefix = _prompts(inf, args, lines), []
+    else:
+        prefix = _source_prefix(inf, args)
     hyps = translate_lines(inf.model, inf.vocab, lines, _eval_config(args, inf.cfg.eval), device,
-                           _source_prefix(inf, args), labels=_raw_text_labels(inf, args),
+                           prefix, labels=_raw_text_labels(inf, args),
                            source=source, long_lines=args.long_lines, warn=_warn)
     text = "".join(h + "\n" for h in hyps)
     if args.output == "-":

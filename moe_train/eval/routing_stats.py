@@ -39,6 +39,7 @@ from moe_train.eval.routing_tables import (  # noqa: F401  (re-exported)
     load_cv, normalized_mutual_info, plot_heatmap, table_csv, write_routing_stats)
 from moe_train.models.build import moe_layers
 from moe_train.models.context import ForwardContext
+from moe_train.models.lm_batch import teacher_forced
 from moe_train.moe.routing import Routing, RoutingContext
 from moe_train.moe.thor_router import (GOLD_TASK_KEY, TASK_PROBS_KEY, TASK_REPR_KEY,
                                        TaskPredictor, ThorRouter)
@@ -531,7 +532,8 @@ def collect_routing_stats(model: nn.Module, dataset: Any, manifest: dict[str, An
                 batch = batch.to(rt.device)
                 ctx = batch_context(batch, pad_id, num_langs)
                 recorder.set_batch(None if batch.is_padding else ctx)
-                model(batch.src_tokens_BS, batch.tgt_in_BT, ctx)
+                teacher_forced(model, batch.src_tokens_BS, batch.tgt_in_BT, ctx, pad_id,
+                               getattr(model, "decoder_only", False))
     finally:
         model.train(was_training)
     counts, task, sentences = _all_reduce_counts(rt, recorder.tables(), recorder.task_tables(),
