@@ -193,6 +193,16 @@ def _add_convert(sub: argparse._SubParsersAction) -> None:
     where.add_argument("--from-hf", metavar="DIR", help="transformers model directory")
     where.add_argument("--to-hf", metavar="CHECKPOINT", help="export or checkpoint directory")
     p.add_argument("--out", required=True, help="directory to write")
+    trim = p.add_argument_group("Trim-MoE (with --from-hf)")
+    trim.add_argument("--trim", type=_int_at_least(1), metavar="N",
+                      help="keep N routed experts per MoE layer (router rows sliced to match)")
+    trim.add_argument("--experts", help="the experts to keep, e.g. 0,3,5 (every layer)")
+    trim.add_argument("--calibration", metavar="FILE",
+                      help="text whose routing picks each layer's N most used experts")
+    trim.add_argument("--calibration-lines", type=_int_at_least(1), default=2000,
+                      help="at most this many calibration lines (default 2000)")
+    trim.add_argument("--k", type=_int_at_least(1), help="experts per token after trimming "
+                      "(default: the model's k, at most N)")
 
 
 def _add_routing_stats(sub: argparse._SubParsersAction) -> None:

@@ -279,8 +279,11 @@ def cmd_convert(args: argparse.Namespace) -> int:
     from moe_train.models.hf_io import convert_from_hf, convert_to_hf
 
     if args.from_hf:
-        summary = convert_from_hf(args.from_hf, args.out)
+        summary = convert_from_hf(args.from_hf, args.out, args.trim, args.experts,
+                                  args.calibration, args.k, args.calibration_lines)
     else:
+        if args.trim or args.experts or args.calibration or args.k:
+            raise ConfigError("--trim, --experts, --calibration and --k go with --from-hf")
         summary = convert_to_hf(args.to_hf, args.out)
     print(f"| wrote {args.out}: {summary['tensors']} tensors, {summary['parameters']:,} "
           f"parameters, tokenizer files: {', '.join(summary['tokenizer']) or 'none'}")

@@ -223,8 +223,12 @@ def _copy_tokenizer(src: Path, dst: Path) -> list[str]:
     return copied
 
 
-def convert_from_hf(model_dir: str | Path, out_dir: str | Path) -> dict[str, Any]:
-    """Write our export of a local HF Qwen2-MoE directory; returns a summary."""
+def convert_from_hf(model_dir: str | Path, out_dir: str | Path, trim_to: int | None = None,
+                    experts: str | None = None, calibration: str | Path | None = None,
+                    k: int | None = None, calibration_lines: int = 2000) -> dict[str, Any]:
+    """Write our export of a local HF Qwen2-MoE directory; returns a summary. With `trim_to`
+    N (Trim-MoE, moe_train.models.hf_trim) every MoE layer keeps N routed experts: `experts`
+    (indices, the same in every layer) or the N most used on the `calibration` text."""
     from moe_train.train.export import EXPORT_FORMAT, EXPORT_WEIGHTS
 
     model_dir = Path(model_dir)
@@ -233,18 +237,66 @@ def convert_from_hf(model_dir: str | Path, out_dir: str | Path) -> dict[str, Any
     cfg = config_from_hf(hf, cfg_path)
     state = hf_to_ours(read_hf_weights(model_dir), cfg, model_dir)
     check_state(cfg, state, model_dir)
-    pad = hf.get("pad_token_id")
-    pad = hf.get("eos_token_id") if pad is None else pad
-    manifest = {"vocab_size": cfg.qwen.vocab_size, "pad_id": int(pad if isinstance(pad, int)
-                                                                 else 0),
-                "tokenizer": "hf", "langs": [], "domains": []}
+    manifest = _manifest(cfg, hf, model_dir)
+    kept = None
+    if trim_to is not None:
+        state, cfg, kept = _trim(state, cfg, manifest, model_dir, trim_to, experts,
+                                 calibration, k, calibration_lines)
     with atomic_dir(Path(out_dir), overwrite=True) as tmp:
         save_tensors(tmp / EXPORT_WEIGHTS, {k: v.float() for k, v in state.items()},
                      metadata={"format": EXPORT_FORMAT})
         (tmp / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
         copied = _copy_tokenizer(model_dir, tmp)
-    return {"tensors": len(state), "parameters": _numel(state), "tokenizer": copied}
+        if kept is not None:
+            (tmp / "trim.json").write_text(json.dumps(kept, indent=1) + "\n")
+    summary = {"tensors": len(state), "parameters": _numel(state), "tokenizer": copied}
+    return summary if kept is None else {**summary, "kept_experts": kept}
+
+
+def _manifest(cfg: ExperimentConfig, hf: dict[str, Any], model_dir: Path) -> dict[str, Any]:
+    """Vocabulary facts of a converted model: its tokenizer's special ids when it has one."""
+    from moe_train.data.hf_tokenizer import TOKENIZER_JSON, HFTokenizer
+
+    manifest: dict[str, Any] = {"vocab_size": cfg.qwen.vocab_size, "tokenizer": "hf",
+                                "langs": [], "domains": [], "corpora": []}
+    if (model_dir / TOKENIZER_JSON).is_file():
+        tok = HFTokenizer(model_dir)
+        return {**manifest, "pad_id": tok.pad_id, "eos_id": tok.eos_id, "bos_id": tok.bos_id}
+    eos = hf.get("eos_token_id")
+    eos = eos if isinstance(eos, int) else 0
+    return {**manifest, "pad_id": eos, "eos_id": eos, "bos_id": eos}
+
+
+def _trim(state: dict[str, Tensor], cfg: ExperimentConfig, manifest: dict[str, Any],
+          model_dir: Path, n: int, experts: str | None, calibration: str | Path | None,
+          k: int | None, lines: int):
+    """Trim-MoE: (state, config, {layer: kept experts}) of `convert_from_hf`."""
+    from moe_train.data.hf_tokenizer import HFTokenizer
+    from moe_train.models.build import build_model
+    from moe_train.models.hf_qwen2moe import sparse_layers
+    from moe_train.models.hf_trim import (calibration_lines, expert_usage, most_used,
+                                          parse_experts, trim)
+
+    E = cfg.moe.num_experts
+    if not 1 <= n <= E:
+        raise ConfigError(f"--trim: expected 1..{E} (the model's routed experts), got {n}")
+    if (experts is None) == (calibration is None):
+        raise ConfigError("--trim: expected either --experts (indices) or --calibration "
+                          "(a text file to count expert use on)")
+    if experts is not None:
+        ids = parse_experts(experts, E)
+        if len(ids) != n:
+            raise ConfigError(f"--experts: expected {n} indices (--trim {n}), got {len(ids)}")
+        keep = {i: ids for i in sparse_layers(cfg)}
+    else:
+        tokens = calibration_lines(calibration, HFTokenizer(model_dir), lines)
+        model = build_model(cfg, manifest)
+        model.load_state_dict(state, strict=True)
+        usage = expert_usage(model, tokens, manifest["pad_id"])
+        keep = {i: most_used(counts, n) for i, counts in usage.items()}
+    state, cfg = trim(state, cfg, keep, k)
+    return state, cfg, {str(i): ids for i, ids in sorted(keep.items())}
 
 
 def convert_to_hf(checkpoint: str | Path, out_dir: str | Path) -> dict[str, Any]:

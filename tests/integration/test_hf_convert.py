@@ -105,3 +105,81 @@ def test_params_of_the_qwen_configs_match_seed_003() -> None:
         report = json.loads(proc.stdout.strip().splitlines()[-1])
         assert abs(report["total"] / total - 1) < 0.02, (name, report["total"])
         assert abs(report["active_all"] / active - 1) < 0.02, (name, report["active_all"])
+
+
+def test_trim_moe_explicit_and_calibrated(tmp_path) -> None:
+    """--trim N keeps N experts per layer: explicit indices give transformers' model built with
+    the same sliced weights; --calibration keeps each layer's N most used experts, counted
+    independently from transformers' own router on the same tokens."""
+    from moe_train.data.hf_tokenizer import HFTokenizer, train_bpe_tokenizer
+
+    hf_dir = tmp_path / "hf"
+    texts = [f"the {w} of case {i} was {v}" for i, (w, v) in enumerate(
+        [("court", "heard"), ("patient", "treated"), ("server", "restarted")] * 30)]
+    train_bpe_tokenizer(texts, hf_dir, 300)
+    cfg = transformers.Qwen2MoeConfig(
+        vocab_size=320, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        moe_intermediate_size=24, shared_expert_intermediate_size=40, num_experts=6,
+        num_experts_per_tok=2, norm_topk_prob=False, tie_word_embeddings=False)
+    torch.manual_seed(5)
+    model = transformers.Qwen2MoeForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                p.normal_(0.0, 0.5)
+    model.save_pretrained(hf_dir)
+
+    # explicit experts: the same as transformers with the sliced weights
+    keep = [1, 2, 4, 5]
+    out = tmp_path / "trim-explicit"
+    summary = json.loads(run_cli(["convert", "--from-hf", str(hf_dir), "--out", str(out),
+                                  "--trim", "4", "--experts", "5,1,4,2", "--k", "2"],
+                                 cwd=tmp_path).stdout.strip().splitlines()[-1])
+    assert summary["kept_experts"] == {"0": keep, "1": keep}
+    ours, trimmed_cfg, _ = load_qwen(out)
+    assert trimmed_cfg.moe.num_experts == 4 and trimmed_cfg.moe.k == 2
+    small = transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(
+        **{**cfg.to_dict(), "num_experts": 4})).eval()
+    state = {}
+    for name, t in model.state_dict().items():
+        if name.endswith(("mlp.gate.weight", "experts.gate_up_proj", "experts.down_proj")):
+            t = t[keep]
+        state[name] = t
+    small.load_state_dict(state, strict=True)
+    ids = torch.randint(3, 300, (2, 9), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids).logits_BTV, small(input_ids=ids).logits,
+                                   atol=1e-5, rtol=1e-5)
+    run_cli(["convert", "--to-hf", str(out), "--out", str(tmp_path / "trim-hf")], cwd=tmp_path)
+    assert transformers.Qwen2MoeForCausalLM.from_pretrained(tmp_path / "trim-hf") \
+        .config.num_experts == 4
+
+    # calibrated: the N experts transformers' router picks most often on the same text
+    calib = tmp_path / "calib.txt"
+    calib.write_text("".join(t + "\n" for t in texts[:40]))
+    out = tmp_path / "trim-calib"
+    summary = json.loads(run_cli(["convert", "--from-hf", str(hf_dir), "--out", str(out),
+                                  "--trim", "3", "--calibration", str(calib)],
+                                 cwd=tmp_path).stdout.strip().splitlines()[-1])
+    tok = HFTokenizer(hf_dir)
+    counts = {0: torch.zeros(6, dtype=torch.long), 1: torch.zeros(6, dtype=torch.long)}
+    with torch.no_grad():
+        for ids in tok.encode_batch(texts[:40]):
+            router_logits = model(input_ids=torch.tensor([ids]),
+                                  output_router_logits=True).router_logits
+            for layer, logits in enumerate(router_logits):
+                top = logits.softmax(-1).topk(2, dim=-1).indices.flatten()
+                counts[layer] += torch.bincount(top, minlength=6)
+    for layer, c in counts.items():
+        want = sorted(sorted(range(6), key=lambda e: (-int(c[e]), e))[:3])
+        assert summary["kept_experts"][str(layer)] == want, (layer, c.tolist())
+    assert load_qwen(out)[1].moe.num_experts == 3
+
+    # errors: one line, exit 2
+    for extra in (["--trim", "7", "--experts", "0"], ["--trim", "2"],
+                  ["--trim", "2", "--experts", "0,9"], ["--trim", "2", "--experts", "0,1",
+                                                        "--k", "3"]):
+        proc = run_cli(["convert", "--from-hf", str(hf_dir), "--out", str(tmp_path / "x"),
+                        *extra], cwd=tmp_path, check=False)
+        assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
