@@ -205,6 +205,28 @@ def _add_convert(sub: argparse._SubParsersAction) -> None:
                       "(default: the model's k, at most N)")
 
 
+def _add_plan(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("plan", help="per-GPU memory of a training run, and whether it fits",
+                       description="Per-GPU bytes for parameters, gradients, optimizer state, "
+                       "activations and all-to-all buffers of the model a config describes "
+                       "(counted on the meta device), under a ZeRO stage and expert-parallel "
+                       "degree; ends with one JSON line.")
+    p.add_argument("--config", required=True, help="YAML config")
+    p.add_argument("--nodes", type=_int_at_least(1), default=1)
+    p.add_argument("--gpus-per-node", type=_int_at_least(1), default=8)
+    p.add_argument("--gpu-mem", type=float, default=80.0, help="GiB per GPU (default 80)")
+    p.add_argument("--zero", type=int, help="ZeRO stage 0-3 (default: optim.zero_stage)")
+    p.add_argument("--ep", type=_int_at_least(1), help="expert-parallel degree (default: "
+                   "moe.ep_size)")
+    p.add_argument("--micro-batch", type=_int_at_least(1),
+                   help="sequences per GPU (default: data.max_tokens // seq-len)")
+    p.add_argument("--seq-len", type=_int_at_least(1), help="tokens per sequence (default: "
+                   "data.max_len)")
+    p.add_argument("--activation-checkpointing", action="store_true",
+                   help="plan with model.activation_checkpointing")
+    p.add_argument("overrides", nargs="*", help="a.b=value overrides")
+
+
 def _add_routing_stats(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("routing-stats", help="expert x domain / task tables (CSV) and heatmaps",
                        description="Teacher-forced forwards over a prepared split; per MoE layer "
@@ -241,7 +263,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="moe-train", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     for add in (_add_synth, _add_prepare, _add_train, _add_translate, _add_evaluate, _add_demo,
-                _add_params, _add_extract, _add_convert, _add_routing_stats, _add_pipeline):
+                _add_params, _add_plan, _add_extract, _add_convert, _add_routing_stats,
+                _add_pipeline):
         add(sub)
     return parser
 

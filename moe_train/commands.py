@@ -275,6 +275,15 @@ def cmd_extract(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    from moe_train.eval.plan import format_plan, plan_from_args
+
+    report = plan_from_args(args)
+    print(format_plan(report))
+    _json_line(report)
+    return 0
+
+
 def cmd_convert(args: argparse.Namespace) -> int:
     from moe_train.models.hf_io import convert_from_hf, convert_to_hf
 

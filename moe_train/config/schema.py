@@ -69,6 +69,9 @@ class ModelConfig:
     """Longest sequence (tokens) the sinusoidal positions cover."""
     tie_embeddings: bool = True
     """Share source embedding, target embedding and output projection (joint vocabulary)."""
+    activation_checkpointing: bool = False
+    """Recompute every layer's activations in backward instead of keeping them (both archs):
+    memory for about a third more compute (`moe-train plan --activation-checkpointing`)."""
 
     def __post_init__(self) -> None:
         _positive(self, "model", "d_model", "n_heads", "ffn_dim", "encoder_layers",

@@ -151,6 +151,9 @@ class Qwen2MoEForCausalLM(nn.Module):
         rcfg = router_config(cfg, "decoder", manifest)
         for i in sparse_layers(cfg):
             self.hf.model.layers[i].mlp = build_moe_block(cfg, self.calls, rcfg)
+        if cfg.model.activation_checkpointing:  # transformers' per-layer recomputation
+            self.hf.activation_checkpointing_enable(
+                activation_checkpointing_kwargs={"use_reentrant": False})
         self.pad_id = int((manifest or {}).get("pad_id", 0))
         self.max_positions = cfg.qwen.max_position_embeddings
 

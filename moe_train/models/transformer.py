@@ -24,6 +24,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from moe_train.config.schema import ModelConfig
 from moe_train.models.context import SENTENCE_REPR_KEY, ForwardContext, mean_pool, per_sentence
@@ -214,11 +215,19 @@ class Seq2SeqTransformer(nn.Module):
         provided: dict[str, Any] = {}
         for i, layer in enumerate(self.encoder_layers):
             ctx = self._provide(i, x_BSD, ctx, provided, aux)
-            x_BSD, layer_aux = layer(x_BSD, pad_mask_BS, ctx)
+            x_BSD, layer_aux = self._run(layer, x_BSD, pad_mask_BS, ctx)
             add_aux(aux, layer_aux)
         states_BSD = self.encoder_norm(x_BSD)
         self._provide(len(self.encoder_layers), states_BSD, ctx, provided, aux)
         return EncoderOut(states_BSD, pad_mask_BS, aux, extras=provided)
+
+    def _run(self, layer: nn.Module, *args: Any) -> tuple[Tensor, AuxLosses]:
+        """One layer; with `model.activation_checkpointing` in training its activations are
+        recomputed in backward (non-reentrant checkpoint: the RNG state is replayed, so dropout
+        and noisy routing recompute the same values)."""
+        if self.cfg.activation_checkpointing and self.training and torch.is_grad_enabled():
+            return checkpoint(layer, *args, use_reentrant=False)
+        return layer(*args)
 
     def _provide(self, i: int, x_BSD: Tensor, ctx: ForwardContext, provided: dict[str, Any],
                  aux: AuxLosses) -> ForwardContext:
@@ -256,8 +265,8 @@ class Seq2SeqTransformer(nn.Module):
         x_BTD = self._add_positions(self._embed(self.decoder_embed, tgt_in_BT), offset)
         aux: AuxLosses = {}
         for i, layer in enumerate(self.decoder_layers):
-            x_BTD, layer_aux = layer(x_BTD, enc.states_BSD, enc.pad_mask_BS, ctx,
-                                     None if cache is None else cache.layers[i])
+            x_BTD, layer_aux = self._run(layer, x_BTD, enc.states_BSD, enc.pad_mask_BS, ctx,
+                                         None if cache is None else cache.layers[i])
             add_aux(aux, layer_aux)
         logits_BTV = F.linear(self.decoder_norm(x_BTD), self.output_weight())
         return logits_BTV, aux

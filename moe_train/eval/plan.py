@@ -1,0 +1,581 @@
+"""Per-GPU memory plan of a training run (`moe-train plan`): will it fit, and what takes the room.
+
+`plan_memory(cfg, PlanInputs(...))` gives the bytes one GPU holds, by part. Counts come from the
+model built on the meta device (`eval.params.count_model`): P_d dense parameters (attention,
+dense FFNs, norms, routers, embeddings) and P_e expert parameters (every `StackedExperts`
+tensor). W = nodes x GPUs per node ranks; a rank holds every dense parameter and E/ep experts
+of each MoE layer. ZeRO shards dense tensors over the W data-parallel ranks and expert tensors
+over the W/ep ranks of their expert-data-parallel group: a shard is P_d/W + P_e/W parameters.
+
+Model states (ZeRO paper, Rajbhandari et al. 2020, Sec. 3.1: 2 + 2 + 12 B per parameter):
+- parameters: 2 B (bf16/fp16) or 4 B (fp32) per held parameter (P_d + P_e/ep); ZeRO-3 holds its
+  shard plus one gathered block in full (the largest layer's dense parameters and local
+  experts, or the embedding / LM head).
+- gradients: the parameters' dtype; sharded from ZeRO-2 (ZeRO-3 adds one gathered block's).
+- optimizer state (AdamW): fp32 master + m + v = 12 B under mixed precision; in fp32 8 B at
+  ZeRO-0 (the master is the parameter), 12 B from ZeRO-1 (DeepSpeed's ZeRO optimizers keep an
+  fp32 copy of their shard whatever the dtype); sharded from ZeRO-1.
+- optimizer step (transient; never alive with the activations): torch's foreach AdamW (the
+  trainer's) allocates sqrt(v) for one parameter group at a time, 4 B per parameter; DeepSpeed
+  adds that group's fp32 gradient, 4 B (ZeRO-1/2: the group's shard; ZeRO-3: per sub-group of
+  at most 1e9; ZeRO-0 with mixed precision converts every held gradient at once). A group is
+  at most the larger of the dense and the expert parameters (the trainer splits the two).
+
+Activations: what autograd keeps for the backward, per token: Korthikanti et al. 2022
+("Reducing Activation Recomputation in Large Transformer Models", Sec. 4.1: s*b*h*(34 +
+5*a*s/h) B per layer in half precision) term by term for our modules. Attention is fused (SDPA
+flash / memory-efficient: no s x s scores, so no 5*a*s/h term). a = 2 (bf16/fp16) or 4 (fp32)
+B, m = dropout-mask bytes (CUDA: 1), D model dim, H / H_kv heads, F inner dims, E experts, k
+experts per token (the router's k; top-p: its bound):
+- norm: LayerNorm input + output 2aD; HF's RMSNorm (fp32 math) fp32 input + normalised +
+  output (4 + 2a)D.
+- self-attention: norm + q, o 2aD + k, v 2aD H_kv/H + residual dropout mask mD (the 34's
+  "QKV input, Q, K, V, output-projection input, mask").
+- cross-attention (seq2seq decoder): norm + q, o 2aD + mask mD per target token, k, v 2aD per
+  *source* token in every decoder layer.
+- dense FFN: norm + hidden (relu aF: its output, read by its backward and fc2's; gelu 2aF;
+  SwiGLU 4aF: gate, up, silu(gate), product) + mask mD (+ (a + m)F with activation dropout).
+- MoE FFN: norm + router (fp32 probabilities 4E; ids, weights, row map 24 B per slot) + per
+  slot: dispatched row aD, expert hidden rows (relu aF, gelu 2aF, SwiGLU 4aF), expert output aD
+  (read by the combine's weight gradient) + shared SwiGLU expert 4aF_s + aD + mask mD.
+- per stack: embedding dropout mask mD and the final norm (the encoder's output, read by every
+  cross-attention, is kept once).
+- loss: 12 B per vocabulary entry per target token: the fp32 log-softmax kept for backward
+  (train/loss.py upcasts) and, at the start of the backward, the fp32 gradients of the
+  smoothing mean and of the nll gather. That moment is the peak: every activation is still
+  alive (the layers' gradient temporaries come later, as activations are freed).
+- activation checkpointing (per layer): each layer keeps its input aD; the peak adds the larger
+  of the loss term and one recomputed layer plus the gradient at its output aD.
+
+All-to-all (ep > 1): one MoE layer's dispatch send and receive buffers, tokens x k x D x a each,
+and the same two for the combine: 4 x tokens x k x D x a.
+
+Total = parameters + gradients + optimizer state + max(activations + all-to-all, optimizer
+step); it fits within (1 - headroom) of the GPU's memory. The 10% headroom covers the CUDA
+context, allocator fragmentation and what is not modelled (DeepSpeed's communication buckets,
+O(H) bytes per token, adapter slots, THOR's task predictor).
+
+`measure_peak` checks the model against real steps on the CPU; `kernels="cpu"` plans with what
+the CPU kernels keep (masks in the activation dtype, SwiGLU experts gate and up only, gelu
+experts their input only). benchmarks/plan_check.py: within 0.3% of the measured peak in ten
+fp32 CPU cases (benchmarks/results/plan_check_cpu.json). The GPU-only terms (bool masks, the
+grouped GEMMs' rows, bf16 with fp32 norms and loss) follow the code; no GPU measured them.
+Shape legend: B sequences, S / T source / target tokens.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import re
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from moe_train.config.schema import ExperimentConfig
+from moe_train.errors import ConfigError
+from moe_train.eval.params import _need_num_tasks, count_model, experts_per_token, human
+from moe_train.models.build import build_model
+from moe_train.moe.experts import Experts, StackedExperts, SwiGLUExperts
+from moe_train.moe.layer import MoELayer
+
+GIB = 2**30
+HEADROOM = 0.10
+"""Share of GPU memory left for the CUDA context, fragmentation and what is not modelled."""
+ZERO3_SUB_GROUP = 10**9
+"""DeepSpeed's default zero_optimization.sub_group_size: ZeRO-3 steps this many at a time."""
+LOSS_BYTES_PER_VOCAB = 12
+"""fp32 log-probs + the two fp32 gradients alive at the start of the backward (4 + 4 + 4)."""
+MEASURED_CHECKS: dict[str, tuple[str, list[str], int, int]] = {
+    "seq2seq": ("configs/debug-cpu.yaml",
+                ["model.d_model=256", "model.ffn_dim=1024", "model.encoder_layers=4",
+                 "model.decoder_layers=4", "moe.num_experts=8", "data.vocab_size=8000"], 16, 64),
+    "qwen": ("configs/qwen-moe-tiny-cpu.yaml",
+             ["qwen.hidden_size=256", "qwen.num_hidden_layers=4", "qwen.vocab_size=8000",
+              "moe.expert_ffn_dim=256", "moe.num_experts=8",
+              "qwen.shared_expert_intermediate_size=512"], 8, 128),
+}
+"""(config, overrides, micro-batch, sequence length) of the measured-vs-planned checks."""
+
+
+def _need(cond: bool, flag: str, expected: str, got: Any) -> None:
+    if not cond:
+        raise ConfigError(f"{flag}: expected {expected}, got {got!r}")
+
+
+@dataclass
+class PlanInputs:
+    """What `moe-train plan` asks about: the cluster, the sharding and one micro-batch."""
+
+    nodes: int = 1
+    gpus_per_node: int = 8
+    gpu_mem_gb: float = 80.0
+    """Memory of one GPU in GiB (an A100-80GB has 80 GiB)."""
+    zero_stage: int = 0
+    """DeepSpeed ZeRO stage 0-3 (1: optimizer state, 2: + gradients, 3: + parameters)."""
+    ep: int = 1
+    """Expert-parallel degree; must divide the world size and every MoE layer's experts."""
+    micro_batch: int = 16
+    """Sequences per GPU in one micro-batch (seq2seq: sentence pairs)."""
+    seq_len: int = 256
+    """Tokens per sequence (seq2seq: source and target length each)."""
+    activation_checkpointing: bool = False
+    precision: str = "bf16"
+    """bf16, fp16 or fp32; auto means bf16 (the plan is for GPUs)."""
+    headroom: float = HEADROOM
+
+    def __post_init__(self) -> None:
+        if self.precision == "auto":
+            self.precision = "bf16"
+        for flag, value in (("--nodes", self.nodes), ("--gpus-per-node", self.gpus_per_node),
+                            ("--ep", self.ep), ("--micro-batch", self.micro_batch),
+                            ("--seq-len", self.seq_len)):
+            _need(isinstance(value, int) and value >= 1, flag, "a positive integer", value)
+        _need(self.gpu_mem_gb > 0, "--gpu-mem", "a positive number of GiB", self.gpu_mem_gb)
+        _need(self.zero_stage in (0, 1, 2, 3), "--zero", "one of 0, 1, 2, 3", self.zero_stage)
+        _need(self.precision in ("bf16", "fp16", "fp32"), "--precision",
+              "one of bf16, fp16, fp32, auto", self.precision)
+        _need(0 <= self.headroom < 1, "--headroom", "a fraction in [0, 1)", self.headroom)
+        _need(self.world_size % self.ep == 0, "--ep",
+              f"a divisor of the world size ({self.world_size})", self.ep)
+        _need(self.zero_stage != 3 or self.ep == 1, "--ep",
+              "1 with --zero 3 (expert parallelism runs with ZeRO 0-2)", self.ep)
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """What the kernels keep for backward where the GPU and CPU paths differ."""
+
+    name: str
+    mask_bytes: int
+    """Bytes per dropout-mask element (CUDA: bool); 0: the activation dtype's size (CPU)."""
+    swiglu_expert_rows: int
+    """F-wide rows per slot: GPU grouped GEMMs 4 (gate, up, silu, product), CPU 2 (gate, up)."""
+    gelu_expert_rows: int
+    """F-wide rows per slot: GPU 2 (gelu input and output), CPU 1 (input; recomputed)."""
+
+
+KERNELS = {"gpu": Kernels("gpu", 1, 4, 2), "cpu": Kernels("cpu", 0, 2, 1)}
+
+
+@dataclass(frozen=True)
+class FFNShape:
+    """One layer's FFN slot, dense or moe, with the sizes its activations depend on."""
+
+    kind: str
+    ffn_dim: int
+    act: str
+    """relu, gelu or swiglu (the dense FFN's, or the experts')."""
+    act_dropout: float = 0.0
+    num_experts: int = 0
+    k: int = 0
+    shared_dim: int = 0
+    """Inner dim of the shared SwiGLU expert (0: none)."""
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    """One Transformer layer as the activation model sees it."""
+
+    norm: str
+    """layernorm or rmsnorm."""
+    kv_ratio: float
+    """H_kv / H (1 without grouped-query attention)."""
+    cross: bool
+    dropout: float
+    """Residual dropout after attention and FFN (seq2seq: model.dropout)."""
+    ffn: FFNShape
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """Everything the plan reads from the model built on the meta device."""
+
+    arch: str
+    d_model: int
+    vocab_size: int
+    max_positions: int
+    dense_params: int
+    expert_params: int
+    layers: tuple[LayerShape, ...]
+    blocks: tuple[tuple[str, int, int], ...]
+    """(name, dense parameters, expert parameters) of each layer, embedding and LM head."""
+    experts_per_side: tuple[int, ...]
+    """Experts per MoE layer of each side that has MoE layers."""
+    embed_dropout: float
+
+
+def _block_of(name: str) -> str:
+    """The layer (``encoder_layers.3``, ``hf.model.layers.5``) or module a parameter is in."""
+    match = re.match(r"(.*?layers\.\d+)\.", name)
+    return match.group(1) if match else name.rsplit(".", 1)[0]
+
+
+def _ffn_shape(ffn: nn.Module, default_act: str) -> FFNShape:
+    """FFNShape of a seq2seq FFN slot, a Qwen MoE block or HF's dense Qwen MLP."""
+    moe = getattr(ffn, "moe", ffn)  # QwenMoEBlock wraps the MoELayer
+    if isinstance(moe, MoELayer):
+        experts, dim, act, act_dropout = moe.experts, 0, "relu", 0.0
+        if isinstance(experts, SwiGLUExperts):
+            dim, act = experts.w_gate_EDF.shape[2], "swiglu"
+        elif isinstance(experts, Experts):
+            dim, act = experts.w1_EDF.shape[2], experts.activation_name
+            act_dropout = experts.activation_dropout
+        k, _, _ = experts_per_token(moe.router, moe.num_experts)
+        shared = moe.shared_expert
+        return FFNShape("moe", dim, act, act_dropout, moe.num_experts, k,
+                        0 if shared is None else shared.gate_proj.out_features)
+    if hasattr(ffn, "gate_proj"):  # HF Qwen2MoeMLP: SwiGLU
+        return FFNShape("dense", ffn.gate_proj.out_features, "swiglu")
+    return FFNShape("dense", ffn.fc1.out_features, default_act, ffn.activation_dropout.p)
+
+
+def _layer_shapes(model: nn.Module, cfg: ExperimentConfig) -> tuple[LayerShape, ...]:
+    if cfg.decoder_only:
+        ratio = cfg.qwen.num_key_value_heads / cfg.qwen.num_attention_heads
+        return tuple(LayerShape("rmsnorm", ratio, False, 0.0, _ffn_shape(layer.mlp, "swiglu"))
+                     for layer in model.hf.model.layers)
+    m = cfg.model
+    return tuple(LayerShape("layernorm", 1.0, side == "decoder", m.dropout,
+                            _ffn_shape(layer.ffn, m.activation))
+                 for side in ("encoder", "decoder") for layer in getattr(model, f"{side}_layers"))
+
+
+@functools.lru_cache(maxsize=8)
+def _model_shape(cfg_json: str) -> ModelShape:
+    from moe_train.config.loader import config_from_dict
+
+    cfg = config_from_dict(json.loads(cfg_json))
+    _need_num_tasks(cfg)  # as `count_parameters` builds it: no data, task counts from cfg
+    vocab = cfg.qwen.vocab_size if cfg.decoder_only else cfg.data.vocab_size
+    with torch.device("meta"):
+        model = build_model(cfg, {"langs": [cfg.thor.pivot_lang], "vocab_size": vocab,
+                                  "pad_id": 0})
+    counts = count_model(model)
+    expert_ids = {id(p) for m in model.modules() if isinstance(m, StackedExperts)
+                  for p in m.parameters()}
+    blocks: dict[str, list[int]] = {}
+    for name, p in model.named_parameters():
+        blocks.setdefault(_block_of(name), [0, 0])[id(p) in expert_ids] += p.numel()
+    experts = counts["encoder_experts"] + counts["decoder_experts"]
+    sides = tuple(n for n in (counts["encoder_num_experts"], counts["decoder_num_experts"]) if n)
+    if cfg.decoder_only:
+        d_model, max_pos, dropout = cfg.qwen.hidden_size, cfg.qwen.max_position_embeddings, 0.0
+    else:  # THOR's [CLS] takes one source position
+        d_model, max_pos = cfg.model.d_model, cfg.model.max_positions - int(cfg.uses_thor)
+        dropout = cfg.model.dropout
+    return ModelShape(cfg.model.arch, d_model, vocab, max_pos, counts["total"] - experts,
+                      experts, _layer_shapes(model, cfg),
+                      tuple((n, d, e) for n, (d, e) in blocks.items()), sides, dropout)
+
+
+def model_shape(cfg: ExperimentConfig) -> ModelShape:
+    """The model's counts and layer shapes (built on the meta device once per config)."""
+    return _model_shape(json.dumps(cfg.to_dict(), sort_keys=True))
+
+
+def _norm_bytes(norm: str, a: int) -> int:
+    """Per model-dim element: LayerNorm input + output; RMSNorm fp32 input + two more."""
+    return 2 * a if norm == "layernorm" else 4 + 2 * a
+
+
+def _ffn_bytes(ffn: FFNShape, d: int, a: int, m: int, kern: Kernels) -> float:
+    """Bytes per token an FFN slot keeps, its norm and residual mask excluded."""
+    rows = {"relu": 1, "gelu": 2, "swiglu": 4}[ffn.act]
+    if ffn.kind == "dense":
+        return (rows * a + (a + m) * (ffn.act_dropout > 0)) * ffn.ffn_dim
+    if ffn.act != "relu":
+        rows = kern.swiglu_expert_rows if ffn.act == "swiglu" else kern.gelu_expert_rows
+    slot = 2 * a * d + (rows * a + (a + m) * (ffn.act_dropout > 0)) * ffn.ffn_dim + 24
+    shared = (4 * a * ffn.shared_dim + a * d) if ffn.shared_dim else 0
+    return 4 * ffn.num_experts + ffn.k * slot + shared
+
+
+def layer_bytes(layer: LayerShape, d: int, a: int, kern: Kernels) -> tuple[float, float]:
+    """(bytes per token of the layer's stream, bytes per source token) kept for backward."""
+    m = kern.mask_bytes or a
+    mask = m * d if layer.dropout > 0 else 0
+    norm = _norm_bytes(layer.norm, a) * d
+    attn = norm + 2 * a * d + 2 * a * d * layer.kv_ratio + mask
+    per_src = 0.0
+    if layer.cross:
+        attn += norm + 2 * a * d + mask
+        per_src = 2 * a * d
+    return attn + norm + _ffn_bytes(layer.ffn, d, a, m, kern) + mask, per_src
+
+
+def activation_bytes(shape: ModelShape, inputs: PlanInputs, kern: Kernels) -> dict[str, float]:
+    """Activation bytes of one micro-batch: layers (or, checkpointed, their inputs),
+    recomputed_layer, loss, other (embeddings, final norms) and total."""
+    a = 4 if inputs.precision == "fp32" else 2
+    d, tokens = shape.d_model, inputs.micro_batch * inputs.seq_len  # seq2seq: S = T
+    per_layer = [sum(layer_bytes(layer, d, a, kern)) * tokens for layer in shape.layers]
+    qwen = shape.arch == "hf_qwen2_moe"
+    mask = (kern.mask_bytes or a) * (shape.embed_dropout > 0)
+    other = (1 if qwen else 2) * tokens * d * (_norm_bytes("rmsnorm" if qwen else "layernorm",
+                                                           a) + mask)
+    loss = LOSS_BYTES_PER_VOCAB * shape.vocab_size * tokens
+    if inputs.activation_checkpointing:
+        kept = a * d * tokens * len(shape.layers)
+        recomputed = max(per_layer, default=0) + a * d * tokens  # + its output's gradient
+        return {"layers": kept, "recomputed_layer": recomputed, "loss": loss, "other": other,
+                "total": kept + other + max(loss, recomputed)}
+    return {"layers": sum(per_layer), "recomputed_layer": 0, "loss": loss, "other": other,
+            "total": sum(per_layer) + other + loss}
+
+
+def _step_bytes(zero: int, mixed: bool, held: tuple[int, int], shard: tuple[int, int]) -> int:
+    """The optimizer step's transient: foreach sqrt(v) of the largest group, plus DeepSpeed's
+    fp32 gradients of that group (ZeRO 1-3) or of all held parameters (ZeRO-0, mixed)."""
+    if zero == 0:
+        return 4 * max(held) + (4 * sum(held) if mixed else 0)
+    return 8 * (max(shard) if zero < 3 else min(max(shard), ZERO3_SUB_GROUP))
+
+
+def plan_memory(cfg: ExperimentConfig, inputs: PlanInputs, *, kernels: str = "gpu"
+                ) -> dict[str, Any]:
+    """Per-GPU bytes by part, the total and whether it fits (see the module docstring).
+
+    Keys (bytes unless said): parameters, gradients, optimizer_states, activations, all_to_all,
+    optimizer_step (transient), total, gpu_mem, usable (less the headroom), fits;
+    activation_terms; the counts used: dense_params, expert_params, held_params (per GPU
+    before ZeRO-3), shard_params (ZeRO shard per GPU), gathered_block (ZeRO-3),
+    tokens_per_gpu, experts_per_token; the inputs, world_size and notes.
+    """
+    shape = model_shape(cfg)
+    W, ep, zero = inputs.world_size, inputs.ep, inputs.zero_stage
+    bad = [e for e in shape.experts_per_side if e % ep]
+    _need(not bad, "--ep", f"a divisor of the number of experts ({bad[0] if bad else 0})", ep)
+    _need(bool(shape.experts_per_side) or ep == 1, "--ep", "1 for a model without experts", ep)
+    _need(inputs.seq_len <= shape.max_positions, "--seq-len",
+          f"at most the model's {shape.max_positions} positions", inputs.seq_len)
+    mixed = inputs.precision != "fp32"
+    pb = 2 if mixed else 4
+    Pd, Pe = shape.dense_params, shape.expert_params
+    held, shard = Pd + Pe // ep, math.ceil(Pd / W) + math.ceil(Pe / W)
+    block = max((d + e // ep for _, d, e in shape.blocks), default=0) if zero == 3 else 0
+    params = pb * ((shard if zero == 3 else held) + block)
+    grads = pb * ((shard if zero >= 2 else held) + block)
+    optim = (12 if mixed or zero >= 1 else 8) * (shard if zero >= 1 else held)
+    step = _step_bytes(zero, mixed, (Pd, Pe // ep), (math.ceil(Pd / W), math.ceil(Pe / W)))
+    act = activation_bytes(shape, inputs, KERNELS[kernels])
+    tokens = inputs.micro_batch * inputs.seq_len
+    k = max((layer.ffn.k for layer in shape.layers), default=0)
+    a2a = 4 * tokens * k * shape.d_model * pb if ep > 1 else 0
+    total = params + grads + optim + max(act["total"] + a2a, step)
+    gpu_mem = int(inputs.gpu_mem_gb * GIB)
+    usable = int(gpu_mem * (1 - inputs.headroom))
+    notes = []
+    if kernels != "gpu":
+        notes.append(f"activations as the {kernels} kernels keep them")
+    return {
+        "arch": shape.arch, **asdict(inputs), "world_size": W, "kernels": kernels,
+        "parameters": params, "gradients": grads, "optimizer_states": optim,
+        "activations": int(act["total"]), "all_to_all": a2a, "optimizer_step": step,
+        "total": int(total), "gpu_mem": gpu_mem, "usable": usable, "fits": total <= usable,
+        "activation_terms": {key: int(v) for key, v in act.items() if key != "total"},
+        "dense_params": Pd, "expert_params": Pe, "held_params": held, "shard_params": shard,
+        "gathered_block": block, "tokens_per_gpu": tokens, "experts_per_token": k,
+        "notes": notes,
+    }
+
+
+def format_plan(report: dict[str, Any]) -> str:
+    """A readable table of a `plan_memory` report (GiB), the verdict and the headroom note."""
+    r, zero, ep = report, report["zero_stage"], report["ep"]
+    ckpt = r["activation_checkpointing"]
+    lines = [f"plan: {r['config']}"] if r.get("config") else []
+    lines.append(f"{r['nodes']} node(s) x {r['gpus_per_node']} GPUs ({r['gpu_mem_gb']:g} GiB "
+                 f"each) | ZeRO-{zero} | ep {ep} | {r['precision']} | micro-batch "
+                 f"{r['micro_batch']} x {r['seq_len']} tokens | activation checkpointing "
+                 f"{'on' if ckpt else 'off'}")
+    lines.append(f"model: {human(r['dense_params'] + r['expert_params'])} parameters "
+                 f"({human(r['dense_params'])} dense, {human(r['expert_params'])} in experts); "
+                 f"per GPU {human(r['held_params'])} held (dense + 1/{ep} of the experts), "
+                 f"ZeRO shard {human(r['shard_params'])}")
+    block = f" + gathered block {human(r['gathered_block'])}" if r["gathered_block"] else ""
+    t = {key: value / GIB for key, value in r["activation_terms"].items()}
+    act = (f"layer inputs {t['layers']:.2f} + max(loss {t['loss']:.2f}, one layer "
+           f"{t['recomputed_layer']:.2f})" if ckpt else
+           f"layers {t['layers']:.2f} + loss {t['loss']:.2f}")
+    master = "fp32 master + m + v" if r["precision"] != "fp32" or zero else "m + v"
+    rows = [("parameters", r["parameters"], ("shard" if zero == 3 else "held") + block),
+            ("gradients", r["gradients"], ("shard" if zero >= 2 else "held") + block),
+            ("optimizer state (Adam)", r["optimizer_states"],
+             f"{'shard' if zero else 'held'}, {master}"),
+            ("activations", r["activations"], act),
+            ("all-to-all buffers", r["all_to_all"],
+             "one MoE layer, dispatch + combine" if r["all_to_all"] else "none (ep 1)"),
+            ("optimizer step (transient)", r["optimizer_step"],
+             "in the total only where above activations + all-to-all")]
+    lines.append(f"{'per GPU':<30}{'GiB':>6}")
+    lines += [f"  {name:<28}{value / GIB:6.2f}   {note}" for name, value, note in rows]
+    lines.append(f"  {'total':<28}{r['total'] / GIB:6.2f}")
+    lines.append(f"{'fits' if r['fits'] else 'does NOT fit'}: {r['total'] / GIB:.2f} GiB of "
+                 f"{r['usable'] / GIB:.2f} GiB usable ({r['gpu_mem'] / GIB:g} GiB less "
+                 f"{r['headroom']:.0%} headroom for the CUDA context, fragmentation and what "
+                 "is not modelled)")
+    return "\n".join(lines + [f"note: {n}" for n in r["notes"]])
+
+
+def inputs_from_args(args: Any, cfg: ExperimentConfig) -> PlanInputs:
+    """PlanInputs from argparse attributes (nodes, gpus_per_node, gpu_mem, zero, ep,
+    micro_batch, seq_len, activation_checkpointing; precision optional). One left None takes
+    the config's value: optim.zero_stage, moe.ep_size, optim.precision, and the data section's
+    token budget (seq_len data.max_len, micro_batch data.max_tokens // seq_len)."""
+    def get(name: str, default: Any) -> Any:
+        value = getattr(args, name, None)
+        return default if value is None else value
+
+    seq_len = get("seq_len", cfg.data.max_len)
+    nodes, gpus, ep = get("nodes", 1), get("gpus_per_node", 8), get("ep", cfg.moe.ep_size)
+    world = nodes * gpus if isinstance(nodes, int) and isinstance(gpus, int) else 0
+    if getattr(args, "ep", None) is None and world >= 1 and world % ep:
+        raise ConfigError(f"--ep: expected a divisor of the world size ({world}), got {ep} "
+                          "(the config's moe.ep_size); pass --ep")
+    return PlanInputs(nodes=nodes, gpus_per_node=gpus, gpu_mem_gb=get("gpu_mem", 80.0),
+                      zero_stage=get("zero", cfg.optim.zero_stage), ep=ep,
+                      micro_batch=get("micro_batch", max(cfg.data.max_tokens // seq_len, 1)),
+                      seq_len=seq_len,
+                      activation_checkpointing=bool(get("activation_checkpointing", False)),
+                      precision=get("precision", cfg.optim.precision))
+
+
+def plan_from_args(args: Any) -> dict[str, Any]:
+    """`moe-train plan`: load ``args.config`` with ``args.overrides``, plan (`inputs_from_args`)
+    and name the config in the report; print it with `format_plan`."""
+    from moe_train.config import load_config
+
+    cfg = load_config(args.config, getattr(args, "overrides", None) or [])
+    return {**plan_memory(cfg, inputs_from_args(args, cfg)), "config": str(args.config)}
+
+
+def measure_peak(cfg: ExperimentConfig, micro_batch: int, seq_len: int, *,
+                 activation_checkpointing: bool = False, steps: int = 2, seed: int = 0
+                 ) -> dict[str, Any]:
+    """Peak live tensor bytes of a real fp32 training step on the CPU (one process, ZeRO 0).
+
+    torch.profiler with ``profile_memory=True`` records every allocation and free of the c10
+    CPU allocator with its time and size; their running sum from before the model exists is
+    the live tensor bytes at every moment (unlike RSS: no freed-but-cached pages, no Python
+    objects or libraries). Inside the profiler: the model is built, AdamW (foreach, as on GPUs;
+    dense and expert groups, as the trainer) created and `steps` steps run: forward,
+    label-smoothed loss (train/loss.py), backward, optimizer step, gradients kept
+    (``zero_grad(set_to_none=False)``). The first step creates gradients and Adam's state; the
+    experts' `GradBuffers` are held to one buffer (the `.grad`; the CPU path would keep a second
+    after the first accumulating step), so the last step is the steady state (a third step
+    measures the same bytes). One intra-op thread: same allocations, no oversubscription of a
+    shared machine. `activation_checkpointing` (decoder-only) turns on transformers' per-layer
+    checkpointing. Random tokens in [1, V): no padding. Returns peak, static (live when the
+    last step starts), working (peak - static), peak_phase, optimizer_working (the optimizer
+    step's own peak above static) and parameters.
+    """
+    from moe_train.models.context import ForwardContext
+    from moe_train.train.loss import label_smoothed_nll
+
+    if activation_checkpointing and not cfg.decoder_only:
+        raise ConfigError("--activation-checkpointing: the seq2seq model has no checkpointed "
+                          "layers to measure; expected model.arch hf_qwen2_moe")
+    vocab = cfg.qwen.vocab_size if cfg.decoder_only else cfg.data.vocab_size
+    gen = torch.Generator().manual_seed(seed)
+    src_BS = torch.randint(1, vocab, (micro_batch, seq_len), generator=gen)
+    tgt_BT = torch.randint(1, vocab, (micro_batch, seq_len + 1), generator=gen)
+
+    def loss_of(model: nn.Module) -> torch.Tensor:  # `out` dies here, as in the trainer
+        if cfg.decoder_only:
+            out = model(tgt_BT[:, :-1])
+        else:
+            out = model(src_BS, tgt_BT[:, :-1], ForwardContext(src_pad_mask_BS=src_BS.eq(0)))
+        loss, _ = label_smoothed_nll(out.logits_BTV, tgt_BT[:, 1:], 0, cfg.optim.label_smoothing)
+        return loss / tgt_BT[:, 1:].numel() + sum(out.aux_losses.values())
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        events = _profiled_steps(cfg, loss_of, vocab, steps, seed, activation_checkpointing)
+    finally:
+        torch.set_num_threads(threads)
+    span = {name: (t0, t1) for name, t0, t1, _ in events if name.startswith("measured")}
+    (start, end), (opt_start, opt_end) = span["measured"], span["measured_optimizer"]
+    live, static, peak, peak_at, opt_peak = 0, None, 0, start, 0
+    for t, nbytes in sorted((t0, n) for name, t0, _, n in events if name == "[memory]"):
+        if static is None and t >= start:
+            static = live
+        live += nbytes
+        if start <= t <= end and live > peak:
+            peak, peak_at = live, t
+        if opt_start <= t <= opt_end:
+            opt_peak = max(opt_peak, live)
+    static = live if static is None else static
+    phase = ("forward" if peak_at < span["measured_backward"][0] else
+             "backward" if peak_at < opt_start else "optimizer")
+    shape = model_shape(cfg)
+    return {"peak": peak, "static": static, "working": peak - static, "peak_phase": phase,
+            "optimizer_working": max(opt_peak - static, 0),
+            "parameters": shape.dense_params + shape.expert_params}
+
+
+def _profiled_steps(cfg: ExperimentConfig, loss_of: Any, vocab: int, steps: int, seed: int,
+                    checkpointing: bool) -> list[tuple[str, int, int, int]]:
+    """(name, start ns, end ns, bytes) of the profiler's events over building the model and
+    `steps` steps, the last marked ``measured``; "[memory]" events allocate (bytes > 0) or
+    free (bytes < 0)."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from moe_train.parallel.expert_parallel import moe_param_groups
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        torch.manual_seed(seed)
+        model = build_model(cfg, {"vocab_size": vocab, "pad_id": 0, "langs": ["en", "de"],
+                                  "domains": []})
+        for m in model.modules():
+            if hasattr(m, "grad_buffers"):
+                m.grad_buffers.max_per_name = 1
+        if checkpointing:
+            model.hf.activation_checkpointing_enable()
+        model.train()
+        groups = moe_param_groups(model, [{"params": list(model.parameters())}], 1)
+        optimizer = torch.optim.AdamW(groups, lr=1e-4, foreach=True)
+        for i in range(steps):
+            tag = "measured" if i == steps - 1 else f"step{i}"
+            with record_function(tag):
+                loss = loss_of(model)
+                with record_function(tag + "_backward"):
+                    loss.backward()
+                del loss
+                with record_function(tag + "_optimizer"):
+                    optimizer.step()
+                optimizer.zero_grad(set_to_none=False)
+    return [(e.name(), e.start_ns(), e.end_ns(), e.nbytes() if e.name() == "[memory]" else 0)
+            for e in prof.profiler.kineto_results.events()]
+
+
+def measured_vs_planned(cfg: ExperimentConfig, micro_batch: int, seq_len: int,
+                        activation_checkpointing: bool = False) -> dict[str, Any]:
+    """`measure_peak` next to `plan_memory` for the same shape (1 GPU, ZeRO 0, ep 1, fp32, CPU
+    kernels), and the relative errors (planned - measured) / measured of the total and of the
+    working set (what the step adds to parameters, gradients and optimizer state)."""
+    measured = measure_peak(cfg, micro_batch, seq_len,
+                            activation_checkpointing=activation_checkpointing)
+    plan = plan_memory(cfg, PlanInputs(1, 1, 1024.0, 0, 1, micro_batch, seq_len,
+                                       activation_checkpointing, "fp32"), kernels="cpu")
+    static = plan["parameters"] + plan["gradients"] + plan["optimizer_states"]
+    working = plan["total"] - static
+    return {"measured": measured,
+            "planned": {"total": plan["total"], "static": static, "working": working,
+                        "optimizer_step": plan["optimizer_step"],
+                        "activation_terms": plan["activation_terms"]},
+            "relative_error": (plan["total"] - measured["peak"]) / measured["peak"],
+            "working_relative_error": (working - measured["working"]) / measured["working"]}
+
+
+__all__ = ["HEADROOM", "KERNELS", "MEASURED_CHECKS", "ModelShape", "PlanInputs",
+           "activation_bytes", "format_plan", "inputs_from_args", "measure_peak",
+           "measured_vs_planned", "model_shape", "plan_from_args", "plan_memory"]

@@ -1,0 +1,236 @@
+"""`moe-train plan` (eval/plan.py): ZeRO and expert-parallel arithmetic, the activation model's
+structure, flag errors, and the big configs' plans (structural facts only, no magic numbers)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from moe_train.config import load_config
+from moe_train.errors import ConfigError
+from moe_train.eval.params import count_parameters
+from moe_train.eval.plan import (
+    GIB,
+    KERNELS,
+    LOSS_BYTES_PER_VOCAB,
+    FFNShape,
+    LayerShape,
+    PlanInputs,
+    format_plan,
+    layer_bytes,
+    model_shape,
+    plan_from_args,
+    plan_memory,
+)
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+QWEN_TINY = (CONFIGS / "qwen-moe-tiny-cpu.yaml", [])
+SEQ2SEQ_SMALL = (CONFIGS / "debug-cpu.yaml", ["moe.num_experts=8", "model.encoder_layers=4",
+                                               "model.decoder_layers=4"])
+
+
+def _cfg(spec: tuple[Path, list[str]]):
+    return load_config(spec[0], spec[1])
+
+
+def _plan(cfg, **kw):
+    base = dict(nodes=2, gpus_per_node=8, gpu_mem_gb=80.0, zero_stage=0, ep=1, micro_batch=4,
+                seq_len=128)
+    return plan_memory(cfg, PlanInputs(**{**base, **kw}))
+
+
+@pytest.mark.parametrize("spec", [QWEN_TINY, SEQ2SEQ_SMALL], ids=["qwen", "seq2seq"])
+def test_counts_come_from_the_meta_model(spec) -> None:
+    cfg = _cfg(spec)
+    vocab = cfg.qwen.vocab_size if cfg.decoder_only else cfg.data.vocab_size
+    report = count_parameters(cfg, vocab)
+    shape = model_shape(cfg)
+    assert shape.dense_params + shape.expert_params == report["total"]
+    assert shape.expert_params == report["encoder_experts"] + report["decoder_experts"] > 0
+    assert sum(d + e for _, d, e in shape.blocks) == report["total"]
+
+
+@pytest.mark.parametrize("spec", [QWEN_TINY, SEQ2SEQ_SMALL], ids=["qwen", "seq2seq"])
+def test_zero_stages_shard_what_deepspeed_shards(spec) -> None:
+    cfg = _cfg(spec)
+    W, ep = 16, 4
+    # ZeRO-3 runs without expert parallelism (the trainer's rule): its experts shard W ways
+    plans = [_plan(cfg, zero_stage=z, ep=ep) for z in range(3)] + [_plan(cfg, zero_stage=3, ep=1)]
+    Pd, Pe = plans[0]["dense_params"], plans[0]["expert_params"]
+    held, shard = Pd + Pe // ep, math.ceil(Pd / W) + math.ceil(Pe / W)
+    assert plans[0]["held_params"] == held and plans[0]["shard_params"] == shard
+    # bf16: 2 + 2 + 12 bytes per parameter, each part sharded from its stage on
+    assert [p["parameters"] for p in plans[:3]] == [2 * held] * 3
+    assert [p["gradients"] for p in plans[:2]] == [2 * held] * 2
+    assert plans[2]["gradients"] == 2 * shard
+    assert plans[0]["optimizer_states"] == 12 * held
+    assert {p["optimizer_states"] for p in plans[1:]} == {12 * shard}
+    block = plans[3]["gathered_block"]
+    assert 0 < block < plans[3]["held_params"]
+    assert plans[3]["shard_params"] == shard
+    assert plans[3]["parameters"] == plans[3]["gradients"] == 2 * (shard + block)
+    assert all(p["activations"] == plans[0]["activations"] for p in plans)
+    totals = [p["total"] for p in plans]
+    assert totals[:3] == sorted(totals[:3], reverse=True) and totals[0] > totals[3]
+    with pytest.raises(ConfigError, match=r"^--ep: expected 1 with --zero 3"):
+        _plan(cfg, zero_stage=3, ep=ep)
+
+
+def test_shards_shrink_with_the_world_size_and_experts_with_ep() -> None:
+    cfg = _cfg(QWEN_TINY)
+    one, four = (_plan(cfg, nodes=n, zero_stage=1) for n in (1, 4))
+    Pd, Pe = one["dense_params"], one["expert_params"]
+    assert one["optimizer_states"] == 12 * (math.ceil(Pd / 8) + math.ceil(Pe / 8))
+    assert four["optimizer_states"] == 12 * (math.ceil(Pd / 32) + math.ceil(Pe / 32))
+    assert four["parameters"] == one["parameters"]  # ZeRO-1 keeps every held parameter
+    by_ep = {ep: _plan(cfg, ep=ep) for ep in (1, 2, 8)}
+    for ep, plan in by_ep.items():
+        assert plan["held_params"] == Pd + Pe // ep
+        assert plan["parameters"] == 2 * (Pd + Pe // ep)
+    # the experts' ZeRO shard is over the W/ep expert-data-parallel ranks: P_e/W whatever ep
+    assert len({_plan(cfg, ep=ep, zero_stage=2)["gradients"] for ep in (1, 2, 8)}) == 1
+
+
+def test_precision_bytes() -> None:
+    cfg = _cfg(QWEN_TINY)
+    bf16, fp32 = _plan(cfg, precision="bf16"), _plan(cfg, precision="fp32")
+    held = bf16["held_params"]
+    assert fp32["parameters"] == 2 * bf16["parameters"] == 4 * held
+    assert fp32["optimizer_states"] == 8 * held  # ZeRO-0 fp32: m + v, the master is the param
+    assert _plan(cfg, precision="fp32", zero_stage=1)["optimizer_states"] == \
+        12 * bf16["shard_params"]  # DeepSpeed's ZeRO optimizers keep an fp32 copy
+    assert _plan(cfg, precision="auto")["precision"] == "bf16"
+    assert fp32["activations"] > bf16["activations"]
+
+
+def test_total_adds_the_larger_of_activations_and_the_optimizer_step() -> None:
+    cfg = _cfg(QWEN_TINY)
+    for kw in ({}, {"micro_batch": 1, "seq_len": 8}, {"zero_stage": 3, "ep": 1},
+               {"zero_stage": 2, "ep": 2}):
+        p = _plan(cfg, **kw)
+        static = p["parameters"] + p["gradients"] + p["optimizer_states"]
+        assert p["total"] == static + max(p["activations"] + p["all_to_all"], p["optimizer_step"])
+    tiny = _plan(cfg, micro_batch=1, seq_len=8)
+    assert tiny["optimizer_step"] > tiny["activations"]  # a tiny batch: the step's transient
+
+
+def test_all_to_all_buffers_only_with_expert_parallelism() -> None:
+    cfg = _cfg(QWEN_TINY)
+    assert _plan(cfg, ep=1)["all_to_all"] == 0
+    p = _plan(cfg, ep=4)
+    tokens, k, D = 4 * 128, cfg.moe.k, cfg.qwen.hidden_size
+    assert p["all_to_all"] == 4 * tokens * k * D * 2  # send + receive, dispatch + combine
+
+
+@pytest.mark.parametrize("spec", [QWEN_TINY, SEQ2SEQ_SMALL], ids=["qwen", "seq2seq"])
+def test_activations_scale_and_checkpointing_lowers_them(spec) -> None:
+    cfg = _cfg(spec)
+    p1, p2 = _plan(cfg, micro_batch=4), _plan(cfg, micro_batch=8)
+    assert p2["activations"] == 2 * p1["activations"]
+    ckpt = _plan(cfg, micro_batch=4, activation_checkpointing=True)
+    assert ckpt["activations"] < p1["activations"]
+    vocab = model_shape(cfg).vocab_size
+    assert p1["activation_terms"]["loss"] == LOSS_BYTES_PER_VOCAB * vocab * 4 * 128
+    terms = ckpt["activation_terms"]
+    assert ckpt["activations"] == terms["layers"] + terms["other"] + max(
+        terms["loss"], terms["recomputed_layer"])
+
+
+def test_a_gelu_layer_keeps_korthikantis_34_bytes_per_token_and_dim() -> None:
+    """Korthikanti et al. 2022: 34*s*b*h bytes per layer in half precision without the score
+    terms, which fused attention does not keep: an FFN of 4D with gelu, 1-byte masks."""
+    D = 1024
+    layer = LayerShape("layernorm", 1.0, False, 0.1, FFNShape("dense", 4 * D, "gelu"))
+    assert layer_bytes(layer, D, 2, KERNELS["gpu"]) == (34 * D, 0.0)
+    cross = dataclasses.replace(layer, cross=True)
+    own, per_src = layer_bytes(cross, D, 2, KERNELS["gpu"])
+    assert own == 34 * D + 9 * D and per_src == 4 * D  # + norm, q, o, mask; k, v per source
+
+
+@pytest.mark.parametrize("kw, flag", [
+    ({"ep": 3}, "--ep: expected a divisor of the world size (16), got 3"),
+    ({"zero_stage": 4}, "--zero: expected one of 0, 1, 2, 3, got 4"),
+    ({"nodes": 0}, "--nodes: expected a positive integer, got 0"),
+    ({"gpus_per_node": 0}, "--gpus-per-node:"),
+    ({"gpu_mem_gb": 0}, "--gpu-mem:"),
+    ({"micro_batch": 0}, "--micro-batch:"),
+    ({"seq_len": -1}, "--seq-len:"),
+    ({"precision": "int8"}, "--precision:"),
+])
+def test_bad_inputs_name_the_flag(kw, flag) -> None:
+    base = dict(nodes=2, gpus_per_node=8, zero_stage=0, ep=1)
+    with pytest.raises(ConfigError) as err:
+        PlanInputs(**{**base, **kw})
+    assert str(err.value).startswith(flag) and "\n" not in str(err.value)
+
+
+def test_model_dependent_checks_name_the_flag() -> None:
+    cfg = _cfg(QWEN_TINY)  # 8 experts
+    with pytest.raises(ConfigError, match=r"^--ep: expected a divisor of the number of "
+                                          r"experts \(8\), got 16$"):
+        _plan(cfg, ep=16)
+    with pytest.raises(ConfigError, match=r"^--seq-len: expected at most the model's 512"):
+        _plan(cfg, seq_len=1024)
+    dense = load_config(CONFIGS / "debug-cpu.yaml")
+    with pytest.raises(ConfigError, match=r"^--ep: expected 1 for a model without experts"):
+        _plan(dense, ep=2)
+
+
+def _args(config: Path, **kw) -> argparse.Namespace:
+    values = dict(config=str(config), overrides=[], nodes=1, gpus_per_node=8, gpu_mem=80,
+                  zero=None, ep=None, micro_batch=None, seq_len=None,
+                  activation_checkpointing=False)
+    return argparse.Namespace(**{**values, **kw})
+
+
+def test_plan_from_args_defaults_come_from_the_config() -> None:
+    r = plan_from_args(_args(CONFIGS / "qwen-moe-tiny-cpu.yaml",
+                             overrides=["optim.zero_stage=2", "data.max_len=128",
+                                        "data.max_tokens=4096", "optim.precision=auto"]))
+    assert (r["zero_stage"], r["ep"], r["seq_len"]) == (2, 1, 128)
+    assert r["micro_batch"] == 4096 // 128 and r["precision"] == "bf16"
+    assert r["config"].endswith("qwen-moe-tiny-cpu.yaml")
+    with pytest.raises(ConfigError, match=r"^--ep: expected a divisor of the world size \(8\), "
+                                          r"got 64 \(the config's moe.ep_size\)"):
+        plan_from_args(_args(CONFIGS / "moe128-big.yaml"))
+
+
+def test_qwen_a27b_on_8_a100_80gb_with_zero3() -> None:
+    """Structural facts of the Qwen1.5-MoE-A2.7B plan: 60 experts allow ep 1, 2, 4 on 8 GPUs;
+    ZeRO-3 (ep 1) shards every model state 8 ways; unsharded, the states alone (16 B per held
+    parameter) overflow the usable 72 GiB."""
+    args = dict(gpu_mem=80, micro_batch=1, seq_len=2048)
+    r3 = plan_from_args(_args(CONFIGS / "qwen1.5-moe-a2.7b.yaml", zero=3, ep=1, **args))
+    total = count_parameters(load_config(CONFIGS / "qwen1.5-moe-a2.7b.yaml"), 151936)["total"]
+    assert r3["dense_params"] + r3["expert_params"] == total
+    assert r3["shard_params"] == math.ceil(r3["dense_params"] / 8) + \
+        math.ceil(r3["expert_params"] / 8)
+    assert r3["optimizer_states"] == 12 * r3["shard_params"]
+    assert r3["gathered_block"] >= 151936 * 2048  # the embedding / LM head is the largest block
+    assert r3["fits"] and r3["total"] <= r3["usable"] == int(0.9 * 80 * GIB)
+    r0 = plan_from_args(_args(CONFIGS / "qwen1.5-moe-a2.7b.yaml", zero=0, ep=4, **args))
+    assert not r0["fits"]
+    assert r0["parameters"] + r0["gradients"] + r0["optimizer_states"] > r0["usable"]
+    ckpt = plan_from_args(_args(CONFIGS / "qwen1.5-moe-a2.7b.yaml", zero=3, ep=1,
+                                activation_checkpointing=True, **args))
+    assert ckpt["activations"] < r3["activations"]
+    with pytest.raises(ConfigError, match=r"^--ep: .*number of experts \(60\), got 8"):
+        plan_from_args(_args(CONFIGS / "qwen1.5-moe-a2.7b.yaml", zero=2, ep=8, **args))
+
+
+def test_format_plan_table() -> None:
+    r = plan_from_args(_args(CONFIGS / "moe128-big.yaml", ep=8, zero=1, gpu_mem=40))
+    text = format_plan(r)
+    for row in ("parameters", "gradients", "optimizer state (Adam)", "activations",
+                "all-to-all buffers", "optimizer step (transient)", "total", "GiB",
+                "headroom", "ZeRO-1", "ep 8", "moe128-big.yaml"):
+        assert row in text, row
+    assert f"{r['total'] / GIB:.2f}" in text
+    assert ("does NOT fit" in text) == (not r["fits"])
+    assert format_plan({**r, "fits": True}).count("fits:") == 1
+    assert json.loads(json.dumps(r)) == r  # the CLI can print it as a JSON line
