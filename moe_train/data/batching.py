@@ -173,9 +173,14 @@ def _corpus_draw(seed: int, corpus: int, size: int, start: int, count: int) -> n
 
 
 def bucket_key(dataset: ParallelDataset) -> np.ndarray:
-    """Padded width each sentence needs: max(src_len + 1, tgt_len + 1) (eos / bos included)."""
-    return np.maximum(np.asarray(dataset.src_lengths, dtype=np.int64),
-                      np.asarray(dataset.tgt_lengths, dtype=np.int64)) + 1
+    """Padded width each sentence needs: max(src_len + 1, tgt_len + 1) (eos / bos included);
+    for a decoder-only model's data (``dataset.concatenated``) the prompt and the target form
+    one sequence: src_len + tgt_len + 1."""
+    src = np.asarray(dataset.src_lengths, dtype=np.int64)
+    tgt = np.asarray(dataset.tgt_lengths, dtype=np.int64)
+    if getattr(dataset, "concatenated", False):
+        return src + tgt + 1
+    return np.maximum(src, tgt) + 1
 
 
 def cut_batches(keys_sorted: np.ndarray, max_tokens: int,

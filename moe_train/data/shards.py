@@ -148,6 +148,9 @@ class ShardedDataset:
         self.src_lengths = np.concatenate([np.diff(o) for o in self._src_idx]).astype(np.int64)
         self.tgt_lengths = np.concatenate([np.diff(o) for o in self._tgt_idx]).astype(np.int64)
         self._raw: dict[str, list[list[str]]] = {}
+        self.concatenated = bool(self.manifest.get("data_config", {}).get("prompt_template"))
+        """Whether a model reads source (a prompt) and target as one sequence (decoder-only):
+        batching then budgets their summed length."""
 
     def _open(self) -> None:
         """Memory-map every token file once."""

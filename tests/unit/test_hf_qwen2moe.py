@@ -185,3 +185,24 @@ def test_activation_checkpointing_gives_the_same_gradients(arch: str) -> None:
     assert grads[0].keys() == grads[1].keys()
     for name, g in grads[0].items():
         torch.testing.assert_close(grads[1][name], g, atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_decoder_only_batches_budget_prompt_plus_target(qwen_prepared) -> None:
+    """A prompt-templated prepared dir is cut by prompt + target length: every training batch's
+    concatenated sequence (what the model reads) stays within data.max_tokens."""
+    from moe_train.data.batching import TrainBatchIterator
+    from moe_train.data.shards import ShardedDataset
+    from moe_train.models.lm_batch import lm_inputs
+
+    prepared, _ = qwen_prepared
+    data = ShardedDataset(prepared, "train")
+    assert data.concatenated
+    pad = int(data.manifest["pad_id"])
+    it = iter(TrainBatchIterator(data, 600, pad, data.manifest["bos_id"],
+                                 data.manifest["eos_id"], seed=1))
+    for _ in range(20):
+        (batch,) = next(it)
+        ids_BL, _ = lm_inputs(batch.src_tokens_BS, batch.tgt_in_BT, pad)
+        lengths_B = batch.src_tokens_BS.ne(pad).sum(1) + batch.tgt_in_BT.ne(pad).sum(1) - 2
+        assert int(lengths_B.max()) * len(batch) <= 600 or len(batch) == 1
+        assert ids_BL.size(1) >= int(lengths_B.max())
