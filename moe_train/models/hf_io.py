@@ -316,9 +316,9 @@ def read_qwen(checkpoint: str | Path):
     """(directory, config, manifest, state dict) of a hf_qwen2_moe export or checkpoint, the
     weights checked against the config's model."""
     from moe_train.train.checkpoint import consolidated_state_dict
-    from moe_train.train.export import _read_parts, load_export_weights
+    from moe_train.train.export import read_parts, load_export_weights
 
-    kind, where, cfg, manifest, _ = _read_parts(checkpoint)
+    kind, where, cfg, manifest, _ = read_parts(checkpoint)
     if not cfg.decoder_only:
         raise ConfigError(f"{where}: model.arch is {cfg.model.arch!r}; expected a "
                           "hf_qwen2_moe export or checkpoint")
@@ -330,17 +330,11 @@ def read_qwen(checkpoint: str | Path):
 def check_state(cfg: ExperimentConfig, state: dict[str, Tensor], source: Path) -> None:
     """The names and shapes of the model `cfg` builds (on the meta device), else one line."""
     from moe_train.models.build import build_model
+    from moe_train.train.export import check_weights
 
     with torch.device("meta"):
-        own = build_model(cfg, {"vocab_size": cfg.qwen.vocab_size, "pad_id": 0}).state_dict()
-    missing = [k for k in own if k not in state]
-    unexpected = [k for k in state if k not in own]
-    shapes = [f"{k} {tuple(state[k].shape)} vs {tuple(own[k].shape)}" for k in own
-              if k in state and state[k].shape != own[k].shape]
-    if missing or unexpected or shapes:
-        raise CheckpointError(f"{source}: weights do not match its config ({len(missing)} "
-                              f"missing {missing[:2]}, {len(unexpected)} unexpected "
-                              f"{unexpected[:2]}, {len(shapes)} of other shape {shapes[:1]})")
+        model = build_model(cfg, {"vocab_size": cfg.qwen.vocab_size, "pad_id": 0})
+    check_weights(model, state, source)
 
 
 def _numel(state: dict[str, Tensor]) -> int:

@@ -114,7 +114,7 @@ def _check_manifest(manifest: dict[str, Any], source: Path) -> None:
                                   "non-negative integer")
 
 
-def _check_weights(model: torch.nn.Module, state: dict[str, torch.Tensor], source: Path) -> None:
+def check_weights(model: torch.nn.Module, state: dict[str, torch.Tensor], source: Path) -> None:
     """Same names and shapes as the model built from the config, else one line naming them."""
     own = model.state_dict()
     missing = [k for k in own if k not in state]
@@ -128,7 +128,7 @@ def _check_weights(model: torch.nn.Module, state: dict[str, torch.Tensor], sourc
                               f"{shapes[:2]}); expected weights of the same architecture")
 
 
-def _read_parts(path: str | Path) -> tuple[str, Path, ExperimentConfig, dict[str, Any], Path]:
+def read_parts(path: str | Path) -> tuple[str, Path, ExperimentConfig, dict[str, Any], Path]:
     """(kind, directory, config, manifest, weights file or step dir) of a checkpoint path, every
     file checked before use; no weights are read."""
     kind, where = _resolve(Path(path))
@@ -150,17 +150,17 @@ def _read_parts(path: str | Path) -> tuple[str, Path, ExperimentConfig, dict[str
 
 def read_config(path: str | Path) -> tuple[ExperimentConfig, dict[str, Any]]:
     """(config, data manifest) of an export or checkpoint directory, without its weights."""
-    _, _, cfg, manifest, _ = _read_parts(path)
+    _, _, cfg, manifest, _ = read_parts(path)
     return cfg, manifest
 
 
 def load_for_inference(path: str | Path, device: torch.device | str = "cpu") -> InferenceModel:
     """Load a model for translation, in eval mode, on `device`."""
-    kind, where, cfg, manifest, weights = _read_parts(path)
+    kind, where, cfg, manifest, weights = read_parts(path)
     vocab = _load_vocab(where, manifest)
     state = load_export_weights(where) if kind == "export" else consolidated_state_dict(where)
     model = build_model(cfg, manifest)
-    _check_weights(model, state, weights)
+    check_weights(model, state, weights)
     model.load_state_dict(state, strict=True)
     model.to(device).eval()
     return InferenceModel(model=model, vocab=vocab, cfg=cfg, manifest=manifest, source=where)
