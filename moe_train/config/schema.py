@@ -343,8 +343,6 @@ class ExperimentConfig:
         _check(not self.adapters.enabled, "adapters.num_experts",
                "0 with model.arch hf_qwen2_moe (adapters are an encoder-decoder feature)",
                self.adapters.num_experts)
-        _check(moe.router_name("decoder") != "thor", "moe.decoder_router",
-               "not thor yet with model.arch hf_qwen2_moe", moe.decoder_router)
         if not self.data.prompt_template:
             self.data.prompt_template = DEFAULT_PROMPT
 

@@ -65,7 +65,9 @@ class ThorConfig:
     """Divide the combine weights g^t_i * g_j of a token by their sum (OD-4 option)."""
     predictor_layer: int = -1
     """Encoder layer whose input (residual stream) the task predictor max-pools; -1: the first
-    encoder THOR layer, or the encoder output when the encoder has none."""
+    encoder THOR layer, or the encoder output when the encoder has none. Decoder-only
+    (hf_qwen2_moe): the FFN input of the first MoE layer, pooled over the prompt positions;
+    only -1 or that layer's index are accepted (every MoE layer is a THOR layer)."""
     alpha: float = 1e-2
     """Weight of the task-prediction cross-entropy L_tp (Eq. 10)."""
     beta: float = 5e-2

@@ -44,6 +44,7 @@ from torch import Tensor
 
 from moe_train.eval.search import _LiveRows, _next_log_probs, _stop, _strip, min_lengths
 from moe_train.models.context import ForwardContext
+from moe_train.models.lm_batch import with_prompt_mask
 
 
 class _GivenLogits:
@@ -79,10 +80,11 @@ class _Mask:
 
 
 class _KVCache:
-    """transformers' cache behind the ``reorder(rows)`` `_LiveRows` calls."""
+    """transformers' cache behind the ``reorder(rows)`` `_LiveRows` calls, with the model's
+    routing state (`new_routing_state`, e.g. THOR's E_p and context sums), reordered alike."""
 
-    def __init__(self, cache: Any) -> None:
-        self.cache = cache
+    def __init__(self, cache: Any, routing_state: Any = None) -> None:
+        self.cache, self.routing_state = cache, routing_state
 
     def reorder(self, rows_R: Tensor) -> None:
         select = getattr(self.cache, "batch_select_indices", None)
@@ -90,6 +92,12 @@ class _KVCache:
             select(rows_R)
         else:
             self.cache.reorder_cache(rows_R)
+        if self.routing_state is not None:
+            self.routing_state.reorder(rows_R)
+
+    def kwargs(self) -> dict[str, Any]:
+        """The model call's routing-state argument (none for models without one)."""
+        return {} if self.routing_state is None else {"routing_state": self.routing_state}
 
 
 def lm_max_lengths(model: Any, prompt_mask_BP: Tensor, max_len_a: float, max_len_b: float,
@@ -113,23 +121,31 @@ def lm_max_lengths(model: Any, prompt_mask_BP: Tensor, max_len_a: float, max_len
 
 
 def _prefill(model: Any, prompt_BP: Tensor, prompt_mask_BP: Tensor | None,
-             ctx: ForwardContext | None) -> tuple[Tensor, Tensor, ForwardContext | None, Any]:
-    """One call over the prompts: (mask (B, P), last logits (B, 1, V), ctx, cache)."""
+             ctx: ForwardContext | None) -> tuple[Tensor, Tensor, ForwardContext | None, _KVCache]:
+    """One call over the prompts: (mask (B, P), last logits (B, 1, V), ctx, cache). A model
+    with ``new_routing_state`` gets a fresh state, passed on every call; the prefill's context
+    marks the prompt positions (``extras[PROMPT_MASK_KEY]``: THOR's task predictor pools
+    over them, then keeps E_p fixed in that state for the sentence)."""
     mask_BP = (torch.ones_like(prompt_BP) if prompt_mask_BP is None
                else prompt_mask_BP.to(prompt_BP.device).long())
     if bool(mask_BP[:, -1].eq(0).any()):
         raise ValueError("lm search: prompts must be left-padded (every mask row ends in 1)")
     if ctx is not None:  # the model fills the padding of each call from the attention mask
         ctx = ctx.replace(tgt_pad_mask_BT=None)
-    out = model(prompt_BP, ctx, attention_mask_BT=mask_BP, use_cache=True, logits_to_keep=1)
-    return mask_BP, out.logits_BTV[:, -1:], ctx, out.extras["past_key_values"]
+    new_state = getattr(model, "new_routing_state", None)
+    cache = _KVCache(None, None if new_state is None else new_state())
+    prefill_ctx = with_prompt_mask(ctx, mask_BP, mask_BP.size(1))
+    out = model(prompt_BP, prefill_ctx, attention_mask_BT=mask_BP, use_cache=True,
+                logits_to_keep=1, **cache.kwargs())
+    cache.cache = out.extras["past_key_values"]
+    return mask_BP, out.logits_BTV[:, -1:], ctx, cache
 
 
 def _step(model: Any, prev_N: Tensor, live: _LiveRows, real_N: Tensor) -> Tensor:
     """Feed one token per row (real_N False: a pad, masked out); the next logits (N, 1, V)."""
     live.enc.extend(real_N)
     out = model(prev_N[:, None], live.ctx, attention_mask_BT=live.enc.mask_NT,
-                past_key_values=live.cache.cache, use_cache=True)
+                past_key_values=live.cache.cache, use_cache=True, **live.cache.kwargs())
     live.cache.cache = out.extras["past_key_values"]
     return out.logits_BTV[:, -1:]
 
@@ -147,7 +163,7 @@ def lm_greedy_search(model: Any, prompt_BP: Tensor, prompt_mask_BP: Tensor | Non
     mask_BP, logits_A1V, ctx, cache = _prefill(model, prompt_BP, prompt_mask_BP, ctx)
     max_len_A = lm_max_lengths(model, mask_BP, max_len_a, max_len_b, src_len_B, max_new_B)
     min_len_A = min_lengths(min_len, B, device)
-    live = _LiveRows(_Mask(mask_BP), ctx, _KVCache(cache))
+    live = _LiveRows(_Mask(mask_BP), ctx, cache)
     sentence_A = torch.arange(B, device=device)
     finished_A = torch.zeros(B, dtype=torch.bool, device=device)
     tokens_AT = torch.empty((B, 0), dtype=torch.long, device=device)
@@ -206,7 +222,7 @@ def lm_beam_search(model: Any, prompt_BP: Tensor, prompt_mask_BP: Tensor | None,
     min_len_L = min_lengths(min_len, B, device)
 
     expand_N = torch.arange(B, device=device).repeat_interleave(K)
-    live = _LiveRows(_Mask(mask_BP), ctx, _KVCache(cache))
+    live = _LiveRows(_Mask(mask_BP), ctx, cache)
     if K > 1:  # one prefill per sentence, its rows repeated for the K beams
         live.keep(expand_N)
         logits_N1V = logits_B1V.index_select(0, expand_N)

@@ -8,8 +8,9 @@ all of that side's MoE layers (one decision per sentence for every layer it serv
 over adapter experts whose sentence-level router is likewise shared by the side's layers.
 A side routed by ``thor`` gets a `ThorRouter` per MoE layer (its losses averaged over those
 layers) and the model one `TaskPredictor` (a context provider at `thor.predictor_layer`) and a
-[CLS] source position. Expert parallelism is wired in afterwards by moe_train.parallel, so the
-model itself never knows about ranks.
+[CLS] source position (the decoder-only Qwen wires its own predictor, no [CLS]:
+moe_train.models.hf_qwen2moe). Expert parallelism is wired in afterwards by
+moe_train.parallel, so the model itself never knows about ranks.
 """
 
 from __future__ import annotations
@@ -96,6 +97,8 @@ def adapter_factory(cfg: ExperimentConfig):
 
 def _thor_layers(cfg: ExperimentConfig, side: str) -> list[int]:
     num = cfg.model.encoder_layers if side == "encoder" else cfg.model.decoder_layers
+    if cfg.decoder_only:  # hf_qwen2_moe: its sparse layers, no encoder
+        num = cfg.qwen.num_hidden_layers if side == "decoder" else 0
     if cfg.moe.router_name(side) != "thor":
         return []
     return [i for i in range(num) if cfg.moe.is_moe_layer(side, i, num)]

@@ -21,6 +21,10 @@ from torch import Tensor
 
 from moe_train.models.context import ForwardContext
 
+PROMPT_MASK_KEY = "prompt_mask_BT"
+"""Extras key: True at the real prompt (source segment) positions of a decoder-only call's
+(B, T) input; THOR's task predictor pools over them (absent: over every real position)."""
+
 
 def left_padded_prompts(src_BS: Tensor, pad_id: int, strip_eos: bool = True
                         ) -> tuple[Tensor, Tensor]:
@@ -49,4 +53,14 @@ def teacher_forced(model: Any, src_BS: Tensor, tgt_in_BT: Tensor, ctx: ForwardCo
     if not decoder_only:
         return model(src_BS, tgt_in_BT, ctx)
     input_ids_BL, mask_BL = lm_inputs(src_BS, tgt_in_BT, pad_id)
+    ctx = with_prompt_mask(ctx, mask_BL, input_ids_BL.size(1) - (tgt_in_BT.size(1) - 1))
     return model(input_ids_BL, ctx, mask_BL, logits_to_keep=tgt_in_BT.size(1))
+
+
+def with_prompt_mask(ctx: ForwardContext | None, mask_BL: Tensor, P: int) -> ForwardContext:
+    """`ctx` with ``extras[PROMPT_MASK_KEY]``: True at the real positions of the first `P`
+    (prompt) columns of the (B, L) input, which THOR's task predictor pools over (OD-1)."""
+    prompt_BL = mask_BL.bool().clone()
+    prompt_BL[:, P:] = False
+    ctx = ctx or ForwardContext()
+    return ctx.replace(extras={**ctx.extras, PROMPT_MASK_KEY: prompt_BL})
