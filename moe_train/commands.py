@@ -73,8 +73,12 @@ def run_training(cfg, resume: bool) -> dict[str, Any]:
     from moe_train.data.prepare import check_fits_model
 
     # Before DeepSpeed starts: missing or too long data fails fast.
-    cls_positions = int(cfg.uses_thor)  # THOR prepends a [CLS] to every source
-    check_fits_model(cfg.data.prepared_dir, cfg.model.max_positions - cls_positions)
+    if cfg.decoder_only:  # prompt and target are one sequence
+        check_fits_model(cfg.data.prepared_dir, cfg.qwen.max_position_embeddings,
+                         field="qwen.max_position_embeddings")
+    else:
+        cls_positions = int(cfg.uses_thor)  # THOR prepends a [CLS] to every source
+        check_fits_model(cfg.data.prepared_dir, cfg.model.max_positions - cls_positions)
     from moe_train.parallel.runtime import init_runtime, shutdown
     from moe_train.train.checkpoint import latest_tag
     from moe_train.train.trainer import Trainer

@@ -61,18 +61,23 @@ def load_manifest(prepared_dir: str | os.PathLike) -> dict[str, Any]:
 
 
 def check_fits_model(prepared_dir: str | os.PathLike, max_positions: int,
-                     splits: tuple[str, ...] = ("train", "dev")) -> None:
-    """Refuse to train a model whose positions (model.max_positions) are too few for the
-    longest sentence of the training or validation split (+1 for the end-of-sentence token),
-    before anything starts, rather than at the first batch or validation that meets it."""
+                     splits: tuple[str, ...] = ("train", "dev"),
+                     field: str = "model.max_positions") -> None:
+    """Refuse to train a model whose positions (`field`) are too few for the longest sentence
+    of the training or validation split (+1 for the end-of-sentence token; for a decoder-only
+    model's data, prompt and target together), before anything starts, rather than at the
+    first batch or validation that meets it."""
     have = load_manifest(prepared_dir)["splits"]
     for split in (s for s in splits if s in have):
         data = ShardedDataset(prepared_dir, split)
-        for side, lengths in (("source", data.src_lengths), ("target", data.tgt_lengths)):
+        sides = (("source", data.src_lengths), ("target", data.tgt_lengths))
+        if data.concatenated:
+            sides = (("prompt + target", data.src_lengths + data.tgt_lengths),)
+        for side, lengths in sides:
             longest = int(lengths.max()) + 1 if len(lengths) else 0
             if longest > max_positions:
                 raise ConfigError(
-                    f"model.max_positions: expected at least {longest}, got {max_positions} "
+                    f"{field}: expected at least {longest}, got {max_positions} "
                     f"(the {split} split of {prepared_dir} has {side} sentences of "
                     f"{longest - 1} tokens plus end-of-sentence)")
 

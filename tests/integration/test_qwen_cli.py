@@ -56,3 +56,13 @@ def test_bad_tokenizer_directories_are_one_line_errors(tiny_corpus, tmp_path):
         assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
         assert "tokenizer.json" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
         assert not (tmp_path / f"p-{name}").exists()
+
+
+def test_training_refuses_data_longer_than_the_positions(qwen_prepared, tmp_path):
+    prepared, tok = qwen_prepared
+    proc = run_cli(["train", "--config", CONFIG, f"data.prepared_dir={prepared}",
+                    f"data.tokenizer={tok}", "qwen.max_position_embeddings=16",
+                    f"checkpoint.dir={tmp_path / 'ckpt'}"], cwd=tmp_path, check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "qwen.max_position_embeddings: expected at least" in proc.stderr
+    assert "prompt + target" in proc.stderr
