@@ -24,6 +24,7 @@ from typing import Any, Callable, Protocol
 import torch
 from torch import Tensor
 
+from moe_train.eval.beam import BeamBook, GreedyBook
 from moe_train.models.context import ForwardContext
 
 
@@ -121,42 +122,21 @@ def greedy_search(model: IncrementalSeq2Seq, src_tokens_BS: Tensor, bos_id: int,
     max_len_A = max_lengths(model, src_tokens_BS, pad_id, max_len_a, max_len_b).to(device)
     min_len_A = min_lengths(min_len, B, device)
     live = _LiveRows(model.encode(src_tokens_BS, ctx), ctx, model.new_decoder_cache())
-    sentence_A = torch.arange(B, device=device)  # the sentence of each live row
+    book = GreedyBook(B, max_len_A, min_len_A, eos_id, pad_id, device)
     prev_A1 = torch.full((B, 1), bos_id, dtype=torch.long, device=device)
-    finished_A = torch.zeros(B, dtype=torch.bool, device=device)
-    tokens_AT = torch.empty((B, 0), dtype=torch.long, device=device)
-    results: list[list[int] | None] = [None] * B
     for step in itertools.count():
         lprobs_AV = _next_log_probs(model, prev_A1, live.enc, live.ctx, live.cache, step,
-                                    max_len_A, bos_id, eos_id, pad_id, min_len_A,
+                                    book.max_len_A, bos_id, eos_id, pad_id, book.min_len_A,
                                     normalize=False)
-        next_A = lprobs_AV.argmax(dim=-1)
-        next_A = torch.where(finished_A, torch.full_like(next_A, pad_id), next_A)
-        tokens_AT = torch.cat([tokens_AT, next_A[:, None]], dim=1)
-        finished_A |= next_A.eq(eos_id)  # the length limit forces eos, so this ends the loop
-        num_done = int(finished_A.sum())  # one host sync per step
-        if _stop(num_done == finished_A.numel(), sync_done):
+        next_A, all_done = book.advance(lprobs_AV)
+        if _stop(all_done, sync_done):
             break
         prev_A1 = next_A[:, None]  # finished rows feed pad while they stay
-        if 0 < num_done < finished_A.numel():
-            done_rows = finished_A.nonzero().flatten()
-            for row, tokens in zip(sentence_A[done_rows].tolist(),
-                                   tokens_AT.index_select(0, done_rows).tolist()):
-                results[row] = tokens
-            keep_R = (~finished_A).nonzero().flatten()
+        keep_R = book.prune()
+        if keep_R is not None:
             live.keep(keep_R)
-            sentence_A, prev_A1, tokens_AT, max_len_A, finished_A = (
-                t.index_select(0, keep_R) for t in (sentence_A, prev_A1, tokens_AT, max_len_A,
-                                                    finished_A))
-            if min_len_A is not None:
-                min_len_A = min_len_A.index_select(0, keep_R)
-    for row, tokens in zip(sentence_A.tolist(), tokens_AT.tolist()):
-        results[row] = tokens
-    return [_strip(tokens, eos_id) for tokens in results]
-
-
-def _strip(tokens: list[int], eos_id: int) -> list[int]:
-    return tokens[:tokens.index(eos_id)] if eos_id in tokens else tokens
+            prev_A1 = prev_A1.index_select(0, keep_R)
+    return book.results()
 
 
 @torch.no_grad()
@@ -185,73 +165,17 @@ def beam_search(model: IncrementalSeq2Seq, src_tokens_BS: Tensor, bos_id: int, e
     live = _LiveRows(model.encode(src_tokens_BS, ctx).index_select(expand_N),
                      None if ctx is None else ctx.index_select(expand_N),
                      model.new_decoder_cache())
-    sentence_L = list(range(B))  # the sentence of each live sentence slot (L = live)
-
-    # Only beam 0 is live at the start; the others are -inf so they never win a slot.
-    scores_LK = torch.full((B, K), -torch.inf, device=device)
-    scores_LK[:, 0] = 0.0
-    tokens_NT = torch.empty((B * K, 0), dtype=torch.long, device=device)
+    book = BeamBook(B, K, max_len_L, min_len_L, eos_id, lenpen, device)
     prev_N1 = torch.full((B * K, 1), bos_id, dtype=torch.long, device=device)
-    finished: list[list[tuple[float, list[int]]]] = [[] for _ in range(B)]
-    done_L = torch.zeros(B, dtype=torch.bool, device=device)
-
     for step in itertools.count():
-        L = len(sentence_L)
+        max_len_N, min_len_N = book.limits_N()
         lprobs_NV = _next_log_probs(model, prev_N1, live.enc, live.ctx, live.cache, step,
-                                    max_len_L.repeat_interleave(K), bos_id, eos_id, pad_id,
-                                    min_len_L if min_len_L is None
-                                    else min_len_L.repeat_interleave(K))
-        V = lprobs_NV.size(-1)
-        cand_LX = (scores_LK[:, :, None] + lprobs_NV.view(L, K, V)).view(L, K * V)
-        top_scores_LC, top_idx_LC = cand_LX.topk(min(2 * K, K * V), dim=1)
-        top_beam_LC = top_idx_LC // V
-        top_tok_LC = top_idx_LC % V
-        is_eos_LC = top_tok_LC.eq(eos_id)
-
-        final_LK = is_eos_LC[:, :K] & top_scores_LC[:, :K].isfinite() & ~done_L[:, None]
-        if bool(final_LK.any()):  # one host transfer per step, not per hypothesis
-            b_F, c_F = final_LK.nonzero(as_tuple=True)
-            hyps = tokens_NT.index_select(0, b_F * K + top_beam_LC[b_F, c_F]).tolist()
-            scores = (top_scores_LC[b_F, c_F].double() / (step + 1) ** lenpen).tolist()
-            for b, score, hyp in zip(b_F.tolist(), scores, hyps):
-                finished[sentence_L[b]].append((score, hyp))
-        n_finished_L = torch.tensor([len(finished[b]) for b in sentence_L], device=device)
-        done_L |= n_finished_L.ge(K) | max_len_L.le(step + 1)
-        num_done = int(done_L.sum())
-        if _stop(num_done == L, sync_done):
+                                    max_len_N, bos_id, eos_id, pad_id, min_len_N)
+        if _stop(book.advance(lprobs_NV, step), sync_done):
             break
-
-        # Live: the first K non-eos candidates, in score order (there are at most K eos ones).
-        C = top_idx_LC.size(1)
-        rank_LC = torch.arange(C, device=device)[None] + is_eos_LC.long() * C
-        live_LK = rank_LC.topk(K, dim=1, largest=False).indices
-        scores_LK = top_scores_LC.gather(1, live_LK)
-        row_base_L1 = torch.arange(L, device=device)[:, None] * K
-        reorder_LK = row_base_L1 + top_beam_LC.gather(1, live_LK)
-        next_LK = top_tok_LC.gather(1, live_LK)
-        if 0 < num_done < L:  # done sentences leave the batch (_LiveRows)
-            keep_S = (~done_L).nonzero().flatten()
-            for b in done_L.nonzero().flatten().tolist():
-                if not finished[sentence_L[b]]:  # unreachable with a finite model
-                    finished[sentence_L[b]].append((-torch.inf, _strip(
-                        tokens_NT[b * K].tolist(), eos_id)))
-            sentence_L = [sentence_L[b] for b in keep_S.tolist()]
-            rows_R = (keep_S[:, None] * K + torch.arange(K, device=device)[None]).view(-1)
-            reorder_LK, next_LK, scores_LK, max_len_L, done_L = (
-                t.index_select(0, keep_S) for t in (reorder_LK, next_LK, scores_LK, max_len_L,
-                                                    done_L))
-            if min_len_L is not None:
-                min_len_L = min_len_L.index_select(0, keep_S)
+        reorder_N, next_N, rows_R = book.select()
+        if rows_R is not None:  # done sentences leave the batch (_LiveRows)
             live.keep(rows_R, cache=False)  # the cache follows reorder_N below
-        reorder_N, next_N = reorder_LK.view(-1), next_LK.view(-1)
-        tokens_NT = torch.cat([tokens_NT.index_select(0, reorder_N), next_N[:, None]], dim=1)
         live.cache.reorder(reorder_N)
         prev_N1 = next_N[:, None]
-
-    results = []
-    for b in range(B):
-        if finished[b]:
-            results.append(max(finished[b], key=lambda item: item[0])[1])
-        else:  # unreachable with a finite model: the limit forces eos on every live beam
-            results.append(_strip(tokens_NT[sentence_L.index(b) * K].tolist(), eos_id))
-    return results
+    return book.results()

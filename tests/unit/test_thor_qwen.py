@@ -18,6 +18,7 @@ pytest.importorskip("transformers")
 
 from moe_train.eval.lm_search import lm_beam_search, lm_greedy_search  # noqa: E402
 from moe_train.models.hf_qwen2moe import moe_blocks  # noqa: E402
+from tests.unit.test_lm_search import left_pad  # noqa: E402  (PAD 0 in both)
 
 V, PAD, EOS, LONG = 96, 0, 58, 16  # EOS: reached after different lengths
 MIXED = [7, 3, 12, 5, 9]
@@ -52,16 +53,6 @@ def model(request):
 def prompts(seed: int, lengths: list[int]) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(3, V, (n,), generator=g).tolist() for n in lengths]
-
-
-def left_pad(rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-    P = max(len(r) for r in rows)
-    ids = torch.full((len(rows), P), PAD, dtype=torch.long)
-    mask = torch.zeros((len(rows), P), dtype=torch.long)
-    for i, r in enumerate(rows):
-        ids[i, P - len(r):] = torch.tensor(r)
-        mask[i, P - len(r):] = 1
-    return ids, mask
 
 
 def full_logits(model, prompt: list[int], out: list[int]) -> torch.Tensor:
