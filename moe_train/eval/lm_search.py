@@ -166,8 +166,9 @@ def lm_greedy_search(model: Any, prompt_BP: Tensor, prompt_mask_BP: Tensor | Non
     min_len_A = min_lengths(min_len, B, device)
     live = _LiveRows(_Mask(mask_BP), ctx, cache)
     book = GreedyBook(B, max_len_A, min_len_A, eos_id, pad_id, device)
+    prev_A: Tensor | None = None  # the prefill gave step 0's logits
     for step in itertools.count():
-        if step > 0:
+        if prev_A is not None:
             logits_A1V = _step(model, prev_A, live, ~book.finished_A)
         lprobs_AV = _constrained(logits_A1V, live.ctx, step, book.max_len_A, eos_id, pad_id,
                                  book.min_len_A, normalize=False)
@@ -213,8 +214,9 @@ def lm_beam_search(model: Any, prompt_BP: Tensor, prompt_mask_BP: Tensor | None,
     else:
         logits_N1V = logits_B1V
     book = BeamBook(B, K, max_len_L, min_len_L, eos_id, lenpen, device)
+    prev_N: Tensor | None = None  # the prefill gave step 0's logits
     for step in itertools.count():
-        if step > 0:
+        if prev_N is not None:
             logits_N1V = _step(model, prev_N, live, torch.ones_like(prev_N, dtype=torch.bool))
         max_len_N, min_len_N = book.limits_N()
         lprobs_NV = _constrained(logits_N1V, live.ctx, step, max_len_N, eos_id, pad_id,
