@@ -65,6 +65,8 @@ Shape legend: B sequences, S / T source / target tokens.
 
 from __future__ import annotations
 
+import dataclasses
+
 import functools
 import json
 import math
@@ -75,6 +77,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from moe_train.config.moe import _expect
 from moe_train.config.schema import ExperimentConfig
 from moe_train.errors import ConfigError
 from moe_train.eval.params import _need_num_tasks, count_model, experts_per_token, human
@@ -99,11 +102,6 @@ MEASURED_CHECKS: dict[str, tuple[str, list[str], int, int]] = {
               "qwen.shared_expert_intermediate_size=512"], 8, 128),
 }
 """(config, overrides, micro-batch, sequence length) of the measured-vs-planned checks."""
-
-
-def _need(cond: bool, flag: str, expected: str, got: Any) -> None:
-    if not cond:
-        raise ConfigError(f"{flag}: expected {expected}, got {got!r}")
 
 
 @dataclass
@@ -133,15 +131,15 @@ class PlanInputs:
         for flag, value in (("--nodes", self.nodes), ("--gpus-per-node", self.gpus_per_node),
                             ("--ep", self.ep), ("--micro-batch", self.micro_batch),
                             ("--seq-len", self.seq_len)):
-            _need(isinstance(value, int) and value >= 1, flag, "a positive integer", value)
-        _need(self.gpu_mem_gb > 0, "--gpu-mem", "a positive number of GiB", self.gpu_mem_gb)
-        _need(self.zero_stage in (0, 1, 2, 3), "--zero", "one of 0, 1, 2, 3", self.zero_stage)
-        _need(self.precision in ("bf16", "fp16", "fp32"), "--precision",
+            _expect(isinstance(value, int) and value >= 1, flag, "a positive integer", value)
+        _expect(self.gpu_mem_gb > 0, "--gpu-mem", "a positive number of GiB", self.gpu_mem_gb)
+        _expect(self.zero_stage in (0, 1, 2, 3), "--zero", "one of 0, 1, 2, 3", self.zero_stage)
+        _expect(self.precision in ("bf16", "fp16", "fp32"), "--precision",
               "one of bf16, fp16, fp32, auto", self.precision)
-        _need(0 <= self.headroom < 1, "--headroom", "a fraction in [0, 1)", self.headroom)
-        _need(self.world_size % self.ep == 0, "--ep",
+        _expect(0 <= self.headroom < 1, "--headroom", "a fraction in [0, 1)", self.headroom)
+        _expect(self.world_size % self.ep == 0, "--ep",
               f"a divisor of the world size ({self.world_size})", self.ep)
-        _need(self.zero_stage != 3 or self.ep == 1, "--ep",
+        _expect(self.zero_stage != 3 or self.ep == 1, "--ep",
               "1 with --zero 3 (expert parallelism runs with ZeRO 0-2)", self.ep)
 
     @property
@@ -352,9 +350,9 @@ def plan_memory(cfg: ExperimentConfig, inputs: PlanInputs, *, kernels: str = "gp
     shape = model_shape(cfg)
     W, ep, zero = inputs.world_size, inputs.ep, inputs.zero_stage
     bad = [e for e in shape.experts_per_side if e % ep]
-    _need(not bad, "--ep", f"a divisor of the number of experts ({bad[0] if bad else 0})", ep)
-    _need(bool(shape.experts_per_side) or ep == 1, "--ep", "1 for a model without experts", ep)
-    _need(inputs.seq_len <= shape.max_positions, "--seq-len",
+    _expect(not bad, "--ep", f"a divisor of the number of experts ({bad[0] if bad else 0})", ep)
+    _expect(bool(shape.experts_per_side) or ep == 1, "--ep", "1 for a model without experts", ep)
+    _expect(inputs.seq_len <= shape.max_positions, "--seq-len",
           f"at most the model's {shape.max_positions} positions", inputs.seq_len)
     mixed = inputs.precision != "fp32"
     pb = 2 if mixed else 4
@@ -472,17 +470,16 @@ def measure_peak(cfg: ExperimentConfig, micro_batch: int, seq_len: int, *,
     experts' `GradBuffers` are held to one buffer (the `.grad`; the CPU path would keep a second
     after the first accumulating step), so the last step is the steady state (a third step
     measures the same bytes). One intra-op thread: same allocations, no oversubscription of a
-    shared machine. `activation_checkpointing` (decoder-only) turns on transformers' per-layer
-    checkpointing. Random tokens in [1, V): no padding. Returns peak, static (live when the
+    shared machine. `activation_checkpointing` builds the model with
+    `model.activation_checkpointing` (per-layer recomputation, as training runs it). Random tokens in [1, V): no padding. Returns peak, static (live when the
     last step starts), working (peak - static), peak_phase, optimizer_working (the optimizer
     step's own peak above static) and parameters.
     """
     from moe_train.models.context import ForwardContext
     from moe_train.train.loss import label_smoothed_nll
 
-    if activation_checkpointing and not cfg.decoder_only:
-        raise ConfigError("--activation-checkpointing: the seq2seq model has no checkpointed "
-                          "layers to measure; expected model.arch hf_qwen2_moe")
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(
+        cfg.model, activation_checkpointing=activation_checkpointing))
     vocab = cfg.qwen.vocab_size if cfg.decoder_only else cfg.data.vocab_size
     gen = torch.Generator().manual_seed(seed)
     src_BS = torch.randint(1, vocab, (micro_batch, seq_len), generator=gen)
@@ -499,7 +496,7 @@ def measure_peak(cfg: ExperimentConfig, micro_batch: int, seq_len: int, *,
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        events = _profiled_steps(cfg, loss_of, vocab, steps, seed, activation_checkpointing)
+        events = _profiled_steps(cfg, loss_of, vocab, steps, seed)
     finally:
         torch.set_num_threads(threads)
     span = {name: (t0, t1) for name, t0, t1, _ in events if name.startswith("measured")}
@@ -522,8 +519,8 @@ def measure_peak(cfg: ExperimentConfig, micro_batch: int, seq_len: int, *,
             "parameters": shape.dense_params + shape.expert_params}
 
 
-def _profiled_steps(cfg: ExperimentConfig, loss_of: Any, vocab: int, steps: int, seed: int,
-                    checkpointing: bool) -> list[tuple[str, int, int, int]]:
+def _profiled_steps(cfg: ExperimentConfig, loss_of: Any, vocab: int, steps: int,
+                    seed: int) -> list[tuple[str, int, int, int]]:
     """(name, start ns, end ns, bytes) of the profiler's events over building the model and
     `steps` steps, the last marked ``measured``; "[memory]" events allocate (bytes > 0) or
     free (bytes < 0)."""
@@ -538,8 +535,6 @@ def _profiled_steps(cfg: ExperimentConfig, loss_of: Any, vocab: int, steps: int,
         for m in model.modules():
             if hasattr(m, "grad_buffers"):
                 m.grad_buffers.max_per_name = 1
-        if checkpointing:
-            model.hf.activation_checkpointing_enable()
         model.train()
         groups = moe_param_groups(model, [{"params": list(model.parameters())}], 1)
         optimizer = torch.optim.AdamW(groups, lr=1e-4, foreach=True)

@@ -9,7 +9,6 @@ ep_size 2 checkpoint at ep_size 1 (the next step equals the ep_size 2 continuati
 in one process (world size 2 -> 1: the Adam moments are carried over).
 """
 
-import contextlib
 import os
 import random
 import re
@@ -25,6 +24,7 @@ import torch
 
 from moe_train.parallel.expert_checkpoint import _read_shards
 from moe_train.train.checkpoint import KILL_ENV, consolidated_state_dict, latest_tag, read_meta
+from tests.distributed.two_ranks import finish_launch
 from tests.conftest import ROOT, cli_env, debug_overrides, run_cli
 
 DEEPSPEED = str(Path(sys.executable).with_name("deepspeed"))
@@ -55,15 +55,7 @@ def _start(prepared: Path, work: Path, *extra: str,
 
 
 def _finish(proc: subprocess.Popen, log: Path, expect_ok: bool = True) -> str:
-    try:
-        proc.wait(timeout=400)
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)  # no rank outlives its launcher
-    text = log.read_text(errors="replace")
-    if expect_ok:
-        assert proc.returncode == 0, text[-5000:]
-    return text
+    return finish_launch(proc, log, expect_ok, timeout=400)
 
 
 def _train(prepared: Path, work: Path, *extra: str) -> str:

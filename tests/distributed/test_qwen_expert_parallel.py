@@ -17,8 +17,6 @@ One spawn of two gloo ranks, each with its own batch (rank 1's padded), runs bot
 """
 
 import copy
-import logging
-import os
 
 import pytest
 import torch
@@ -26,7 +24,8 @@ import torch.multiprocessing as mp
 
 from moe_train.config import load_config
 from moe_train.models.build import build_model
-from moe_train.parallel.runtime import free_port, init_runtime, shutdown
+from moe_train.parallel.runtime import free_port, shutdown
+from tests.distributed.two_ranks import init_launched_rank
 
 V, WORLD, E, CLIP, STEPS = 80, 2, 4, 0.5, 3
 CLOSE = dict(atol=1e-5, rtol=1e-5)
@@ -146,13 +145,9 @@ def _train(rt0, ep_size: int) -> dict:
 
 
 def _worker(rank: int, port: int, out: str) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     from moe_train.parallel.expert_parallel import setup_expert_parallel
 
-    rt = init_runtime()
+    rt = init_launched_rank(rank, port, WORLD)
     results = {"fb": _forward_backward(setup_expert_parallel(rt, 2)),
                "train": {ep: _train(rt, ep) for ep in (1, 2)}}
     torch.save(results, f"{out}.{rank}.pt")

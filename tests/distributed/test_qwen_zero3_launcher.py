@@ -2,7 +2,6 @@
 loss falls; SIGKILLed right after a step and resumed, it ends equal to an uninterrupted run;
 its export converts to a directory transformers loads, with our logits."""
 
-import contextlib
 import json
 import os
 import re
@@ -16,6 +15,7 @@ import pytest
 import torch
 
 from moe_train.train.checkpoint import consolidated_state_dict, latest_tag
+from tests.distributed.two_ranks import finish_launch
 from tests.conftest import ROOT, cli_env, run_cli
 
 DEEPSPEED = str(Path(sys.executable).with_name("deepspeed"))
@@ -47,15 +47,7 @@ def _start(data: tuple[Path, Path], work: Path, *extra: str) -> tuple[subprocess
 
 
 def _finish(proc: subprocess.Popen, log: Path, expect_ok: bool = True) -> str:
-    try:
-        proc.wait(timeout=500)
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-    text = log.read_text(errors="replace")
-    if expect_ok:
-        assert proc.returncode == 0, text[-5000:]
-    return text
+    return finish_launch(proc, log, expect_ok, timeout=500)
 
 
 def _losses(text: str) -> dict[int, float]:

@@ -5,8 +5,6 @@ rank's tokens are padding-heavy), which must not hang. Weights after three steps
 pre-step gradient norms (ours under ZeRO 0, `zero3_grad_norm` under ZeRO 3) and the per-parameter
 state getters (full fp32 value and Adam moments, as checkpoints store them) agree within 1e-5."""
 
-import logging
-import os
 
 import pytest
 import torch
@@ -14,7 +12,8 @@ import torch.multiprocessing as mp
 
 from moe_train.config import load_config
 from moe_train.models.build import build_model
-from moe_train.parallel.runtime import free_port, init_runtime, shutdown
+from moe_train.parallel.runtime import free_port, shutdown
+from tests.distributed.two_ranks import init_launched_rank
 
 V, WORLD, CLIP, STEPS = 80, 2, 0.5, 3
 
@@ -84,11 +83,7 @@ def _run(rt, zero_stage: int) -> dict:
 
 
 def _worker(rank: int, port: int, out: str) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
-    rt = init_runtime()
+    rt = init_launched_rank(rank, port, WORLD)
     results = {stage: _run(rt, stage) for stage in (0, 3)}
     torch.save(results, f"{out}.{rank}.pt")
     shutdown(rt)

@@ -12,8 +12,6 @@ is averaged over the wrong group, counts experts twice or only locally fails the
 does the trainer's pre-step norm (`step_guard.zero_grad_norm`), which must equal it.
 """
 
-import logging
-import os
 
 import pytest
 import torch
@@ -24,7 +22,8 @@ from moe_train.models.build import build_model
 from moe_train.models.context import ForwardContext
 from moe_train.parallel.expert_parallel import (deepspeed_sees_moe_layers, moe_param_groups,
                                                 setup_expert_parallel, wire_expert_parallel)
-from moe_train.parallel.runtime import free_port, init_runtime, shutdown
+from moe_train.parallel.runtime import free_port, shutdown
+from tests.distributed.two_ranks import init_launched_rank
 from moe_train.parallel.step_guard import zero_grad_norm
 from moe_train.train.ds_config import build_deepspeed_config
 
@@ -81,11 +80,7 @@ def _run(rt0, ep_size: int, zero_stage: int) -> dict:
 
 
 def _worker(rank: int, port: int, out: str) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
-    rt = init_runtime()
+    rt = init_launched_rank(rank, port, WORLD)
     results = {name: _run(rt, ep, zero) for name, ep, zero in RUNS}
     torch.save(results, f"{out}.{rank}.pt")
     shutdown(rt)

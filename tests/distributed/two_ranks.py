@@ -37,3 +37,35 @@ def spawn_two(worker: Callable[[int, int, str], None], out: str, timeout: float,
         p.kill()
     assert not alive, f"{what} deadlocked"
     assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+
+
+def init_launched_rank(rank: int, port: int, world: int):
+    """Inside an `mp.spawn` worker: the environment a launcher gives rank `rank` of `world`,
+    one torch thread, DeepSpeed's warnings only; returns `init_runtime()`'s runtime."""
+    import logging
+
+    from moe_train.parallel.runtime import init_runtime
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    return init_runtime()
+
+
+def finish_launch(proc, log, expect_ok: bool = True, timeout: float = 500) -> str:
+    """Wait for a launcher started in its own session, kill what is left of its process group,
+    and return its log (asserting a zero exit when `expect_ok`)."""
+    import contextlib
+    import signal
+
+    try:
+        proc.wait(timeout=timeout)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # no rank outlives its launcher
+    text = log.read_text(errors="replace")
+    if expect_ok:
+        assert proc.returncode == 0, text[-5000:]
+    return text
