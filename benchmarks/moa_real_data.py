@@ -1,6 +1,7 @@
 """Recorded real-data run of the stage-wise MoA recipe: OPUS multi-domain de->en, 7 domains, CPU.
 
     .venv/bin/python benchmarks/moa_real_data.py --fresh [--minutes 30] [--anchors 50]
+                                                 [--test-dir DIR]   # an external test set
     .venv/bin/python benchmarks/moa_real_data.py --quick --fresh   # checks the script
 
 Every stage runs here, from the data preparation and the backbone stage on, each stage a
@@ -89,6 +90,28 @@ def run_stage(config: str, workdir: Path, stage: str, overrides: list[str]) -> d
             "reused": reused}
 
 
+def with_test_dir(data: str, test_dir: str, out: Path) -> str:
+    """A corpus directory (symlinks under `out`) with `data`'s train and dev files and
+    `test_dir`'s test files (OPUS layout), so that preparing it makes DIR's sentences the test
+    split: clusterer, gate and models are all labelled and scored on them, and training pairs
+    whose source is one of them are dropped."""
+    from moe_train.data.corpus import discover
+
+    tests = discover(test_dir, splits=["test"])
+    if not tests:
+        raise SystemExit(f"--test-dir {test_dir}: no test files (expected "
+                         "DOMAIN/DOMAIN.l1-l2.test.LANG)")
+    if out.exists():
+        shutil.rmtree(out)
+    for files in [*discover(data, splits=["train", "dev"]), *tests]:
+        for path in (files.src, files.tgt):
+            link = out / files.domain / path.name
+            link.parent.mkdir(parents=True, exist_ok=True)
+            if not link.exists():
+                link.symlink_to(path.resolve())
+    return str(out)
+
+
 def prepare(data: str, prepared: Path, quick: bool) -> bool:
     """Prepare the de-en data into `prepared` unless done; whether it was reused."""
     if (prepared / "manifest.json").is_file():
@@ -151,6 +174,9 @@ def main() -> None:
     ap.add_argument("--anchors", type=int, default=50, help="dev anchors per domain for di")
     ap.add_argument("--runs", default="rs,di,switch_sl", help="comma-separated subset (di and "
                     "switch_sl use rs's backbone stage, which runs first)")
+    ap.add_argument("--test-dir", default=None,
+                    help="score on DIR's test files (OPUS layout: DOMAIN/DOMAIN.l1-l2.test.LANG) "
+                    "instead of test sentences carved from the training data")
     ap.add_argument("--fresh", action="store_true", help="delete the work directory first")
     ap.add_argument("--quick", action="store_true",
                     help="tiny model, a few steps per stage, small splits: checks the script")
@@ -168,7 +194,12 @@ def main() -> None:
     if args.fresh and work.exists():
         shutil.rmtree(work)
     anchors = 2 if args.quick else args.anchors
-    reused_prepared = prepare(args.data, work / "prepared", args.quick)
+    data = args.data
+    if args.test_dir:
+        if not Path(args.test_dir).is_dir():
+            raise SystemExit(f"--test-dir {args.test_dir}: not a directory")
+        data = with_test_dir(args.data, args.test_dir, work / "corpus-with-test")
+    reused_prepared = prepare(data, work / "prepared", args.quick)
     common = [f"data.prepared_dir={work / 'prepared'}", *(QUICK_STAGES if args.quick else [])]
     shared_backbone = [f"moa.backbone_dir={work / 'rs' / 'backbone'}"]
     backbone = run_stage(MOA_CONFIG, work / "rs", "backbone", [
@@ -198,6 +229,7 @@ def main() -> None:
         "config": {"moa": MOA_CONFIG, "switch_sl": SWITCH_CONFIG, "data": args.data,
                    "backbone_overrides": BACKBONE_TRAIN, "backbone_minutes": args.minutes,
                    "anchors_per_domain_di": anchors, "quick": args.quick,
+                   "test_dir": args.test_dir,
                    "quick_overrides": QUICK_STAGES if args.quick else []},
         "reused": {"prepared": reused_prepared},
         "backbone": {k: bdone[k] for k in ("step", "train_seconds", "train_tokens_per_s",

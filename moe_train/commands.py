@@ -28,16 +28,25 @@ def _runtime():
 
 
 def cmd_synth(args: argparse.Namespace) -> int:
+    from moe_train.data.synthetic import SynthOptions
     from moe_train.data.synthetic_dir import write_synthetic
 
     langs = [lang.strip() for lang in args.langs.split(",") if lang.strip()]
+    options = SynthOptions(shared_rate=args.shared_rate, ambiguous=args.ambiguous,
+                           ambiguous_rate=args.ambiguous_rate, cue_rate=args.cue_rate)
     info = write_synthetic(args.out, overwrite=args.overwrite, num_domains=args.domains,
                            target_langs=langs, train_per_domain=args.train,
-                           dev_per_domain=args.dev, test_per_domain=args.test, seed=args.seed)
+                           dev_per_domain=args.dev, test_per_domain=args.test, seed=args.seed,
+                           options=options, report=True)
     for dom in info["domains"]:
         sizes = dom["sizes"]
         print(f"| {dom['name']:<10} train {sizes['train']:>6} | dev {sizes['dev']:>5} | "
               f"test {sizes['test']:>5} | {dom['src_word_types']:>5} source word types")
+    diff = info.get("difficulty") or {}
+    if diff:
+        print(f"| difficulty: bag-of-words domain accuracy {diff['bow_domain_accuracy']:.3f} | "
+              f"BLEU of the right translation in the wrong domain {diff['wrong_domain_bleu']:.1f}"
+              f" ({diff['held_out_split']}, {diff['sentences']} sentences)")
     print(f"| pairs {', '.join(info['pairs'])} | seed {info['seed']} | wrote {args.out} "
           f"(next: moe-train prepare --data {args.out} --out PREPARED --config CONFIG)")
     return 0

@@ -91,6 +91,9 @@ class MoAConfig:
     """PCA dimension before clustering (paper: 512 -> 64)."""
     clusterer: str = "gmm"
     """gmm (full covariance, the paper's choice), kmeans or birch."""
+    standardize: bool = True
+    """Divide each feature by its standard deviation over the sample before PCA (False: PCA of
+    the raw features, as the papers describe it)."""
     distill_steps: int = 2000
     """Gate distillation updates (paper: 10k)."""
     distill_batch_sentences: int = 256

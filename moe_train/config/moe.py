@@ -26,8 +26,8 @@ def task_count(source: str, manifest: dict) -> int:
     return {"domain": domains, "tgt_lang": langs, "src_lang": langs, "other_lang": langs,
             "lang_pair": langs * langs}.get(source, 0)
 
-ROUTER_NAMES = ("gated", "gshard", "gumbel", "sentence", "single", "switch", "task", "thor",
-                "topk", "topp")
+ROUTER_NAMES = ("gated", "gshard", "gumbel", "random", "sentence", "single", "switch", "task",
+                "thor", "topk", "topp")
 """The names moe_train.moe.registry.ROUTERS registers (kept equal by a test); checked here so
 a misspelt router fails when the config is read, naming its field."""
 

@@ -219,12 +219,25 @@ class TrainConfig:
     """Dev sentences decoded for the periodic BLEU."""
     progress_bar: bool = True
     """Show a progress bar on rank 0 (off automatically when stderr is not a terminal)."""
+    patience: int = 0
+    """Early stopping: stop once this many validations in a row brought no improvement of
+    `early_stop_metric` by more than `min_delta` (0: never; needs validate_every)."""
+    early_stop_metric: str = "loss"
+    """loss (dev loss) or bleu (dev greedy BLEU, then computed at every validation)."""
+    min_delta: float = 0.0
+    """Smallest change of the early-stopping metric that counts as an improvement."""
 
     def __post_init__(self) -> None:
         _positive(self, "train", "max_steps", "log_every")
-        for name in ("validate_every", "bleu_every", "bleu_sentences", "max_minutes"):
+        for name in ("validate_every", "bleu_every", "bleu_sentences", "max_minutes",
+                     "patience", "min_delta"):
             _check(getattr(self, name) >= 0, f"train.{name}", "a non-negative number",
                    getattr(self, name))
+        _check(self.early_stop_metric in ("loss", "bleu"), "train.early_stop_metric",
+               "loss or bleu", self.early_stop_metric)
+        _check(not self.patience or self.validate_every > 0, "train.patience",
+               "0 unless train.validate_every > 0 (early stopping needs validations)",
+               self.patience)
 
 
 @dataclass

@@ -92,6 +92,34 @@ class GumbelMaxRouter(Router):
                        sentence_expert_ids_BK=ids_B[:, None])
 
 
+class RandomSentenceRouter(Router):
+    """A fixed pseudo-random expert per sentence, blind to what the sentence is about: the
+    "does routing matter" control (RND routing). The choice is a hash of the sentence
+    representation (quantised to 0.01), so every layer and every decoding step of a sentence
+    agree, and two runs agree. No parameters, no aux loss."""
+
+    name = "random"
+
+    def __init__(self, d_model: int, num_experts: int, cfg: RouterConfig) -> None:
+        super().__init__(num_experts)
+        self.k = 1
+        gen = torch.Generator().manual_seed(7919)
+        self.register_buffer("salt_D", torch.randint(1, 2**31 - 1, (d_model,), generator=gen),
+                             persistent=False)
+
+    def forward(self, x_TD: Tensor, rctx: RoutingContext | None = None) -> Routing:
+        rctx = _require_sentences(rctx, self.name)
+        q_BD = torch.round(sentence_repr(x_TD, rctx, self.name).float() * 100).long()
+        ids_B = torch.remainder((q_BD * self.salt_D.to(q_BD.device)).sum(-1), self.num_experts)
+        expert_ids_TK = ids_B[rctx.sentence_ids_T][:, None]
+        return Routing(expert_ids_TK=expert_ids_TK,
+                       weights_TK=torch.ones(expert_ids_TK.shape, dtype=x_TD.dtype,
+                                             device=x_TD.device),
+                       probs_TE=None, num_experts=self.num_experts,
+                       stats=_token_stats(expert_ids_TK, self.num_experts, rctx.pad_mask_T, None),
+                       sentence_expert_ids_BK=ids_B[:, None])
+
+
 class SingleRouter(Router):
     """Every token to expert 0 with weight 1: one adapter per layer (MoA's pre-injected one)."""
 

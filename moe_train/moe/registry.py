@@ -8,7 +8,8 @@ from moe_train.config.moe import RouterConfig
 from moe_train.errors import ConfigError
 from moe_train.moe.gated_router import GatedRouter
 from moe_train.moe.gating import Router, _expect
-from moe_train.moe.moa_router import GumbelMaxRouter, SharedRouter, SingleRouter
+from moe_train.moe.moa_router import (GumbelMaxRouter, RandomSentenceRouter, SharedRouter,
+                                      SingleRouter)
 from moe_train.moe.router import GShardRouter, SwitchRouter, TopKRouter, TopPRouter
 from moe_train.moe.sentence_router import SentenceRouter, TaskRouter
 from moe_train.moe.thor_router import ThorRouter
@@ -17,6 +18,7 @@ ROUTERS: dict[str, type[Router]] = {
     "gated": GatedRouter,
     "gshard": GShardRouter,
     "gumbel": GumbelMaxRouter,
+    "random": RandomSentenceRouter,
     "sentence": SentenceRouter,
     "single": SingleRouter,
     "switch": SwitchRouter,
@@ -40,7 +42,7 @@ def build_router(name: str, d_model: int, num_experts: int, cfg: RouterConfig,
     return ROUTERS[name](d_model, num_experts, cfg, **settings)
 
 
-SENTENCE_LEVEL_ROUTERS = ("sentence", "gumbel", "single", "task")
+SENTENCE_LEVEL_ROUTERS = ("sentence", "gumbel", "random", "single", "task")
 """Routers whose decision depends only on the sentence (its representation or task), never on a
 layer's token states: one `SharedRouter` can serve every adapter layer of a stack."""
 

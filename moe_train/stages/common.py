@@ -102,7 +102,7 @@ def stage_config(cfg: ExperimentConfig, stage_dir: Path, **sections: dict[str, A
 def training_summary(summary: dict[str, Any]) -> dict[str, Any]:
     """The part of `Trainer.fit`'s summary a training stage records."""
     keep = ("step", "train_seconds", "train_tokens_per_s", "export", "dev/loss", "dev/ppl",
-            "dev/bleu", "dev/chrf")
+            "dev/bleu", "dev/chrf", "stopped_early", "early_stop")
     return {k.replace("/", "_"): summary[k] for k in keep if k in summary}
 
 

@@ -10,6 +10,8 @@
   the test features), the distilled gate (top-1), and the adapter model's own sentence router
   (its top-1 on the same mean-pooled encoder states; the encoder is frozen, so the backbone's
   features are the adapter model's).
+- Random routing (``random_routing``): the adapter model decoded again with its sentence router
+  (gate or learned) replaced by a fixed arbitrary adapter per sentence: what routing is worth.
 - Extra parameters of the adapter model over the backbone.
 The backbone's scores are cached beside it (recipes sharing a backbone decode it once), keyed on
 the content of its export, of the test data and on the decode settings, and reported with
@@ -21,19 +23,21 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Callable
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from moe_train.config.moe import RouterConfig
 from moe_train.config.schema import EvalConfig
 from moe_train.data.shards import MANIFEST, ShardedDataset
 from moe_train.data.views import Relabeled
 from moe_train.eval.evaluate import evaluate_dataset
 from moe_train.eval.routing_stats import plot_heatmap, table_csv
 from moe_train.moe.adapters import AdapterSlot
-from moe_train.moe.moa_router import MoAGate
+from moe_train.moe.moa_router import MoAGate, RandomSentenceRouter, SharedRouter
 from moe_train.moe.routing import RoutingContext
 from moe_train.stages.cluster import load_cluster
 from moe_train.stages.cluster_core import cluster_report
@@ -78,6 +82,27 @@ def sentence_router_labels(inf: InferenceModel, features_ND: np.ndarray) -> np.n
     x_ND = torch.from_numpy(features_ND)
     rctx = RoutingContext.from_batch(len(x_ND), 1, sentence_repr_BD=x_ND, side="decoder")
     return router.route(x_ND, rctx).expert_ids_TK[:, 0].numpy()
+
+
+@contextmanager
+def random_routing(inf: InferenceModel):
+    """The adapter model with its sentence routers (gate or learned) swapped for
+    `RandomSentenceRouter` (each sentence to a fixed arbitrary adapter) inside the block;
+    yields whether there was anything to swap."""
+    shared = {id(m.moe.router): m.moe.router for m in inf.model.modules()
+              if isinstance(m, AdapterSlot) and isinstance(m.moe.router, SharedRouter)
+              and m.moe.router.name in ("gumbel", "sentence")}
+    saved = [(r, r.inner) for r in shared.values()]
+    for router, inner in saved:
+        router.inner = RandomSentenceRouter(inf.cfg.model.d_model, inner.num_experts,
+                                            RouterConfig())
+        router._memo = None
+    try:
+        yield bool(saved)
+    finally:
+        for router, inner in saved:
+            router.inner = inner
+            router._memo = None
 
 
 def backbone_cache_key(export: Path, prepared: Path, split: str, ecfg: EvalConfig,
@@ -151,6 +176,11 @@ def run(ctx: StageContext) -> dict[str, Any]:
             rnd, _ = evaluate_dataset(inf.model, Relabeled(test, shuffled), inf.vocab,
                                       inf.manifest, rt, ecfg, cfg.data.max_tokens, indices=idx)
             entry["rnd"] = {k: rnd["all"][k] for k in ("bleu", "chrf", "sentences")}
+        with random_routing(inf) as swapped:
+            if swapped:
+                rand, _ = evaluate_dataset(inf.model, test, inf.vocab, inf.manifest, rt, ecfg,
+                                           cfg.data.max_tokens, indices=idx)
+                entry["random_routing"] = {k: rand["all"][k] for k in ("bleu", "chrf")}
         entry["parameters"] = sum(p.numel() for p in inf.model.parameters())
         return entry
 

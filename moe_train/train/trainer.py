@@ -46,6 +46,7 @@ from moe_train.parallel.runtime import ParallelRuntime
 from moe_train.train.checkpoint import latest_tag, load_checkpoint, read_meta, save_checkpoint
 from moe_train.train.ds_config import build_deepspeed_config
 from moe_train.train.export import export_inference
+from moe_train.train.early_stop import EarlyStop
 from moe_train.train.hooks import Ratio, TrainerHooks, hooks_for
 from moe_train.train.loss import label_smoothed_nll
 from moe_train.train.monitor import Monitor, peak_memory_mb
@@ -416,6 +417,8 @@ class Trainer:
         window = {"loss": 0.0, "nll": 0.0, "tokens": 0.0}
         window_start = time.time()
         train_tokens_local = 0.0
+        early = EarlyStop(tc.early_stop_metric, tc.patience, tc.min_delta)
+        stopped_early = False
         while self.step < tc.max_steps:
             sums = self.train_step()
             self._count_nonfinite(bool(sums["nonfinite"]))
@@ -428,9 +431,11 @@ class Trainer:
                 window = {k: 0.0 for k in window}
                 window_start = time.time()
             pause = time.time()  # validation and checkpoints do not count as training time
+            plateau = False
             if tc.validate_every and self.step % tc.validate_every == 0 and self.step < tc.max_steps:
-                bleu_due = bool(tc.bleu_every) and self.step % tc.bleu_every == 0
-                self._validate(with_bleu=bleu_due)
+                bleu_due = (bool(tc.bleu_every) and self.step % tc.bleu_every == 0) or (
+                    tc.patience > 0 and tc.early_stop_metric == "bleu")
+                plateau = early.update(self.step, self._validate(with_bleu=bleu_due))
             if self.step % self.cfg.checkpoint.save_every == 0:
                 self.save()
             window_start += time.time() - pause
@@ -440,6 +445,15 @@ class Trainer:
             if out_of_time:
                 self.monitor.print(f"| time limit of {tc.max_minutes} min reached at step {self.step}")
                 break
+            if self.rt.world_size > 1:
+                plateau = all_reduce_floats(self.rt, float(plateau))[0] > 0
+            if plateau:
+                best = early.state()
+                self.monitor.print(f"| early stop at step {self.step}: {best['metric']} best "
+                                   f"{best['best']:.4f} at step {best['best_step']}, no "
+                                   f"improvement in {tc.patience} validations")
+                stopped_early = True
+                break
         elapsed = time.time() - start
         (tokens,) = all_reduce_floats(self.rt, train_tokens_local)
         final = self._validate(with_bleu=True)
@@ -447,6 +461,7 @@ class Trainer:
         export = self.export(path)
         self.monitor.print(f"| saved {path}" + (f" | exported {export}" if export else ""))
         self.monitor.close()
-        return {"step": self.step, "train_seconds": elapsed,
+        return {"step": self.step, "train_seconds": elapsed, "stopped_early": stopped_early,
+                **({"early_stop": early.state()} if tc.patience else {}),
                 "train_tokens_per_s": tokens / max(elapsed, 1e-9),
                 "checkpoint": str(path), "export": str(self.ckpt_dir / "export"), **final}

@@ -214,7 +214,7 @@ def test_gmm_fit_failure_is_a_data_error():
     # 40 points in 32 dims at scale 1e8: singleton components, reg_covar=1e-6 is negligible
     x_ND = np.random.default_rng(0).normal(size=(40, 32)) * 1e8
     with pytest.raises(DataError) as exc:
-        fit_clusterer(x_ND, 10, method="gmm")
+        fit_clusterer(x_ND, 10, method="gmm", standardize=False)
     msg = one_line(exc)
     assert "gmm failed on the 40 sampled sentences" in msg and "moa.num_clusters" in msg
 
@@ -243,7 +243,7 @@ def test_load_missing_and_corrupt(tmp_path, fitted):
     cases = {"garbage.skops": (b"not a skops file at all", "not a readable clusterer file"),
              "truncated.skops": (blob[: len(blob) // 2], "not a readable clusterer file"),
              "empty.skops": (b"", "not a readable clusterer file"),
-             "foreign.skops": (sio.dumps([1, 2, 3]), "not a clusterer file of format 2 (found "
+             "foreign.skops": (sio.dumps([1, 2, 3]), "not a clusterer file of format 3 (found "
                                                      "'list')"),
              "future.skops": (sio.dumps({"format_version": 99}), "(found 99)"),
              "partial.skops": (sio.dumps({"format_version": FORMAT_VERSION, "method": "gmm"}),
@@ -290,3 +290,18 @@ def test_sklearn_version_is_checked(tmp_path, fitted, caplog):
     with caplog.at_level("WARNING"):
         assert load_clusterer(patch).method == "gmm"
     assert f"{major}.{minor}.999" in caplog.text and sklearn.__version__ in caplog.text
+
+
+def test_standardizing_finds_clusters_that_a_loud_dimension_hides() -> None:
+    """Two true groups differ in 8 quiet dimensions; one loud dimension of pure noise has most of
+    the variance. Raw PCA to 1 dim keeps the loud noise; standardised PCA keeps the groups."""
+    rng = np.random.default_rng(0)
+    y_N = np.repeat([0, 1], 200)
+    x_ND = rng.normal(size=(400, 9)) * 0.3
+    x_ND[:, :8] += np.where(y_N[:, None] == 0, -1.0, 1.0)
+    x_ND[:, 8] = rng.normal(size=400) * 100.0
+    for standardize, lowest, highest in ((True, 0.95, 1.0), (False, 0.0, 0.7)):
+        f = fit_clusterer(x_ND, 2, method="kmeans", pca_dim=1, standardize=standardize)
+        pur = cluster_report(f.predict(x_ND), y_N, ["a", "b"])["pur"]
+        assert lowest <= pur <= highest, (standardize, pur)
+    assert np.allclose(f.scale_D, 1.0)

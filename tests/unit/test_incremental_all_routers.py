@@ -53,6 +53,8 @@ VARIANTS = {
                                        "adapters.k=3", "adapters.dim=4"],
     "adapters gumbel, both sides": ["adapters.num_experts=4", "adapters.router=gumbel",
                                     "adapters.sides=both", "adapters.dim=4"],
+    "adapters random (RND control)": ["adapters.num_experts=4", "adapters.router=random",
+                                      "adapters.dim=4"],
     "adapters sentence k=2, both sides": ["adapters.num_experts=4", "adapters.router=sentence",
                                           "adapters.k=2", "adapters.sides=both", "adapters.dim=4"],
     "adapters task by domain (ADPT)": ["adapters.num_experts=4", "adapters.router=task",

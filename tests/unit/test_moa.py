@@ -206,3 +206,21 @@ def test_routing_recorder_counts_each_layer_of_a_shared_router_once() -> None:
     for counts in tables.values():
         assert int(counts.expert_domain_EN.sum()) == 4 * 5 - 2
         assert torch.equal(counts.expert_domain_EN, tables[next(iter(tables))].expert_domain_EN)
+
+
+def test_random_router_is_a_fixed_arbitrary_choice_per_sentence() -> None:
+    from moe_train.moe.moa_router import RandomSentenceRouter
+
+    router = build_router("random", 8, 5, RouterConfig(k=1))
+    assert isinstance(router, RandomSentenceRouter) and not list(router.parameters())
+    repr_BD = torch.randn(400, 8)
+    r = router.route(torch.randn(400 * 2, 8), _rctx(400, 2, repr_BD))
+    ids = r.expert_ids_TK.view(400, 2)
+    assert torch.all(ids == ids[:, :1]) and not r.aux_losses  # one adapter per sentence
+    again = router.route(torch.randn(3 * 2, 8), _rctx(3, 2, repr_BD[[7, 7, 9]])).expert_ids_TK
+    assert again.view(3, 2)[:, 0].tolist() == [ids[7, 0].item()] * 2 + [ids[9, 0].item()]
+    counts = torch.bincount(ids[:, 0], minlength=5)
+    assert counts.min() >= 50, counts  # spread over every expert, whatever the sentence says
+    router.train()  # training and inference agree
+    assert torch.equal(router.route(torch.randn(800, 8), _rctx(400, 2, repr_BD)).expert_ids_TK,
+                       r.expert_ids_TK)

@@ -262,7 +262,8 @@ def test_registry_and_k_errors_are_one_line_config_errors() -> None:
     with pytest.raises(ConfigError) as err:
         build_router("x", 8, E, RouterConfig())
     assert str(err.value) == ("moe.router: unknown router 'x' "
-                              "(known: gated, gshard, gumbel, sentence, single, switch, task, thor, topk, topp)")
+                              "(known: gated, gshard, gumbel, random, sentence, single, switch, task, thor, "
+                                  "topk, topp)")
     for name in ("topk", "sentence", "task"):
         with pytest.raises(ConfigError) as err:
             build_router(name, 8, E, RouterConfig(k=5, num_tasks=3))

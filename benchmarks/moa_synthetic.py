@@ -1,0 +1,269 @@
+"""Recorded claims of seeds 000/001 on the synthetic corpus: the MoA recipe and its baselines
+on corpus seeds that no test uses, per seed and mean / spread.
+
+    .venv/bin/python benchmarks/moa_synthetic.py --fresh [--seeds 2101,2102,2103]
+    .venv/bin/python benchmarks/moa_synthetic.py --quick --fresh --seeds 1   # checks the script
+
+Per seed (work/moa-synthetic-bench/seed<S>/): a corpus (`SYNTH` options: shared vocabulary,
+24 domain-ambiguous words, 5% of sentences without a domain word) with its difficulty report,
+prepared once; then every run below as `python -m moe_train pipeline moa --stage S`
+subprocesses (configs/moa-synthetic*.yaml), finished stages reused:
+- moa: backbone (pre-injected adapter, to its dev-BLEU plateau), features, cluster, distill,
+  adapters (Gumbel-Max k=4, tau=1; early stopping on dev BLEU), evaluate (also decodes with
+  random routing: each sentence to a fixed arbitrary adapter);
+- top1: the same gate, adapters trained with top-1 routing (k=1);
+- di: label-free (moa) against domain anchors (seed 001 DI: `--anchors` dev sentences per
+  domain joined to the clustering sample): features .. evaluate;
+- switch_sl / sgmoe_sl: learned sentence-level gates (top-1 / noisy top-2) over K adapters;
+- adpt: one adapter per domain on both sides, oracle domain labels (RND: shuffled labels);
+- mixed_nat: a plain backbone without adapters, to its own plateau.
+Writes benchmarks/results/moa_synthetic_cpu.json: per seed the corpus difficulty (bag-of-words
+domain accuracy, BLEU of a right translation in the wrong domain, backbone -> ADPT gap), PUR/NMI
+of clusterer, distilled gate and learned gates on the test split, BLEU/chrF per domain of every
+model, the acceptance checks of issue 13, minutes per stage; then mean / std / min / max over
+seeds. A benchmark, not a test: about 25 minutes per seed on two cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from moa_real_data import run_stage, stage_record  # noqa: E402  (benchmarks/)
+
+from moe_train.utils.atomic import write_json  # noqa: E402
+from moe_train.utils.provenance import finish, provenance  # noqa: E402
+
+SYNTH = {"shared_rate": 0.5, "ambiguous": 24, "ambiguous_rate": 0.12, "cue_rate": 0.95}
+"""Corpus difficulty (moe_train.data.synthetic.SynthOptions)."""
+SIZES = {"num_domains": 5, "train_per_domain": 2000, "dev_per_domain": 100,
+         "test_per_domain": 200}
+QUICK_SIZES = {"num_domains": 5, "train_per_domain": 200, "dev_per_domain": 10,
+               "test_per_domain": 10}
+CONFIGS = {"moa": "configs/moa-synthetic.yaml", "switch_sl": "configs/moa-synthetic-switch-sl.yaml",
+           "sgmoe_sl": "configs/moa-synthetic-sgmoe-sl.yaml",
+           "adpt": "configs/moa-synthetic-adpt.yaml",
+           "mixed_nat": "configs/moa-synthetic-mixed-nat.yaml"}
+QUICK = ["model.d_model=32", "model.ffn_dim=64", "train.max_steps=6", "train.validate_every=3",
+         "train.bleu_sentences=5", "moa.sample_size=50", "moa.pca_dim=4", "moa.distill_steps=3",
+         "moa.adapter_steps=4", "moa.eval_sentences=3", "moa.eval_beam=1", "adapters.dim=4"]
+"""--quick: a tiny model and a few steps of every stage (checks the script, not the claims)."""
+GATED = ("moa", "top1", "di")
+"""Runs whose adapters are routed by a clusterer-distilled gate."""
+
+
+def make_corpus(work: Path, seed: int, sizes: dict[str, int]) -> dict[str, Any]:
+    """Generate (unless done) and prepare the seed's corpus; its domains.json."""
+    from moe_train.data.synthetic import SynthOptions
+    from moe_train.data.synthetic_dir import write_synthetic
+
+    corpus, prepared = work / "corpus", work / "prepared"
+    if not (corpus / "domains.json").is_file():
+        write_synthetic(corpus, overwrite=True, seed=seed, options=SynthOptions(**SYNTH),
+                        report=True, **sizes)
+    if not (prepared / "manifest.json").is_file():
+        cmd = [sys.executable, "-m", "moe_train", "prepare", "--data", str(corpus), "--out",
+               str(prepared), "--config", CONFIGS["moa"]]
+        proc = subprocess.run(cmd, cwd=ROOT, text=True, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT)
+        if proc.returncode != 0:
+            sys.stdout.write(proc.stdout[-6000:])
+            raise SystemExit(f"prepare failed with status {proc.returncode}")
+    return json.loads((corpus / "domains.json").read_text())
+
+
+def copy_gate(src: Path, dst: Path) -> None:
+    """Reuse a finished run's features, clusters and distilled gate in another workdir."""
+    for stage in ("features", "cluster", "distill"):
+        if not (dst / stage / "done.json").is_file():
+            shutil.copytree(src / stage, dst / stage, dirs_exist_ok=True)
+
+
+def run_seed(work: Path, common: list[str], anchors: int, runs: list[str]
+             ) -> dict[str, dict[str, Any]]:
+    """Every run of one seed; {run: {stage: run_stage result}}."""
+    backbone = [f"moa.backbone_dir={work / 'moa' / 'backbone'}"]
+    plan: dict[str, tuple[str, list[str], list[str]]] = {
+        "moa": (CONFIGS["moa"], [], ["backbone", "features", "cluster", "distill", "adapters",
+                                     "evaluate"]),
+        "top1": (CONFIGS["moa"], [*backbone, "adapters.k=1"], ["adapters", "evaluate"]),
+        "di": (CONFIGS["moa"], [*backbone, f"moa.anchors_per_domain={anchors}"],
+               ["features", "cluster", "distill", "adapters", "evaluate"]),
+        "switch_sl": (CONFIGS["switch_sl"], backbone, ["adapters", "evaluate"]),
+        "sgmoe_sl": (CONFIGS["sgmoe_sl"], backbone, ["adapters", "evaluate"]),
+        "adpt": (CONFIGS["adpt"], backbone, ["adapters", "evaluate"]),
+        "mixed_nat": (CONFIGS["mixed_nat"], ["moa.backbone_dir="], ["backbone", "evaluate"]),
+    }
+    out: dict[str, dict[str, Any]] = {}
+    for name in runs:
+        config, overrides, stages = plan[name]
+        workdir = work / name
+        if name == "top1":
+            copy_gate(work / "moa", workdir)
+        out[name] = {s: run_stage(config, workdir, s, [*common, *overrides]) for s in stages}
+    return out
+
+
+def _pn(report: dict[str, Any]) -> dict[str, float]:
+    return {"pur": round(report["pur"], 4), "nmi": round(report["nmi"], 4)}
+
+
+def _model(entry: dict[str, Any]) -> dict[str, Any]:
+    """BLEU/chrF overall and per domain of one evaluated model (+ random routing / RND)."""
+    rec = {"bleu": entry["all"]["bleu"], "chrf": entry["all"]["chrf"],
+           "bleu_per_domain": {d: m["bleu"] for d, m in entry["domains"].items()},
+           "chrf_per_domain": {d: m["chrf"] for d, m in entry["domains"].items()},
+           "parameters": entry["parameters"]}
+    if "random_routing" in entry:
+        rec["random_routing"] = entry["random_routing"]
+    if entry["rnd"] != entry["all"]:  # label-routed: decoded again with shuffled labels
+        rec["rnd_shuffled_labels"] = {k: entry["rnd"][k] for k in ("bleu", "chrf")}
+    return rec
+
+
+def seed_record(corpus: dict[str, Any], runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """One seed's figures and acceptance checks."""
+    evals = {name: st["evaluate"]["done"] for name, st in runs.items() if "evaluate" in st}
+    moa = evals["moa"]
+    models: dict[str, Any] = {"backbone": _model(moa["backbone"])}
+    for name, ev in evals.items():
+        models[name if name != "mixed_nat" else "mixed_nat"] = _model(
+            ev["adapters"] if "adapters" in ev else ev["backbone"])
+    routing: dict[str, Any] = {}
+    for name, ev in evals.items():
+        for key, rep in ev["routing"].items():
+            if name in GATED and key.startswith("router_"):
+                continue  # the gumbel router's top-1 is its distilled gate
+            if name not in GATED and key in ("clusterer", "distilled_gate"):
+                continue
+            routing[f"{name}/{key}" if name != "moa" else key] = _pn(rep)
+    st = runs["moa"]
+    routing["clusterer_train_sample"] = _pn(st["cluster"]["done"]["sampled_only"])
+    routing["distilled_gate_train_sample"] = _pn(st["distill"]["done"]["gate_vs_domains"])
+    training = {name: {s: {k: v["done"][k] for k in ("step", "stopped_early", "early_stop",
+                                                     "dev_bleu", "train_seconds") if k in v["done"]}
+                       for s, v in stages.items() if s in ("backbone", "adapters")}
+                for name, stages in runs.items()}
+    diff = dict(corpus.get("difficulty") or {})
+    if "adpt" in models:
+        diff["oracle_adapter_minus_backbone_bleu"] = round(
+            models["adpt"]["bleu"] - models["backbone"]["bleu"], 2)
+    minutes = {name: {s: v["minutes"] for s, v in stages.items()} for name, stages in runs.items()}
+    return {"difficulty": diff, "routing_test": routing, "translation": models,
+            "training": training, "checks": checks(models, routing),
+            "minutes": minutes,
+            "moa_recipe_minutes": round(sum(m or 0.0 for m in minutes["moa"].values()), 2),
+            "stages": {name: {s: stage_record(v) for s, v in stages.items()}
+                       for name, stages in runs.items()}}
+
+
+def checks(models: dict[str, Any], routing: dict[str, Any]) -> dict[str, Any]:
+    """Issue 13's acceptance items on one seed: value, bar, holds."""
+    gate, clus = routing["distilled_gate"], routing["clusterer"]
+    moa, bb = models["moa"], models["backbone"]
+    out: dict[str, Any] = {
+        "gate_pur_ge_0.9": {"value": gate["pur"], "holds": gate["pur"] >= 0.9},
+        "gate_nmi_ge_0.8": {"value": gate["nmi"], "holds": gate["nmi"] >= 0.8},
+        "gate_within_0.02_of_clusterer": {
+            "value": {"pur": round(gate["pur"] - clus["pur"], 4),
+                      "nmi": round(gate["nmi"] - clus["nmi"], 4)},
+            "holds": gate["pur"] >= clus["pur"] - 0.02 and gate["nmi"] >= clus["nmi"] - 0.02},
+        "moa_bleu_ge_backbone_plus_1": {"value": round(moa["bleu"] - bb["bleu"], 2),
+                                        "holds": moa["bleu"] >= bb["bleu"] + 1.0},
+        "moa_above_random_routing": {
+            "value": round(moa["bleu"] - moa["random_routing"]["bleu"], 2),
+            "holds": moa["bleu"] > moa["random_routing"]["bleu"]},
+    }
+    for name in ("switch_sl", "sgmoe_sl"):
+        key = f"{name}/router_sentence"
+        if key in routing:
+            out[f"{name}_gate_nmi_le_half_moa"] = {
+                "value": routing[key]["nmi"], "bar": round(gate["nmi"] / 2, 4),
+                "holds": routing[key]["nmi"] <= gate["nmi"] / 2}
+    if "top1" in models:
+        out["gumbel_k4_ge_top1"] = {"value": round(moa["bleu"] - models["top1"]["bleu"], 2),
+                                    "holds": moa["bleu"] >= models["top1"]["bleu"]}
+    return out
+
+
+def summary(per_seed: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Mean / std / min / max over seeds of every numeric leaf shared by all seeds."""
+    def leaves(d: Any, prefix: str = "") -> dict[str, float]:
+        if isinstance(d, dict):
+            out: dict[str, float] = {}
+            for k, v in d.items():
+                out.update(leaves(v, f"{prefix}{k}/"))
+            return out
+        return {prefix[:-1]: float(d)} if isinstance(d, (int, float)) and \
+            not isinstance(d, bool) else {}
+
+    keep = ("difficulty", "routing_test", "translation", "moa_recipe_minutes")
+    flat = [leaves({k: rec[k] for k in keep if k in rec}) for rec in per_seed.values()]
+    names = sorted(set.intersection(*(set(f) for f in flat)))
+    stats = {}
+    for n in names:
+        vals = [f[n] for f in flat]
+        stats[n] = {"mean": round(statistics.fmean(vals), 4),
+                    "std": round(statistics.pstdev(vals), 4),
+                    "min": round(min(vals), 4), "max": round(max(vals), 4)}
+    holds = {c: all(rec["checks"][c]["holds"] for rec in per_seed.values())
+             for c in set.intersection(*(set(r["checks"]) for r in per_seed.values()))}
+    return {"stats": stats, "checks_hold_on_every_seed": dict(sorted(holds.items()))}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seeds", default="2101,2102,2103",
+                    help="corpus seeds (tests use 0-99; keep these out of that range)")
+    ap.add_argument("--runs", default="moa,top1,di,switch_sl,sgmoe_sl,adpt,mixed_nat")
+    ap.add_argument("--anchors", type=int, default=20, help="dev anchors per domain for di")
+    ap.add_argument("--fresh", action="store_true", help="delete the work directory first")
+    ap.add_argument("--quick", action="store_true", help="tiny corpus, model and stages")
+    ap.add_argument("--work", default=None, help="default work/moa-synthetic-bench[-quick]")
+    ap.add_argument("--out", default=None,
+                    help="default benchmarks/results/moa_synthetic_cpu[_quick].json")
+    args = ap.parse_args()
+    prov = provenance()
+    suffix = "_quick" if args.quick else ""
+    work = Path(args.work or ROOT / "work" / f"moa-synthetic-bench{suffix.replace('_', '-')}")
+    out = Path(args.out or ROOT / "benchmarks" / "results" / f"moa_synthetic_cpu{suffix}.json")
+    if args.fresh and work.exists():
+        shutil.rmtree(work)
+    runs = [r for r in args.runs.split(",") if r]
+    if runs[:1] != ["moa"]:
+        raise SystemExit("--runs: must start with moa (the others use its backbone and gate)")
+    seeds = [int(s) for s in args.seeds.split(",") if s]
+    per_seed: dict[str, Any] = {}
+    t0 = time.time()
+    for seed in seeds:
+        sw = work / f"seed{seed}"
+        corpus = make_corpus(sw, seed, QUICK_SIZES if args.quick else SIZES)
+        common = [f"data.prepared_dir={sw / 'prepared'}", *(QUICK if args.quick else [])]
+        results = run_seed(sw, common, 2 if args.quick else args.anchors, runs)
+        per_seed[str(seed)] = seed_record(corpus, results)
+        print(json.dumps({seed: per_seed[str(seed)]["checks"]}, indent=1), flush=True)
+    record = {"benchmark": f"moa_synthetic_cpu{suffix}",
+              "config": {"configs": CONFIGS, "synth_options": SYNTH,
+                         "sizes": QUICK_SIZES if args.quick else SIZES, "seeds": seeds,
+                         "runs": runs, "anchors_per_domain_di": args.anchors,
+                         "quick_overrides": QUICK if args.quick else []},
+              "per_seed": per_seed, "across_seeds": summary(per_seed),
+              "wall_minutes": round((time.time() - t0) / 60, 2)}
+    record["provenance"] = finish(prov)
+    write_json(out, record)
+    print(json.dumps(record["across_seeds"]["checks_hold_on_every_seed"], indent=1))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,37 @@
+"""Early stopping on a dev metric: stop once `patience` validations in a row did not improve
+the best value by more than `min_delta` (dev loss: lower is better; dev BLEU: higher)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+METRICS = {"loss": ("dev/loss", -1.0), "bleu": ("dev/bleu", 1.0)}
+"""train.early_stop_metric -> (validation key, sign: +1 when higher is better)."""
+
+
+class EarlyStop:
+    """Tracks the best dev value; `update` says when the run has plateaued."""
+
+    def __init__(self, metric: str, patience: int, min_delta: float = 0.0) -> None:
+        self.key, self.sign = METRICS[metric]
+        self.patience, self.min_delta = patience, min_delta
+        self.best = -math.inf  # in sign-adjusted units
+        self.best_step = 0
+        self.bad = 0
+
+    def update(self, step: int, values: dict[str, Any]) -> bool:
+        """Record one validation; True when the last `patience` brought no improvement.
+        Validations without the metric (e.g. no BLEU that time) are ignored."""
+        if self.patience <= 0 or self.key not in values:
+            return False
+        value = self.sign * float(values[self.key])
+        if value > self.best + self.min_delta:
+            self.best, self.best_step, self.bad = value, step, 0
+            return False
+        self.bad += 1
+        return self.bad >= self.patience
+
+    def state(self) -> dict[str, Any]:
+        """What the summary reports: the best value and its step."""
+        return {"metric": self.key, "best": self.sign * self.best, "best_step": self.best_step}

@@ -1,0 +1,39 @@
+"""Early stopping: patience counts validations without improvement of the chosen dev metric."""
+
+from __future__ import annotations
+
+import pytest
+
+from moe_train.config import load_config
+from moe_train.errors import ConfigError
+from moe_train.train.early_stop import EarlyStop
+from tests.conftest import ROOT
+
+
+def test_bleu_plateau_stops_after_patience_validations() -> None:
+    stop = EarlyStop("bleu", patience=2, min_delta=0.5)
+    seen = [stop.update(step, {"dev/loss": 1.0, "dev/bleu": bleu})
+            for step, bleu in [(100, 10.0), (200, 20.0), (300, 20.3), (400, 25.0), (500, 24.0),
+                               (600, 25.4)]]
+    assert seen == [False, False, False, False, False, True]
+    assert stop.state() == {"metric": "dev/bleu", "best": 25.0, "best_step": 400}
+
+
+def test_loss_is_lower_better_and_missing_values_are_ignored() -> None:
+    stop = EarlyStop("loss", patience=1)
+    assert not stop.update(1, {"dev/loss": 3.0})
+    assert not stop.update(2, {"dev/bleu": 1.0})  # no loss this time: not counted
+    assert not stop.update(3, {"dev/loss": 2.0})
+    assert stop.update(4, {"dev/loss": 2.5})
+    assert not EarlyStop("loss", patience=0).update(5, {"dev/loss": 9.0})  # off
+
+
+def test_config_checks() -> None:
+    path = ROOT / "configs" / "debug-cpu.yaml"
+    cfg = load_config(path, ["train.patience=3", "train.early_stop_metric=bleu",
+                             "train.validate_every=50"])
+    assert cfg.train.patience == 3
+    with pytest.raises(ConfigError, match="train.early_stop_metric: expected loss or bleu"):
+        load_config(path, ["train.early_stop_metric=chrf"])
+    with pytest.raises(ConfigError, match="train.patience: expected 0 unless"):
+        load_config(path, ["train.patience=2", "train.validate_every=0"])
