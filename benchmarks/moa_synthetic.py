@@ -3,9 +3,11 @@ on corpus seeds that no test uses, per seed and mean / spread.
 
     .venv/bin/python benchmarks/moa_synthetic.py --fresh [--seeds 2101,2102,2103]
     .venv/bin/python benchmarks/moa_synthetic.py --quick --fresh --seeds 1   # checks the script
+    .venv/bin/python benchmarks/moa_synthetic.py --profile test --seeds 2201,2202,2203
 
-Per seed (work/moa-synthetic-bench/seed<S>/): a corpus (`SYNTH` options: shared vocabulary,
-24 domain-ambiguous words, 5% of sentences without a domain word) with its difficulty report,
+Per seed (work/moa-synthetic-bench/seed<S>/): a corpus (preset domain-matters: shared
+vocabulary, 24 domain-ambiguous words, 5% of sentences without a domain word) with its
+difficulty report,
 prepared once; then every run below as `python -m moe_train pipeline moa --stage S`
 subprocesses (configs/moa-synthetic*.yaml), finished stages reused:
 - moa: backbone (pre-injected adapter, to its dev-BLEU plateau), features, cluster, distill,
@@ -17,7 +19,9 @@ subprocesses (configs/moa-synthetic*.yaml), finished stages reused:
 - switch_sl / sgmoe_sl: learned sentence-level gates (top-1 / noisy top-2) over K adapters;
 - adpt: one adapter per domain on both sides, oracle domain labels (RND: shuffled labels);
 - mixed_nat: a plain backbone without adapters, to its own plateau.
-Writes benchmarks/results/moa_synthetic_cpu.json: per seed the corpus difficulty (bag-of-words
+`--profile test` runs instead the integration test's exact MoA run on other seeds and records
+whether its bars hold (moa_synthetic_test_bars_cpu.json). Writes
+benchmarks/results/moa_synthetic_cpu.json: per seed the corpus difficulty (bag-of-words
 domain accuracy, BLEU of a right translation in the wrong domain, backbone -> ADPT gap), PUR/NMI
 of clusterer, distilled gate and learned gates on the test split, BLEU/chrF per domain of every
 model, the acceptance checks of issue 13, minutes per stage; then mean / std / min / max over
@@ -27,6 +31,7 @@ seeds. A benchmark, not a test: about 25 minutes per seed on two cores.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import shutil
 import statistics
@@ -39,13 +44,13 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from moa_real_data import run_stage, stage_record  # noqa: E402  (benchmarks/)
+from moa_real_data import _pur_nmi as _pn, run_stage, stage_record  # noqa: E402
 
 from moe_train.utils.atomic import write_json  # noqa: E402
 from moe_train.utils.provenance import finish, provenance  # noqa: E402
 
-SYNTH = {"shared_rate": 0.5, "ambiguous": 24, "ambiguous_rate": 0.12, "cue_rate": 0.95}
-"""Corpus difficulty (moe_train.data.synthetic.SynthOptions)."""
+PRESET = "domain-matters"
+"""Corpus difficulty: moe_train.data.synthetic.PRESETS[PRESET]."""
 SIZES = {"num_domains": 5, "train_per_domain": 2000, "dev_per_domain": 100,
          "test_per_domain": 200}
 QUICK_SIZES = {"num_domains": 5, "train_per_domain": 200, "dev_per_domain": 10,
@@ -64,12 +69,12 @@ GATED = ("moa", "top1", "di")
 
 def make_corpus(work: Path, seed: int, sizes: dict[str, int]) -> dict[str, Any]:
     """Generate (unless done) and prepare the seed's corpus; its domains.json."""
-    from moe_train.data.synthetic import SynthOptions
+    from moe_train.data.synthetic import PRESETS
     from moe_train.data.synthetic_dir import write_synthetic
 
     corpus, prepared = work / "corpus", work / "prepared"
     if not (corpus / "domains.json").is_file():
-        write_synthetic(corpus, overwrite=True, seed=seed, options=SynthOptions(**SYNTH),
+        write_synthetic(corpus, overwrite=True, seed=seed, options=PRESETS[PRESET],
                         report=True, **sizes)
     if not (prepared / "manifest.json").is_file():
         cmd = [sys.executable, "-m", "moe_train", "prepare", "--data", str(corpus), "--out",
@@ -112,10 +117,6 @@ def run_seed(work: Path, common: list[str], anchors: int, runs: list[str]
             copy_gate(work / "moa", workdir)
         out[name] = {s: run_stage(config, workdir, s, [*common, *overrides]) for s in stages}
     return out
-
-
-def _pn(report: dict[str, Any]) -> dict[str, float]:
-    return {"pur": round(report["pur"], 4), "nmi": round(report["nmi"], 4)}
 
 
 def _model(entry: dict[str, Any]) -> dict[str, Any]:
@@ -221,6 +222,39 @@ def summary(per_seed: dict[str, dict[str, Any]]) -> dict[str, Any]:
     return {"stats": stats, "checks_hold_on_every_seed": dict(sorted(holds.items()))}
 
 
+def test_bars(work: Path, seeds: list[int]) -> dict[str, Any]:
+    """``--profile test``: tests/integration/test_moa_pipeline.py's exact run (its corpus sizes,
+    preset and overrides) on other corpus seeds, and whether its bars hold on each."""
+    from tests.integration import test_moa_pipeline as t
+
+    per_seed: dict[str, Any] = {}
+    for seed in seeds:
+        sw = work / f"seed{seed}"
+        if sw.exists():
+            shutil.rmtree(sw)
+        prepared = t.make_corpus(sw, seed)
+        cmd = [sys.executable, "-m", "moe_train", "pipeline", "moa", "--config", t.CONFIG,
+               f"data.prepared_dir={prepared}", f"moa.workdir={sw / 'run'}", *t.OVERRIDES]
+        start = time.time()
+        proc = subprocess.run(cmd, cwd=ROOT, text=True, capture_output=True)
+        if proc.returncode != 0:
+            sys.stdout.write(proc.stdout[-3000:] + proc.stderr[-3000:])
+            raise SystemExit(f"seed {seed}: the pipeline failed with status {proc.returncode}")
+        done = json.loads(proc.stdout.strip().splitlines()[-1])
+        gate, clus = done["distill"]["gate_vs_domains"], done["cluster"]["all"]
+        per_seed[str(seed)] = {
+            "gate_train_features": _pn(gate), "clusterer_train_sample": _pn(clus),
+            "routing_test": {k: _pn(v) for k, v in done["evaluate"]["routing"].items()},
+            "backbone_dev_bleu": done["backbone"].get("dev_bleu"),
+            "minutes": round((time.time() - start) / 60, 2),
+            "bars_hold": gate["pur"] >= t.GATE_BARS["pur"] and gate["nmi"] >= t.GATE_BARS["nmi"]
+            and clus["pur"] >= t.GATE_BARS["pur"]}
+        print(json.dumps({seed: per_seed[str(seed)]}), flush=True)
+    return {"test_seed": t.SEED, "bars": t.GATE_BARS, "corpus": t.CORPUS, "preset": t.PRESET,
+            "overrides": t.OVERRIDES, "per_seed": per_seed,
+            "bars_hold_on_every_seed": all(r["bars_hold"] for r in per_seed.values())}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seeds", default="2101,2102,2103",
@@ -229,16 +263,32 @@ def main() -> None:
     ap.add_argument("--anchors", type=int, default=20, help="dev anchors per domain for di")
     ap.add_argument("--fresh", action="store_true", help="delete the work directory first")
     ap.add_argument("--quick", action="store_true", help="tiny corpus, model and stages")
+    ap.add_argument("--profile", choices=("claims", "test"), default="claims",
+                    help="claims: every run below; test: the integration test's run on --seeds "
+                    "(are its bars safe on seeds it does not use?)")
     ap.add_argument("--work", default=None, help="default work/moa-synthetic-bench[-quick]")
     ap.add_argument("--out", default=None,
-                    help="default benchmarks/results/moa_synthetic_cpu[_quick].json")
+                    help="default benchmarks/results/moa_synthetic[_quick|_test_bars]_cpu.json")
     args = ap.parse_args()
+    from moe_train.data.synthetic import PRESETS
+
     prov = provenance()
     suffix = "_quick" if args.quick else ""
+    if args.profile == "test":
+        suffix = "_test_bars"
     work = Path(args.work or ROOT / "work" / f"moa-synthetic-bench{suffix.replace('_', '-')}")
-    out = Path(args.out or ROOT / "benchmarks" / "results" / f"moa_synthetic_cpu{suffix}.json")
+    out = Path(args.out or ROOT / "benchmarks" / "results" / f"moa_synthetic{suffix}_cpu.json")
     if args.fresh and work.exists():
         shutil.rmtree(work)
+    if args.profile == "test":
+        t0 = time.time()
+        record = {"benchmark": "moa_synthetic_test_bars_cpu",
+                  **test_bars(work, [int(s) for s in args.seeds.split(",") if s]),
+                  "wall_minutes": round((time.time() - t0) / 60, 2)}
+        record["provenance"] = finish(prov)
+        write_json(out, record)
+        print(f"bars hold on every seed: {record['bars_hold_on_every_seed']}; wrote {out}")
+        return
     runs = [r for r in args.runs.split(",") if r]
     if runs[:1] != ["moa"]:
         raise SystemExit("--runs: must start with moa (the others use its backbone and gate)")
@@ -252,8 +302,9 @@ def main() -> None:
         results = run_seed(sw, common, 2 if args.quick else args.anchors, runs)
         per_seed[str(seed)] = seed_record(corpus, results)
         print(json.dumps({seed: per_seed[str(seed)]["checks"]}, indent=1), flush=True)
-    record = {"benchmark": f"moa_synthetic_cpu{suffix}",
-              "config": {"configs": CONFIGS, "synth_options": SYNTH,
+    record = {"benchmark": f"moa_synthetic{suffix}_cpu",
+              "config": {"configs": CONFIGS, "synth_preset": PRESET,
+                         "synth_options": dataclasses.asdict(PRESETS[PRESET]),
                          "sizes": QUICK_SIZES if args.quick else SIZES, "seeds": seeds,
                          "runs": runs, "anchors_per_domain_di": args.anchors,
                          "quick_overrides": QUICK if args.quick else []},

@@ -158,15 +158,18 @@ def _add_synth(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--overwrite", action="store_true",
                    help="replace an existing synthetic corpus at --out")
     g = p.add_argument_group("difficulty (defaults: the original corpus)")
+    g.add_argument("--preset", choices=("default", "domain-matters"), default="default",
+                   help="a named set of the options below (they override it); domain-matters: "
+                   "--shared-rate 0.5 --ambiguous 24 --cue-rate 0.95")
     g.add_argument("--shared-rate", type=float, default=None,
                    help="probability that a noun, verb or adjective comes from the shared "
                    "vocabulary (default 0.15 / 0.2 / 0.25)")
-    g.add_argument("--ambiguous", type=int, default=4,
+    g.add_argument("--ambiguous", type=int, default=None,
                    help="how many shared words translate by domain (0..24; default 4: the four "
                    "ambiguous nouns, then shared nouns, verbs, adjectives)")
-    g.add_argument("--ambiguous-rate", type=float, default=0.12,
+    g.add_argument("--ambiguous-rate", type=float, default=None,
                    help="probability that a noun is one of the four ambiguous nouns")
-    g.add_argument("--cue-rate", type=float, default=1.0,
+    g.add_argument("--cue-rate", type=float, default=None,
                    help="fraction of sentences with a word of their domain's own vocabulary; "
                    "the rest use shared words only (default 1.0)")
 

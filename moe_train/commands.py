@@ -28,12 +28,15 @@ def _runtime():
 
 
 def cmd_synth(args: argparse.Namespace) -> int:
-    from moe_train.data.synthetic import SynthOptions
+    import dataclasses
+
+    from moe_train.data.synthetic import PRESETS
     from moe_train.data.synthetic_dir import write_synthetic
 
     langs = [lang.strip() for lang in args.langs.split(",") if lang.strip()]
-    options = SynthOptions(shared_rate=args.shared_rate, ambiguous=args.ambiguous,
-                           ambiguous_rate=args.ambiguous_rate, cue_rate=args.cue_rate)
+    given = {name: getattr(args, name) for name in ("shared_rate", "ambiguous", "ambiguous_rate",
+                                                    "cue_rate") if getattr(args, name) is not None}
+    options = dataclasses.replace(PRESETS[args.preset], **given)
     info = write_synthetic(args.out, overwrite=args.overwrite, num_domains=args.domains,
                            target_langs=langs, train_per_domain=args.train,
                            dev_per_domain=args.dev, test_per_domain=args.test, seed=args.seed,

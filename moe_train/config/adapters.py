@@ -91,6 +91,9 @@ class MoAConfig:
     """PCA dimension before clustering (paper: 512 -> 64)."""
     clusterer: str = "gmm"
     """gmm (full covariance, the paper's choice), kmeans or birch."""
+    cluster_inits: int = 5
+    """Initialisations of the clusterer; the best by likelihood is kept (gmm; kmeans runs at
+    least 10). sklearn's GMM default, 1, often stops in a poor local optimum."""
     standardize: bool = True
     """Divide each feature by its standard deviation over the sample before PCA (False: PCA of
     the raw features, as the papers describe it)."""
@@ -116,7 +119,7 @@ class MoAConfig:
     def __post_init__(self) -> None:
         _expect(bool(self.workdir), "moa.workdir", "a directory", self.workdir)
         _expect(self.num_clusters >= 2, "moa.num_clusters", "at least 2", self.num_clusters)
-        for name in ("sample_size", "pca_dim", "distill_steps", "distill_batch_sentences",
+        for name in ("sample_size", "pca_dim", "cluster_inits", "distill_steps", "distill_batch_sentences",
                      "adapter_steps", "eval_sentences", "eval_beam"):
             _expect(getattr(self, name) >= 1, f"moa.{name}", "a positive integer",
                     getattr(self, name))

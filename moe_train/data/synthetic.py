@@ -29,7 +29,8 @@ from moe_train.errors import ConfigError
 from moe_train.utils.atomic import write_json, write_text
 
 __all__ = ["AMBIGUITY_ORDER", "AMBIGUOUS", "DOMAINS", "SOURCE_LANG", "SPLITS", "TARGET_LANGS",
-           "SynthOptions", "detokenize", "generate_sentences", "generate_synthetic", "gloss",
+           "PRESETS", "SynthOptions", "detokenize", "generate_sentences", "generate_synthetic",
+           "gloss",
            "pair_name", "tokenize", "translate", "vocabulary"]
 
 SPLITS = ("train", "dev", "test")
@@ -69,6 +70,16 @@ class SynthOptions:
 
     def p_shared(self, pos: str) -> float:
         return _SHARED_RATES[pos] if self.shared_rate is None else self.shared_rate
+
+
+PRESETS = {
+    "default": SynthOptions(),
+    "domain-matters": SynthOptions(shared_rate=0.5, ambiguous=24, cue_rate=0.95),
+}
+"""Named option sets. domain-matters (the MoA recipe's corpus): half the content words shared,
+24 shared words translated by domain, 5% of sentences without a domain word; a bag-of-words
+classifier still finds the domain ~98% of the time, and a perfect translation made for the
+wrong domain scores ~40 BLEU."""
 
 
 @dataclass(frozen=True)

@@ -305,3 +305,10 @@ def test_standardizing_finds_clusters_that_a_loud_dimension_hides() -> None:
         pur = cluster_report(f.predict(x_ND), y_N, ["a", "b"])["pur"]
         assert lowest <= pur <= highest, (standardize, pur)
     assert np.allclose(f.scale_D, 1.0)
+
+
+def test_gmm_keeps_the_best_of_several_initialisations(data) -> None:
+    one = fit_clusterer(data["x"], C + 3, method="gmm", pca_dim=4, inits=1)
+    five = fit_clusterer(data["x"], C + 3, method="gmm", pca_dim=4, inits=5)
+    assert (one.model.n_init, five.model.n_init) == (1, 5)
+    assert five.model.lower_bound_ >= one.model.lower_bound_  # its first run is `one`'s

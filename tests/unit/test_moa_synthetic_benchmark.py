@@ -1,0 +1,61 @@
+"""benchmarks/moa_synthetic.py without running it: the acceptance checks it records per seed
+and the mean / spread over seeds."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def bench():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        spec = importlib.util.spec_from_file_location("moa_synthetic", ROOT / "benchmarks" /
+                                                      "moa_synthetic.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    return module
+
+
+def _models(moa: float, backbone: float, random: float, top1: float) -> dict:
+    return {"moa": {"bleu": moa, "random_routing": {"bleu": random}},
+            "backbone": {"bleu": backbone}, "top1": {"bleu": top1}}
+
+
+def _routing(gate: tuple, clus: tuple, switch_nmi: float) -> dict:
+    return {"distilled_gate": {"pur": gate[0], "nmi": gate[1]},
+            "clusterer": {"pur": clus[0], "nmi": clus[1]},
+            "switch_sl/router_sentence": {"pur": 0.3, "nmi": switch_nmi}}
+
+
+def test_checks_pass_and_fail_on_the_issue_bars(bench) -> None:
+    good = bench.checks(_models(30.0, 28.9, 20.0, 29.5), _routing((0.95, 0.85), (0.96, 0.86),
+                                                                   0.4))
+    assert all(c["holds"] for c in good.values()), good
+    assert good["moa_bleu_ge_backbone_plus_1"]["value"] == 1.1
+    bad = bench.checks(_models(29.5, 28.9, 29.6, 29.6), _routing((0.89, 0.85), (0.93, 0.86),
+                                                                  0.43))
+    failed = {name for name, c in bad.items() if not c["holds"]}
+    assert failed == {"gate_pur_ge_0.9", "gate_within_0.02_of_clusterer",
+                      "moa_bleu_ge_backbone_plus_1", "moa_above_random_routing",
+                      "switch_sl_gate_nmi_le_half_moa", "gumbel_k4_ge_top1"}
+
+
+def test_summary_is_mean_and_spread_of_shared_leaves(bench) -> None:
+    def rec(bleu: float, holds: bool) -> dict:
+        return {"translation": {"moa": {"bleu": bleu, "flag": True}},
+                "moa_recipe_minutes": 10.0, "checks": {"x": {"holds": holds}}}
+
+    out = bench.summary({"1": rec(20.0, True), "2": rec(22.0, True), "3": rec(24.0, False)})
+    assert out["stats"]["translation/moa/bleu"] == {"mean": 22.0, "std": 1.633, "min": 20.0,
+                                                     "max": 24.0}
+    assert "translation/moa/flag" not in out["stats"]  # booleans are not figures
+    assert out["checks_hold_on_every_seed"] == {"x": False}
