@@ -96,8 +96,12 @@ def with_test_dir(data: str, test_dir: str, out: Path) -> str:
     split: clusterer, gate and models are all labelled and scored on them, and training pairs
     whose source is one of them are dropped."""
     from moe_train.data.corpus import discover
+    from moe_train.errors import DataError
 
-    tests = discover(test_dir, splits=["test"])
+    try:
+        tests = discover(test_dir, splits=["test"])
+    except DataError as exc:
+        raise SystemExit(f"--test-dir {test_dir}: {exc}") from None
     if not tests:
         raise SystemExit(f"--test-dir {test_dir}: no test files (expected "
                          "DOMAIN/DOMAIN.l1-l2.test.LANG)")

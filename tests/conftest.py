@@ -117,3 +117,18 @@ def debug_overrides(prepared: Path, work: Path, *extra: str) -> list[str]:
     """debug-cpu.yaml pointed at `prepared`, writing under `work`."""
     return [f"data.prepared_dir={prepared}", f"checkpoint.dir={work / 'ckpt'}",
             f"logging.tensorboard_dir={work / 'tb'}", *extra]
+
+
+def load_benchmark(name: str):
+    """benchmarks/<name>.py as a module (its sibling scripts importable while it loads)."""
+    import importlib.util
+
+    bench_dir = str(ROOT / "benchmarks")
+    sys.path.insert(0, bench_dir)
+    try:
+        spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(bench_dir)
+    return module

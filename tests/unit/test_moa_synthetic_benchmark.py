@@ -3,26 +3,14 @@ and the mean / spread over seeds."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.conftest import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def bench():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        spec = importlib.util.spec_from_file_location("moa_synthetic", ROOT / "benchmarks" /
-                                                      "moa_synthetic.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
-    return module
+    return load_benchmark("moa_synthetic")
 
 
 def _models(moa: float, backbone: float, random: float, top1: float) -> dict:
