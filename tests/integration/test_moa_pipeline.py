@@ -27,7 +27,7 @@ CORPUS = {"num_domains": 5, "train_per_domain": 500, "dev_per_domain": 20,
 PRESET = "default"
 """The recipe's own corpus (domain-matters) needs a backbone of a few thousand steps before its
 encoder states separate the domains; the default corpus gets there in a few hundred."""
-OVERRIDES = ["train.max_steps=800", "train.patience=0", "train.validate_every=0",
+OVERRIDES = ["train.max_steps=1500", "train.patience=0", "train.validate_every=0",
              "data.max_tokens=1024", "train.bleu_sentences=40", "moa.sample_size=2500",
              "moa.distill_steps=300", "moa.adapter_steps=60", "moa.eval_sentences=8"]
 """configs/moa-synthetic.yaml shortened to about two minutes on two cores."""
