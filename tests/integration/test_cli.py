@@ -40,8 +40,10 @@ def test_synth_writes_the_generator_corpus_that_prepare_reads(tmp_path):
     proc = run_cli(args, cwd=tmp_path)
     assert f"wrote {out}" in proc.stdout and "de-en, en-fr" in proc.stdout
     generate_synthetic(tmp_path / "ref", num_domains=2, target_langs=["de", "fr"],
-                       train_per_domain=30, dev_per_domain=3, test_per_domain=4, seed=11)
+                       train_per_domain=30, dev_per_domain=3, test_per_domain=4, seed=11,
+                       report=True)  # synth adds the difficulty report
     files = _files(out)
+    assert "difficulty: bag-of-words domain accuracy" in proc.stdout
     assert files == _files(tmp_path / "ref")
     assert len(files) == 1 + 2 * 2 * 3 * 2  # domains.json + domains x pairs x splits x sides
     assert (out / "medical" / "medical.en-fr.test.fr").read_text().count("\n") == 4
