@@ -225,6 +225,7 @@ def summary(per_seed: dict[str, dict[str, Any]]) -> dict[str, Any]:
 def test_bars(work: Path, seeds: list[int]) -> dict[str, Any]:
     """``--profile test``: tests/integration/test_moa_pipeline.py's exact run (its corpus sizes,
     preset and overrides) on other corpus seeds, and whether its bars hold on each."""
+    from tests.conftest import cli_env
     from tests.integration import test_moa_pipeline as t
 
     per_seed: dict[str, Any] = {}
@@ -236,7 +237,8 @@ def test_bars(work: Path, seeds: list[int]) -> dict[str, Any]:
         cmd = [sys.executable, "-m", "moe_train", "pipeline", "moa", "--config", t.CONFIG,
                f"data.prepared_dir={prepared}", f"moa.workdir={sw / 'run'}", *t.OVERRIDES]
         start = time.time()
-        proc = subprocess.run(cmd, cwd=ROOT, text=True, capture_output=True)
+        proc = subprocess.run(cmd, cwd=ROOT, text=True, capture_output=True,
+                              env=cli_env())  # the test's environment: one OpenMP thread
         if proc.returncode != 0:
             sys.stdout.write(proc.stdout[-3000:] + proc.stderr[-3000:])
             raise SystemExit(f"seed {seed}: the pipeline failed with status {proc.returncode}")
