@@ -65,6 +65,10 @@ def _scores(metrics: dict[str, Any]) -> dict[str, Any]:
             "domains": {d: {k: m[k] for k in keep} for d, m in metrics["domains"].items()}}
 
 
+SENTENCE_ROUTED = ("gumbel", "sentence")
+"""Adapter routers that decide from the sentence representation (a gate or a learned one)."""
+
+
 def _uses_domain_labels(inf: InferenceModel) -> bool:
     a = inf.cfg.adapters
     return a.enabled and a.router == "task" and a.task_source == "domain"
@@ -76,7 +80,7 @@ def sentence_router_labels(inf: InferenceModel, features_ND: np.ndarray) -> np.n
     from the sentence representation (gumbel, sentence), given the mean-pooled encoder states
     (its own input); None for other routers."""
     slots = [m for m in inf.model.decoder_layers if isinstance(m.adapter, AdapterSlot)]
-    if not slots or slots[0].adapter.moe.router.name not in ("gumbel", "sentence"):
+    if not slots or slots[0].adapter.moe.router.name not in SENTENCE_ROUTED:
         return None
     router = slots[0].adapter.moe.router.inner.eval()
     x_ND = torch.from_numpy(features_ND)
@@ -91,7 +95,7 @@ def random_routing(inf: InferenceModel):
     yields whether there was anything to swap."""
     shared = {id(m.moe.router): m.moe.router for m in inf.model.modules()
               if isinstance(m, AdapterSlot) and isinstance(m.moe.router, SharedRouter)
-              and m.moe.router.name in ("gumbel", "sentence")}
+              and m.moe.router.name in SENTENCE_ROUTED}
     saved = [(r, r.inner) for r in shared.values()]
     for router, inner in saved:
         router.inner = RandomSentenceRouter(inf.cfg.model.d_model, inner.num_experts,

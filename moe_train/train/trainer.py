@@ -436,6 +436,8 @@ class Trainer:
                 bleu_due = (bool(tc.bleu_every) and self.step % tc.bleu_every == 0) or (
                     tc.patience > 0 and tc.early_stop_metric == "bleu")
                 plateau = early.update(self.step, self._validate(with_bleu=bleu_due))
+                if self.rt.world_size > 1:  # ranks stop together (only after a validation)
+                    plateau = all_reduce_floats(self.rt, float(plateau))[0] > 0
             if self.step % self.cfg.checkpoint.save_every == 0:
                 self.save()
             window_start += time.time() - pause
@@ -445,8 +447,6 @@ class Trainer:
             if out_of_time:
                 self.monitor.print(f"| time limit of {tc.max_minutes} min reached at step {self.step}")
                 break
-            if self.rt.world_size > 1:
-                plateau = all_reduce_floats(self.rt, float(plateau))[0] > 0
             if plateau:
                 best = early.state()
                 self.monitor.print(f"| early stop at step {self.step}: {best['metric']} best "
