@@ -97,6 +97,13 @@ class MoAConfig:
     standardize: bool = True
     """Divide each feature by its standard deviation over the sample before PCA (False: PCA of
     the raw features, as the papers describe it)."""
+    whiten: bool | None = None
+    """Whiten the PCA output (unit variance per component; the papers: False). Steers GMM's
+    k-means initialisation away from high-variance non-domain directions. None: True for gmm,
+    False for kmeans and birch (whose distances it distorts)."""
+    unit_norm: bool | None = None
+    """Scale each PCA vector to unit length before clustering, so clusters follow directions,
+    not magnitudes (the papers: False). None: as `whiten`."""
     distill_steps: int = 2000
     """Gate distillation updates (paper: 10k)."""
     distill_batch_sentences: int = 256
@@ -119,7 +126,8 @@ class MoAConfig:
     def __post_init__(self) -> None:
         _expect(bool(self.workdir), "moa.workdir", "a directory", self.workdir)
         _expect(self.num_clusters >= 2, "moa.num_clusters", "at least 2", self.num_clusters)
-        for name in ("sample_size", "pca_dim", "cluster_inits", "distill_steps", "distill_batch_sentences",
+        for name in ("sample_size", "pca_dim", "cluster_inits", "distill_steps",
+                     "distill_batch_sentences",
                      "adapter_steps", "eval_sentences", "eval_beam"):
             _expect(getattr(self, name) >= 1, f"moa.{name}", "a positive integer",
                     getattr(self, name))
@@ -129,6 +137,9 @@ class MoAConfig:
                 "a list of domain names", self.anchor_domains)
         _expect(self.clusterer in CLUSTERERS, "moa.clusterer", f"one of {', '.join(CLUSTERERS)}",
                 self.clusterer)
+        for name in ("whiten", "unit_norm"):
+            if getattr(self, name) is None:
+                setattr(self, name, self.clusterer == "gmm")
         _expect(self.distill_lr > 0 and self.adapter_lr > 0, "moa.distill_lr",
                 "positive learning rates (distill_lr, adapter_lr)",
                 (self.distill_lr, self.adapter_lr))

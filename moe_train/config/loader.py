@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import types
 import typing
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,12 @@ from moe_train.errors import ConfigError
 def _coerce(value: Any, tp: Any, path: str) -> Any:
     """Check `value` against annotation `tp` (int/float/bool/str/tuple/dict/dataclass)."""
     origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType) and type(None) in args:  # `T | None`
+        if value is None:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _coerce(value, inner[0], path) if len(inner) == 1 else value
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
             raise ConfigError(f"{path}: expected a mapping of {tp.__name__} fields, got {value!r}")

@@ -45,7 +45,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
     summary: dict[str, Any] | None = None
     if ctx.rt.is_main:
         fitted = fit_clusterer(features_ND, moa.num_clusters, moa.clusterer, moa.pca_dim, moa.seed,
-                               moa.standardize, moa.cluster_inits)
+                               moa.standardize, moa.cluster_inits, moa.whiten, moa.unit_norm)
         labels_N = fitted.predict(features_ND)
         out.mkdir(parents=True, exist_ok=True)
         fitted.save(out / CLUSTERER)
@@ -55,7 +55,8 @@ def run(ctx: StageContext) -> dict[str, Any]:
         domains = _domain_names(ctx)
         sampled = meta["split"] == 0
         summary = {"method": moa.clusterer, "num_clusters": moa.num_clusters,
-                   "standardize": moa.standardize, "inits": moa.cluster_inits,
+                   "standardize": moa.standardize, "whiten": moa.whiten,
+                   "unit_norm": moa.unit_norm, "inits": moa.cluster_inits,
                    "pca_dim": fitted.dims, "sentences": int(len(labels_N)),
                    "all": cluster_report(labels_N, meta["domain"], domains, moa.num_clusters),
                    "sampled_only": cluster_report(labels_N[sampled], meta["domain"][sampled],

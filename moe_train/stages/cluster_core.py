@@ -6,8 +6,16 @@ scikit-learn GMM (full covariance, other settings default); seed 001 also compar
 Birch. By default each feature is first divided by its standard deviation over the sample
 (PCA of the correlation matrix): a few high-variance dimensions of Transformer states otherwise
 dominate the components, and the clusters follow them rather than the domains (on the synthetic
-corpus with a shared vocabulary, PUR 0.74 -> 0.96 with K = 5). The fitted PCA and clusterer are
-reused unchanged to label any later set (test sets,
+corpus with a shared vocabulary, PUR 0.74 -> 0.96 with K = 5). The recipe's GMM (moa.whiten,
+moa.unit_norm) also whitens the PCA and scales each reduced vector to unit length: the clusters
+then follow the direction of a sentence's features rather than their spread or magnitude. Full-
+covariance GMM likelihood is unchanged by whitening, but its k-means initialisation is not; and
+on the synthetic corpus with a shared vocabulary the most likely 5-component GMM of the plain
+PCA features splits sentences by how much of their vocabulary is shared instead of by domain
+(three corpus seeds: PUR 0.79-0.97 plain, 0.96-0.97 whitened on the unit sphere, every GMM
+seed). Birch's distance threshold and k-means' spherical clusters are worse for it (synthetic
+blobs: Birch PUR 1.0 -> 0.74), so the library defaults stay the papers' plain PCA.
+The fitted PCA and clusterer are reused unchanged to label any later set (test sets,
 distillation data). Cluster quality against known domains is PUR (seed 001 Eq. 11) and NMI.
 
 Pure library: numpy + scikit-learn, no torch.distributed. The stage wrapper runs `fit_clusterer`
@@ -24,12 +32,12 @@ whatever dtype the caller passes, and GMM's default ``reg_covar=1e-6`` suffices 
 Cholesky factorisation of a nearly singular 64 x 64 covariance can fail at that regulariser).
 The default is kept, as in the papers; a fit that still fails is a DataError with advice.
 
-Files: `FittedClusterer.save` writes a skops file (no arbitrary objects) holding plain values, numpy arrays
-and the fitted PCA / GaussianMixture / KMeans, plus the scikit-learn version; `load_clusterer`
-refuses any type outside skops' defaults and `TRUSTED_TYPES`, and a file from another
-scikit-learn major.minor release (see utils/safe_load.check_sklearn_version). skops cannot store
-Birch's CF tree, so a fitted Birch is kept as what its ``predict`` uses: the subcluster centres
-and their labels (`SubclusterPredictor`, same predictions).
+Files: `FittedClusterer.save` writes a skops file (no arbitrary objects) holding plain values,
+numpy arrays and the fitted PCA / GaussianMixture / KMeans, plus the scikit-learn version;
+`load_clusterer` refuses any type outside skops' defaults and `TRUSTED_TYPES`, and a file from
+another scikit-learn major.minor release (see utils/safe_load.check_sklearn_version). skops cannot
+store Birch's CF tree, so a fitted Birch is kept as what its ``predict`` uses: the subcluster
+centres and their labels (`SubclusterPredictor`, same predictions).
 
 Shape legend: N sentences, D feature dim, P PCA dims (min(pca_dim, D, N)), K clusters,
 C domains.
@@ -53,7 +61,7 @@ from moe_train.errors import CheckpointError, ConfigError, DataError
 from moe_train.eval.routing_stats import expert_purity, normalized_mutual_info
 from moe_train.utils.safe_load import check_sklearn_version, dump_skops, load_skops
 
-FORMAT_VERSION = 3  # 3: scale_D (standardised features)
+FORMAT_VERSION = 4  # 3: scale_D (standardised features); 4: unit_norm
 """Version of the clusterer file (2: skops); bumped when its fields change."""
 TRUSTED_TYPES: tuple[str, ...] = ()
 """Types a clusterer file may hold beyond skops' defaults (builtins, numpy, scikit-learn
@@ -102,7 +110,7 @@ class FittedClusterer:
     """A fitted PCA + clusterer pair and the canonical renumbering of its cluster ids."""
 
     pca: PCA
-    """Fitted on the sample; reduces D -> `dims` dims (no whitening)."""
+    """Fitted on the sample; reduces D -> `dims` dims (whitened if fitted with `whiten`)."""
     model: Any
     """Fitted clusterer on the PCA features: GaussianMixture, KMeans or (Birch)
     SubclusterPredictor, as `MODEL_TYPES` says."""
@@ -119,6 +127,8 @@ class FittedClusterer:
     scale_D: np.ndarray
     """Each feature is divided by this before PCA: its standard deviation over the fitting
     sample (`standardize`), else ones. float64."""
+    unit_norm: bool
+    """Each PCA vector is scaled to unit length before the clusterer sees it."""
 
     @property
     def input_dim(self) -> int:
@@ -130,9 +140,12 @@ class FittedClusterer:
         x_ND = _as_features(features_ND, expect_dim=self.input_dim)
         if x_ND.shape[0] == 0:
             return np.zeros(0, dtype=np.int64)
-        raw_N = np.asarray(self.model.predict(self.pca.transform(x_ND / self.scale_D)),
-                           dtype=np.int64)
+        raw_N = np.asarray(self.model.predict(self.project(x_ND)), dtype=np.int64)
         return self.label_map_K[raw_N]
+
+    def project(self, features_ND: np.ndarray) -> np.ndarray:
+        """The clusterer's input, z_NP: scaled, PCA-reduced and (`unit_norm`) unit-length."""
+        return _project(self.pca.transform(features_ND / self.scale_D), self.unit_norm)
 
     def save(self, path: str | Path) -> None:
         """Write a skops file to `path` atomically (a reader never sees a half-written file)."""
@@ -168,7 +181,7 @@ def load_clusterer(path: str | Path) -> FittedClusterer:
             and set(state["model"]) == {"centers_SP", "labels_S"}:
         state["model"] = SubclusterPredictor(**state["model"])
     expected = {"pca": PCA, "model": MODEL_TYPES[state["method"]], "label_map_K": np.ndarray,
-                "fit_sizes_K": np.ndarray, "scale_D": np.ndarray}
+                "fit_sizes_K": np.ndarray, "scale_D": np.ndarray, "unit_norm": bool}
     wrong = [f"{k} is a {type(state[k]).__name__}, expected {t.__name__}"
              for k, t in expected.items() if not isinstance(state[k], t)]
     if wrong:
@@ -179,11 +192,13 @@ def load_clusterer(path: str | Path) -> FittedClusterer:
 
 def fit_clusterer(features_ND: np.ndarray, num_clusters: int, method: str = "gmm",
                   pca_dim: int = 64, seed: int = 0, standardize: bool = True,
-                  inits: int = 5) -> FittedClusterer:
+                  inits: int = 5, whiten: bool = False, unit_norm: bool = False
+                  ) -> FittedClusterer:
     """Fit PCA to min(pca_dim, D, N) dims (of the features divided by their standard deviation
-    when `standardize`), then the `method` clusterer with K = num_clusters on the N sampled
-    sentence features (the best of `inits` initialisations by likelihood for gmm, of at least
-    10 for kmeans); cluster ids are made canonical (module docstring)."""
+    when `standardize`; whitened when `whiten`; each vector scaled to unit length when
+    `unit_norm`), then the `method` clusterer with K = num_clusters on the N sampled sentence
+    features (the best of `inits` initialisations by likelihood for gmm, of at least 10 for
+    kmeans); cluster ids are made canonical (module docstring)."""
     if method not in CLUSTERERS:
         raise ConfigError(f"moa.clusterer: unknown clusterer {method!r} "
                           f"(known: {', '.join(sorted(CLUSTERERS))})")
@@ -203,8 +218,8 @@ def fit_clusterer(features_ND: np.ndarray, num_clusters: int, method: str = "gmm
     if standardize:
         std_D = x_ND.std(axis=0)
         scale_D = np.where(std_D > 1e-12, std_D, 1.0)
-    pca = PCA(n_components=P, whiten=False, random_state=seed)
-    z_NP = pca.fit_transform(x_ND / scale_D)
+    pca = PCA(n_components=P, whiten=bool(whiten), random_state=seed)
+    z_NP = _project(pca.fit_transform(x_ND / scale_D), bool(unit_norm))
     model = CLUSTERERS[method](K, seed, int(inits))
     try:
         model.fit(z_NP)
@@ -220,7 +235,7 @@ def fit_clusterer(features_ND: np.ndarray, num_clusters: int, method: str = "gmm
     return FittedClusterer(pca=pca, model=model, method=method, num_clusters=K, dims=P,
                            label_map_K=label_map_K,
                            fit_sizes_K=np.bincount(labels_N, minlength=K).astype(np.int64),
-                           scale_D=scale_D)
+                           scale_D=scale_D, unit_norm=bool(unit_norm))
 
 
 def cluster_report(labels_N: np.ndarray, domains_N: np.ndarray, domain_names: list[str],
@@ -264,6 +279,14 @@ def cluster_report(labels_N: np.ndarray, domains_N: np.ndarray, domain_names: li
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return text.splitlines()[0] if text else "no message"
+
+
+def _project(z_NP: np.ndarray, unit_norm: bool) -> np.ndarray:
+    """`z_NP`, each row scaled to unit length if `unit_norm` (an all-zero row stays zero)."""
+    if not unit_norm:
+        return z_NP
+    norm_N1 = np.linalg.norm(z_NP, axis=1, keepdims=True)
+    return z_NP / np.where(norm_N1 > 1e-12, norm_N1, 1.0)
 
 
 def _as_features(features_ND: np.ndarray, expect_dim: int | None = None) -> np.ndarray:

@@ -243,8 +243,8 @@ def test_load_missing_and_corrupt(tmp_path, fitted):
     cases = {"garbage.skops": (b"not a skops file at all", "not a readable clusterer file"),
              "truncated.skops": (blob[: len(blob) // 2], "not a readable clusterer file"),
              "empty.skops": (b"", "not a readable clusterer file"),
-             "foreign.skops": (sio.dumps([1, 2, 3]), "not a clusterer file of format 3 (found "
-                                                     "'list')"),
+             "foreign.skops": (sio.dumps([1, 2, 3]), f"not a clusterer file of format "
+                                                     f"{FORMAT_VERSION} (found 'list')"),
              "future.skops": (sio.dumps({"format_version": 99}), "(found 99)"),
              "partial.skops": (sio.dumps({"format_version": FORMAT_VERSION, "method": "gmm"}),
                                "malformed clusterer file (missing pca, model,"),
@@ -312,3 +312,35 @@ def test_gmm_keeps_the_best_of_several_initialisations(data) -> None:
     five = fit_clusterer(data["x"], C + 3, method="gmm", pca_dim=4, inits=5)
     assert (one.model.n_init, five.model.n_init) == (1, 5)
     assert five.model.lower_bound_ >= one.model.lower_bound_  # its first run is `one`'s
+
+
+def test_unit_norm_clusters_directions_not_magnitudes() -> None:
+    """Three groups differ in direction; half of every group is 15x louder (as sentences with
+    more or fewer shared words spread differently). Plain GMM splits by loudness; on the unit
+    sphere the groups come back."""
+    rng = np.random.default_rng(0)
+    C, D, n = 3, 8, 300
+    y_N = np.repeat(np.arange(C), n)
+    mu_CD = rng.normal(size=(C, D))
+    mu_CD -= mu_CD.mean(axis=0)
+    loud_N = np.where(rng.random(C * n) < 0.5, 0.2, 3.0)
+    x_ND = loud_N[:, None] * (mu_CD[y_N] + 0.3 * rng.normal(size=(C * n, D)))
+    purity = {}
+    for unit_norm in (False, True):
+        f = fit_clusterer(x_ND, C, method="gmm", pca_dim=D, whiten=False, unit_norm=unit_norm)
+        purity[unit_norm] = cluster_report(f.predict(x_ND), y_N, list("abc"))["pur"]
+    assert purity[False] < 0.75 and purity[True] > 0.95, purity
+
+
+@pytest.mark.parametrize("whiten,unit_norm", [(True, False), (True, True), (False, False)])
+def test_projection_whitens_and_normalises(tmp_path, data, whiten, unit_norm) -> None:
+    f = fit_clusterer(data["x"], C, method="gmm", pca_dim=4, whiten=whiten, unit_norm=unit_norm)
+    z_NP = f.project(data["x"])
+    norms_N = np.linalg.norm(z_NP, axis=1)
+    assert np.allclose(norms_N, 1.0) == unit_norm
+    if whiten and not unit_norm:
+        assert np.allclose(z_NP.var(axis=0, ddof=1), 1.0, atol=1e-6)
+    f.save(tmp_path / "c.skops")
+    again = load_clusterer(tmp_path / "c.skops")
+    assert again.unit_norm == unit_norm and again.pca.whiten == whiten
+    assert np.array_equal(again.predict(data["x"]), f.predict(data["x"]))

@@ -44,6 +44,7 @@ def test_parse_overrides_nested():
     ("optim.betas=[0.9]", "optim.betas: expected 2 values"),
     ("data.max_tokens=10", "data.max_tokens: expected at least data.max_len"),
     ("nonsense", "expected key.sub=value"),
+    ("moa.whiten=7", "moa.whiten: expected true or false"),
 ])
 def test_bad_values_name_the_field(override, message):
     with pytest.raises(ConfigError) as err:
@@ -88,3 +89,14 @@ def test_extends_merges_over_the_parent_and_refuses_cycles(tmp_path) -> None:
     (tmp_path / "c.yaml").write_text("extends: missing.yaml\n")
     with pytest.raises(ConfigError, match=r"missing.yaml: config file not found"):
         load_config(tmp_path / "c.yaml")
+
+
+@pytest.mark.parametrize("clusterer,auto", [("gmm", True), ("kmeans", False), ("birch", False)])
+def test_cluster_projection_defaults_follow_the_clusterer(clusterer, auto) -> None:
+    """moa.whiten / moa.unit_norm unset: on for GMM only; set: kept (null means unset)."""
+    cfg = load_config(overrides=[f"moa.clusterer={clusterer}"])
+    assert (cfg.moa.whiten, cfg.moa.unit_norm) == (auto, auto)
+    flip = str(not auto).lower()
+    cfg = load_config(overrides=[f"moa.clusterer={clusterer}", f"moa.whiten={flip}",
+                                 "moa.unit_norm=null"])
+    assert (cfg.moa.whiten, cfg.moa.unit_norm) == (not auto, auto)
