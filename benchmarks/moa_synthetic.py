@@ -16,7 +16,9 @@ subprocesses (configs/moa-synthetic*.yaml), finished stages reused:
 - top1: the same gate, adapters trained with top-1 routing (k=1);
 - di: label-free (moa) against domain anchors (seed 001 DI: `--anchors` dev sentences per
   domain joined to the clustering sample): features .. evaluate;
-- switch_sl / sgmoe_sl: learned sentence-level gates (top-1 / noisy top-2) over K adapters;
+- switch_sl / sgmoe_sl: the paper's MoE baselines, trained from scratch to their own plateau:
+  K FFN experts in every decoder layer, one learned sentence-level gate (top-1 / noisy
+  top-2) on the mean-pooled encoder output for all of them, load-balancing loss;
 - adpt: one adapter per domain on both sides, oracle domain labels (RND: shuffled labels);
 - mixed_nat: a plain backbone without adapters, to its own plateau.
 `--profile test` runs instead the integration test's exact MoA run on other seeds and records
@@ -104,8 +106,8 @@ def run_seed(work: Path, common: list[str], anchors: int, runs: list[str]
         "top1": (CONFIGS["moa"], [*backbone, "adapters.k=1"], ["adapters", "evaluate"]),
         "di": (CONFIGS["moa"], [*backbone, f"moa.anchors_per_domain={anchors}"],
                ["features", "cluster", "distill", "adapters", "evaluate"]),
-        "switch_sl": (CONFIGS["switch_sl"], backbone, ["adapters", "evaluate"]),
-        "sgmoe_sl": (CONFIGS["sgmoe_sl"], backbone, ["adapters", "evaluate"]),
+        "switch_sl": (CONFIGS["switch_sl"], ["moa.backbone_dir="], ["backbone", "evaluate"]),
+        "sgmoe_sl": (CONFIGS["sgmoe_sl"], ["moa.backbone_dir="], ["backbone", "evaluate"]),
         "adpt": (CONFIGS["adpt"], backbone, ["adapters", "evaluate"]),
         "mixed_nat": (CONFIGS["mixed_nat"], ["moa.backbone_dir="], ["backbone", "evaluate"]),
     }

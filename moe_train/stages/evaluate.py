@@ -7,11 +7,12 @@
   oracle routing) is decoded again with the labels shuffled.
 - Routing on the test sentences, as a sentence x domain table (CSV + heatmap PNG, seed 001
   Figures 4-5) with PUR (Eq. 11) and NMI: the clusterer (its fitted PCA + clusterer applied to
-  the test features), the distilled gate (top-1), and the adapter model's own sentence router
-  (its top-1 on the same mean-pooled encoder states; the encoder is frozen, so the backbone's
-  features are the adapter model's).
-- Random routing (``random_routing``): the adapter model decoded again with its sentence router
-  (gate or learned) replaced by a fixed arbitrary adapter per sentence: what routing is worth.
+  the test features), the distilled gate (top-1), and the routed model's own sentence router
+  (its top-1 on the same mean-pooled encoder states): the adapter model's (the encoder is
+  frozen, so the backbone's features are its), else the backbone's when it is itself a
+  sentence-routed MoE (the Switch-SL / SGMoE-SL baselines with FFN experts).
+- Random routing (``random_routing``): a model decoded again with its sentence router (gate or
+  learned) replaced by a fixed arbitrary expert per sentence: what routing is worth.
 - Extra parameters of the adapter model over the backbone.
 The backbone's scores are cached beside it (recipes sharing a backbone decode it once), keyed on
 the content of its export, of the test data and on the decode settings, and reported with
@@ -74,15 +75,29 @@ def _uses_domain_labels(inf: InferenceModel) -> bool:
     return a.enabled and a.router == "task" and a.task_source == "domain"
 
 
+def sentence_routers(model: torch.nn.Module) -> list[SharedRouter]:
+    """The model's sentence-level routers (gate or learned; one per stack side, shared by its
+    layers): its adapters' (MoA, the adapter baselines) and its MoE FFN layers' (Switch-SL /
+    SGMoE-SL trained as FFN-expert MoE models), decoder side first."""
+    found: dict[int, SharedRouter] = {}
+    for layer in [*model.decoder_layers, *model.encoder_layers]:
+        for slot in (layer.adapter, layer.ffn):
+            moe = slot.moe if isinstance(slot, AdapterSlot) else slot
+            router = getattr(moe, "router", None)
+            if isinstance(router, SharedRouter) and router.name in SENTENCE_ROUTED:
+                found.setdefault(id(router), router)
+    return list(found.values())
+
+
 @torch.no_grad()
 def sentence_router_labels(inf: InferenceModel, features_ND: np.ndarray) -> np.ndarray | None:
-    """Top-1 expert per sentence of the adapter model's decoder-side router when it decides
-    from the sentence representation (gumbel, sentence), given the mean-pooled encoder states
-    (its own input); None for other routers."""
-    slots = [m for m in inf.model.decoder_layers if isinstance(m.adapter, AdapterSlot)]
-    if not slots or slots[0].adapter.moe.router.name not in SENTENCE_ROUTED:
+    """Top-1 expert per sentence of the model's first sentence-level router (decoder side
+    first; see `sentence_routers`) given the mean-pooled encoder states (its own input);
+    None when it has none."""
+    routers = sentence_routers(inf.model)
+    if not routers:
         return None
-    router = slots[0].adapter.moe.router.inner.eval()
+    router = routers[0].inner.eval()
     x_ND = torch.from_numpy(features_ND)
     rctx = RoutingContext.from_batch(len(x_ND), 1, sentence_repr_BD=x_ND, side="decoder")
     return router.route(x_ND, rctx).expert_ids_TK[:, 0].numpy()
@@ -90,13 +105,10 @@ def sentence_router_labels(inf: InferenceModel, features_ND: np.ndarray) -> np.n
 
 @contextmanager
 def random_routing(inf: InferenceModel):
-    """The adapter model with its sentence routers (gate or learned) swapped for
-    `RandomSentenceRouter` (each sentence to a fixed arbitrary adapter) inside the block;
+    """The model with its sentence-level routers (see `sentence_routers`) swapped for
+    `RandomSentenceRouter` (each sentence to a fixed arbitrary expert) inside the block;
     yields whether there was anything to swap."""
-    shared = {id(m.moe.router): m.moe.router for m in inf.model.modules()
-              if isinstance(m, AdapterSlot) and isinstance(m.moe.router, SharedRouter)
-              and m.moe.router.name in SENTENCE_ROUTED}
-    saved = [(r, r.inner) for r in shared.values()]
+    saved = [(r, r.inner) for r in sentence_routers(inf.model)]
     for router, inner in saved:
         router.inner = RandomSentenceRouter(inf.cfg.model.d_model, inner.num_experts,
                                             RouterConfig())
@@ -210,10 +222,10 @@ def run(ctx: StageContext) -> dict[str, Any]:
         gate = MoAGate(features_ND.shape[1], moa.num_clusters)
         gate.load_state_dict(load_gate(ctx, STAGE))
         assignments["distilled_gate"] = gate_labels(gate, features_ND)
-    if "adapters" in models:
-        learned = sentence_router_labels(models["adapters"], features_ND)
-        if learned is not None:
-            assignments[f"router_{models['adapters'].cfg.adapters.router}"] = learned
+    routed = models.get("adapters", backbone)
+    learned = sentence_router_labels(routed, features_ND)
+    if learned is not None:
+        assignments[f"router_{sentence_routers(routed.model)[0].name}"] = learned
     out = ctx.stage_dir(STAGE)
     routing: dict[str, Any] = {}
     for name, labels_N in assignments.items():

@@ -224,3 +224,42 @@ def test_random_router_is_a_fixed_arbitrary_choice_per_sentence() -> None:
     router.train()  # training and inference agree
     assert torch.equal(router.route(torch.randn(800, 8), _rctx(400, 2, repr_BD)).expert_ids_TK,
                        r.expert_ids_TK)
+
+
+@pytest.mark.parametrize("kind", ["adapters", "ffn"])
+def test_evaluation_finds_the_sentence_router_of_adapters_and_of_ffn_experts(kind) -> None:
+    """The evaluate stage scores (and swaps for random routing) the model's own sentence gate:
+    the adapters' for MoA / adapter baselines, the decoder MoE FFN's for Switch-SL / SGMoE-SL
+    trained as FFN-expert models; a model without one has none."""
+    from types import SimpleNamespace
+
+    from moe_train.stages.evaluate import random_routing, sentence_router_labels, \
+        sentence_routers
+
+    torch.manual_seed(0)
+    if kind == "adapters":
+        cfg = _moa_cfg("adapters.num_experts=4", "adapters.router=sentence", "adapters.k=1")
+    else:
+        cfg = _moa_cfg("moe.num_experts=4", "moe.layers=all", "moe.encoder_router=dense",
+                       "moe.decoder_router=sentence", "moe.k=2")
+    model = build_model(cfg, MANIFEST).eval()
+    routers = sentence_routers(model)
+    assert len(routers) == 1 and routers[0].name == "sentence"  # one gate for all layers
+    with torch.no_grad():
+        for p in routers[0].inner.gate.parameters():
+            p.zero_()
+        gate = routers[0].inner.gate
+        weight = next(p for n, p in gate.named_parameters() if n.endswith("weight"))
+        weight[2, 0] = 10.0  # expert 2 when feature 0 is positive, else another one
+    x_ND = torch.zeros(6, 16)
+    x_ND[:3, 0], x_ND[3:, 0] = 1.0, -1.0
+    inf = SimpleNamespace(model=model, cfg=cfg)
+    labels = sentence_router_labels(inf, x_ND.numpy())
+    assert labels.tolist()[:3] == [2, 2, 2] and 2 not in labels.tolist()[3:]
+    inner = routers[0].inner
+    with random_routing(inf) as swapped:
+        assert swapped and routers[0].inner.name == "random"
+    assert routers[0].inner is inner
+    plain = build_model(_moa_cfg("adapters.num_experts=1"), MANIFEST)
+    assert sentence_routers(plain) == []
+    assert sentence_router_labels(SimpleNamespace(model=plain, cfg=cfg), x_ND.numpy()) is None
