@@ -153,8 +153,8 @@ def seed_record(corpus: dict[str, Any], runs: dict[str, dict[str, Any]]) -> dict
     st = runs["moa"]
     routing["clusterer_train_sample"] = _pn(st["cluster"]["done"]["sampled_only"])
     routing["distilled_gate_train_sample"] = _pn(st["distill"]["done"]["gate_vs_domains"])
-    training = {name: {s: {k: v["done"][k] for k in ("step", "stopped_early", "early_stop",
-                                                     "dev_bleu", "train_seconds") if k in v["done"]}
+    keys = ("step", "stopped_early", "early_stop", "dev_bleu", "train_seconds", "exported_step")
+    training = {name: {s: {k: v["done"][k] for k in keys if k in v["done"]}
                        for s, v in stages.items() if s in ("backbone", "adapters")}
                 for name, stages in runs.items()}
     diff = dict(corpus.get("difficulty") or {})

@@ -226,6 +226,10 @@ class TrainConfig:
     """loss (dev loss) or bleu (dev greedy BLEU, then computed at every validation)."""
     min_delta: float = 0.0
     """Smallest change of the early-stopping metric that counts as an improvement."""
+    export_best: bool = True
+    """With early stopping (patience > 0): export the weights of the best validation, not the
+    last step's (fairseq's checkpoint_best). Each new best is checkpointed and kept through
+    `checkpoint.keep_last` rotation; the last step's checkpoint stays the one to resume."""
 
     def __post_init__(self) -> None:
         _positive(self, "train", "max_steps", "log_every")

@@ -100,10 +100,16 @@ def stage_config(cfg: ExperimentConfig, stage_dir: Path, **sections: dict[str, A
 
 
 def training_summary(summary: dict[str, Any]) -> dict[str, Any]:
-    """The part of `Trainer.fit`'s summary a training stage records."""
+    """The part of `Trainer.fit`'s summary a training stage records: the last step's dev
+    figures, and ``exported_step`` / ``exported_dev`` when the export holds the best
+    validation's weights instead (train.export_best)."""
     keep = ("step", "train_seconds", "train_tokens_per_s", "export", "dev/loss", "dev/ppl",
-            "dev/bleu", "dev/chrf", "stopped_early", "early_stop")
-    return {k.replace("/", "_"): summary[k] for k in keep if k in summary}
+            "dev/bleu", "dev/chrf", "stopped_early", "early_stop", "exported_step")
+    out = {k.replace("/", "_"): summary[k] for k in keep if k in summary}
+    if "exported_dev" in summary:
+        out["exported_dev"] = {k.replace("/", "_"): v for k, v in summary["exported_dev"].items()
+                               if k in keep}
+    return out
 
 
 def load_matching(model: nn.Module, weights: dict[str, torch.Tensor], source: Path,

@@ -10,10 +10,11 @@ Layout of `checkpoint.dir`:
 
 Saving (collective): every rank writes into `.tmp-step_N`; rank 0 then fsyncs the files, writes
 complete.json, fsyncs the directory, renames it to `step_N`, moves `latest` (fsynced), and only then
-removes old steps beyond `keep_last`, never the one `latest` names. The step `latest` names is
-never saved again (a run resumed from it that took no step, or the end-of-run save after the
-loop's); any other directory of the same step (torn, or complete but left by a run killed before
-it moved `latest`) is replaced only once the new one is complete. A step directory is used only if
+removes old steps beyond `keep_last`, never the one `latest` names nor those in `keep` (the best
+validation's, train.export_best). The step `latest` names is never saved again (a run resumed
+from it that took no step, or the end-of-run save after the loop's); any other directory of the
+same step (torn, or complete but left by a run killed before it moved `latest`) is replaced only
+once the new one is complete. A step directory is used only if
 complete.json lists exactly what is there (`verify`); a torn one is skipped with a warning naming
 it and the step used instead.
 
@@ -33,7 +34,7 @@ import shutil
 import signal
 import sys
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Collection
 
 import numpy as np
 import torch
@@ -193,29 +194,32 @@ def _write_synced(path: Path, text: str) -> None:
             os.fsync(f.fileno())
 
 
-def _rotate(ckpt_dir: Path, keep_last: int, latest: str) -> None:
-    """Remove all but the newest `keep_last` steps; never `latest` (called after it moved)."""
+def _rotate(ckpt_dir: Path, keep_last: int, latest: str, keep: Collection[str] = ()) -> None:
+    """Remove all but the newest `keep_last` steps; never `latest` (called after it moved) nor
+    a tag in `keep` (the best validation's checkpoint)."""
     if keep_last > 0:
         for old in list_tags(ckpt_dir)[:-keep_last]:
-            if old != latest:
+            if old != latest and old not in keep:
                 shutil.rmtree(ckpt_dir / old, ignore_errors=True)
 
 
 # ---------------------------------------------------------------------- save
 def save_checkpoint(engine: Any, rt: ParallelRuntime, ckpt_dir: str | Path, step: int,
                     meta: dict[str, Any], attachments: dict[str, Path], keep_last: int,
-                    save_extra: Callable[[Path], None] | None = None) -> Path:
+                    save_extra: Callable[[Path], None] | None = None,
+                    keep: Collection[str] = ()) -> Path:
     """Save engine + metadata as `step_{step}` and move `latest` to it (collective).
 
     `save_extra(tag_dir)` runs on every rank before the checkpoint is completed (expert shards).
-    Returns the step directory; the step `latest` names is left as it is (already saved).
+    Rotation spares the tags in `keep`. Returns the step directory; the step `latest` names is
+    left as it is (already saved).
     """
     ckpt_dir = Path(ckpt_dir)
     tag = step_tag(step)
     final = ckpt_dir / tag
     if _pointer(ckpt_dir) == tag:  # same answer on every rank: nothing changes before the barrier
         if rt.is_main:
-            _rotate(ckpt_dir, keep_last, tag)  # a run killed before rotating
+            _rotate(ckpt_dir, keep_last, tag, keep)  # a run killed before rotating
         barrier(rt)
         return final
     tmp_tag = f".tmp-{tag}"
@@ -259,7 +263,7 @@ def save_checkpoint(engine: Any, rt: ParallelRuntime, ckpt_dir: str | Path, step
         _test_hook("before_latest", step)
         _write_synced(ckpt_dir / "latest", tag + "\n")
         _test_hook("before_rotate", step)
-        _rotate(ckpt_dir, keep_last, tag)
+        _rotate(ckpt_dir, keep_last, tag, keep)
     barrier(rt)
     return final
 

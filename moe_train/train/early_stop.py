@@ -1,5 +1,7 @@
 """Early stopping on a dev metric: stop once `patience` validations in a row did not improve
-the best value by more than `min_delta` (dev loss: lower is better; dev BLEU: higher)."""
+the best value by more than `min_delta` (dev loss: lower is better; dev BLEU: higher). The
+state travels in checkpoints, so a resumed run keeps its best value, its count and its best
+checkpoint (``train.export_best``)."""
 
 from __future__ import annotations
 
@@ -11,23 +13,31 @@ METRICS = {"loss": ("dev/loss", -1.0), "bleu": ("dev/bleu", 1.0)}
 
 
 class EarlyStop:
-    """Tracks the best dev value; `update` says when the run has plateaued."""
+    """Tracks the best dev value; `update` says when the run has plateaued and `improved`
+    whether the last validation set a new best."""
 
     def __init__(self, metric: str, patience: int, min_delta: float = 0.0) -> None:
         self.key, self.sign = METRICS[metric]
         self.patience, self.min_delta = patience, min_delta
         self.best = -math.inf  # in sign-adjusted units
         self.best_step = 0
+        self.best_values: dict[str, float] = {}
+        """The validation values (numbers only) of the best step."""
         self.bad = 0
+        self.improved = False
 
     def update(self, step: int, values: dict[str, Any]) -> bool:
         """Record one validation; True when the last `patience` brought no improvement.
         Validations without the metric (e.g. no BLEU that time) are ignored."""
+        self.improved = False
         if self.patience <= 0 or self.key not in values:
             return False
         value = self.sign * float(values[self.key])
         if value > self.best + self.min_delta:
             self.best, self.best_step, self.bad = value, step, 0
+            self.best_values = {k: float(v) for k, v in values.items()
+                                if isinstance(v, (int, float)) and not isinstance(v, bool)}
+            self.improved = True
             return False
         self.bad += 1
         return self.bad >= self.patience
@@ -35,3 +45,17 @@ class EarlyStop:
     def state(self) -> dict[str, Any]:
         """What the summary reports: the best value and its step."""
         return {"metric": self.key, "best": self.sign * self.best, "best_step": self.best_step}
+
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-safe state for checkpoints (no best yet: ``best`` is None)."""
+        return {"metric": self.key, "best": None if math.isinf(self.best) else self.best,
+                "best_step": self.best_step, "bad": self.bad, "best_values": self.best_values}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore `state_dict()`'s state; a different metric starts over (nothing kept)."""
+        if state.get("metric") != self.key:
+            return
+        self.best = -math.inf if state.get("best") is None else float(state["best"])
+        self.best_step = int(state.get("best_step", 0))
+        self.bad = int(state.get("bad", 0))
+        self.best_values = dict(state.get("best_values") or {})

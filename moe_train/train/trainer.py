@@ -43,7 +43,8 @@ from moe_train.parallel.expert_parallel import (check_moe_against_data,
                                                 without_deepspeed_moe_checkpointing,
                                                 wire_expert_parallel)
 from moe_train.parallel.runtime import ParallelRuntime
-from moe_train.train.checkpoint import latest_tag, load_checkpoint, read_meta, save_checkpoint
+from moe_train.train.checkpoint import (latest_tag, load_checkpoint, read_meta, save_checkpoint,
+                                        step_tag, verify)
 from moe_train.train.ds_config import build_deepspeed_config
 from moe_train.train.export import export_inference
 from moe_train.train.early_stop import EarlyStop
@@ -136,6 +137,10 @@ class Trainer:
         self.nonfinite_steps = 0  # skipped steps in this process's run, and the current streak
         self.nonfinite_in_a_row = 0
         self.ckpt_dir = Path(cfg.checkpoint.dir)
+        tc = cfg.train
+        self.early = EarlyStop(tc.early_stop_metric, tc.patience, tc.min_delta)
+        self.best_tag: str | None = None
+        """The best validation's checkpoint (train.export_best), kept through rotation."""
         tag = latest_tag(self.ckpt_dir, warn=self._log_main) if resume else None
         if resume and tag is None:
             self._log_main(f"| resume: no checkpoint in {self.ckpt_dir}; starting from step 0")
@@ -148,6 +153,7 @@ class Trainer:
             self.step = meta["step"]
             self.tokens_seen = meta.get("tokens_seen", 0)
             self.batches.load_state_dict(meta["data_state"])
+            self._resume_early_stop(meta.get("early_stop") or {})
         self.monitor = Monitor(rt, cfg.logging.tensorboard_dir, cfg.train.max_steps, self.step,
                                cfg.train.progress_bar)
         n_params = sum(p.numel() for p in model.parameters())
@@ -308,13 +314,51 @@ class Trainer:
         self.tokens_unsaved = 0.0
         meta = {"step": self.step, "tokens_seen": self.tokens_seen,
                 "data_state": self.batches.state_dict(), "config": self.cfg.to_dict(),
-                "world_size": self.rt.world_size}
+                "world_size": self.rt.world_size,
+                "early_stop": self.early.state_dict() | {"best_tag": self.best_tag}}
         attachments = {**{path.name: path for path in self.tokenizer_files},
                        "manifest.json": Path(self.cfg.data.prepared_dir) / "manifest.json"}
         with without_deepspeed_moe_checkpointing(self.engine):
             return save_checkpoint(self.engine, self.rt, self.ckpt_dir, self.step, meta,
                                    attachments, self.cfg.checkpoint.keep_last,
-                                   save_extra=self._save_experts)
+                                   save_extra=self._save_experts,
+                                   keep=() if self.best_tag is None else (self.best_tag,))
+
+    def _keeps_best(self) -> bool:
+        return self.cfg.train.export_best and self.cfg.train.patience > 0
+
+    def _resume_early_stop(self, state: dict[str, Any]) -> None:
+        """Early-stopping state and best checkpoint of the run resumed (if still complete)."""
+        self.early.load_state_dict(state)
+        tag = state.get("best_tag")
+        if tag and self._keeps_best() and verify(self.ckpt_dir / tag) is None:
+            self.best_tag = tag
+
+    def _note_validation(self, values: dict[str, Any]) -> bool:
+        """Feed a validation to early stopping; checkpoint a new best (train.export_best).
+        Returns whether the run has plateaued; ranks agree on both decisions."""
+        plateau = self.early.update(self.step, values)
+        improved = self.early.improved
+        if self.rt.world_size > 1:  # ranks decide together (the save is collective)
+            plateau, improved = (v > 0 for v in all_reduce_floats(self.rt, float(plateau),
+                                                                  float(improved)))
+        if improved and self._keeps_best():
+            self.best_tag = step_tag(self.step)
+            self.save()
+        return plateau
+
+    def _restore_best(self, last: Path) -> Path:
+        """Load the best validation's checkpoint into the engine (train.export_best) when it is
+        not `last`; the checkpoint the export should read."""
+        if self.best_tag is None or self.best_tag == last.name:
+            return last
+        with without_deepspeed_moe_checkpointing(self.engine):
+            load_checkpoint(self.engine, self.rt, self.ckpt_dir, tag=self.best_tag,
+                            load_extra=self._load_experts, log=self._log_main)
+        best = self.early.state()
+        self.monitor.print(f"| export: the best validation, step {best['best_step']} "
+                           f"({best['metric']} {best['best']:.4f}), not step {self.step}")
+        return self.ckpt_dir / self.best_tag
 
     def _log_main(self, msg: str) -> None:
         """A line from rank 0 (before the monitor exists: resume messages)."""
@@ -417,7 +461,7 @@ class Trainer:
         window = {"loss": 0.0, "nll": 0.0, "tokens": 0.0}
         window_start = time.time()
         train_tokens_local = 0.0
-        early = EarlyStop(tc.early_stop_metric, tc.patience, tc.min_delta)
+        early, validated_at = self.early, -1
         stopped_early = False
         while self.step < tc.max_steps:
             sums = self.train_step()
@@ -435,9 +479,8 @@ class Trainer:
             if tc.validate_every and self.step % tc.validate_every == 0 and self.step < tc.max_steps:
                 bleu_due = (bool(tc.bleu_every) and self.step % tc.bleu_every == 0) or (
                     tc.patience > 0 and tc.early_stop_metric == "bleu")
-                plateau = early.update(self.step, self._validate(with_bleu=bleu_due))
-                if self.rt.world_size > 1:  # ranks stop together (only after a validation)
-                    plateau = all_reduce_floats(self.rt, float(plateau))[0] > 0
+                plateau = self._note_validation(self._validate(with_bleu=bleu_due))
+                validated_at = self.step
             if self.step % self.cfg.checkpoint.save_every == 0:
                 self.save()
             window_start += time.time() - pause
@@ -457,11 +500,17 @@ class Trainer:
         elapsed = time.time() - start
         (tokens,) = all_reduce_floats(self.rt, train_tokens_local)
         final = self._validate(with_bleu=True)
+        if validated_at != self.step:  # the last step's validation competes for the best
+            self._note_validation(final)
         path = self.save()
-        export = self.export(path)
+        source = self._restore_best(path) if self._keeps_best() else path
+        export = self.export(source)
         self.monitor.print(f"| saved {path}" + (f" | exported {export}" if export else ""))
         self.monitor.close()
+        exported = {"exported_step": read_meta(source)["step"]}
+        if source != path:
+            exported["exported_dev"] = early.best_values
         return {"step": self.step, "train_seconds": elapsed, "stopped_early": stopped_early,
-                **({"early_stop": early.state()} if tc.patience else {}),
+                **({"early_stop": early.state()} if tc.patience else {}), **exported,
                 "train_tokens_per_s": tokens / max(elapsed, 1e-9),
                 "checkpoint": str(path), "export": str(self.ckpt_dir / "export"), **final}

@@ -1,6 +1,10 @@
-"""A training run with early stopping stops on its dev plateau and still exports (CPU)."""
+"""A training run with early stopping stops on its dev plateau and exports its best validation's
+weights (train.export_best), or the last step's when that is off (CPU)."""
 
-from moe_train.train.checkpoint import read_meta
+import torch
+
+from moe_train.train.checkpoint import consolidated_state_dict, read_meta
+from moe_train.train.export import load_export_weights
 from tests.conftest import ROOT, debug_overrides, run_cli
 
 CONFIG = str(ROOT / "configs" / "debug-cpu.yaml")
@@ -21,3 +25,49 @@ def test_training_stops_after_patience_validations_without_a_gain(tiny_prepared,
     assert (tmp_path / "ckpt" / "export" / "model.safetensors").is_file()
     assert read_meta(tmp_path / "ckpt" / "step_00000015")["step"] == 15
     assert not (tmp_path / "ckpt" / "step_00000020").exists()
+    # train.export_best: the best validation (step 5) was checkpointed, kept through rotation
+    # (keep_last 1) and exported; step 10 was rotated away
+    assert "| export: the best validation, step 5" in out, out[-2000:]
+    assert read_meta(tmp_path / "ckpt" / "step_00000005")["early_stop"]["best_step"] == 5
+    assert not (tmp_path / "ckpt" / "step_00000010").exists()
+    best = consolidated_state_dict(tmp_path / "ckpt" / "step_00000005")
+    last = consolidated_state_dict(tmp_path / "ckpt" / "step_00000015")
+    exported = load_export_weights(tmp_path / "ckpt" / "export")
+    name = next(k for k in exported if k.endswith("weight") and not torch.equal(best[k], last[k]))
+    assert torch.equal(exported[name], best[name])
+
+
+def test_export_best_off_exports_the_last_step(tiny_prepared, tmp_path):
+    overrides = debug_overrides(tiny_prepared, tmp_path, "train.max_steps=100",
+                                "train.validate_every=5", "train.patience=1",
+                                "train.early_stop_metric=loss", "train.min_delta=1e9",
+                                "train.export_best=false", "checkpoint.save_every=50",
+                                "train.bleu_sentences=4", "data.max_tokens=400")
+    proc = run_cli(["train", "--config", CONFIG, *overrides], cwd=ROOT)
+    out = proc.stdout + proc.stderr
+    assert "| early stop at step 10" in out and "export: the best" not in out, out[-2000:]
+    assert not (tmp_path / "ckpt" / "step_00000005").exists()  # no best kept
+    last = consolidated_state_dict(tmp_path / "ckpt" / "step_00000010")
+    exported = load_export_weights(tmp_path / "ckpt" / "export")
+    assert all(torch.equal(exported[k], last[k]) for k in exported if k in last)
+
+
+def test_a_resumed_run_keeps_its_best_and_its_patience(tiny_prepared, tmp_path):
+    # 10 steps: best at step 5, one validation without a gain; resumed to 100 steps, the
+    # count carries on (patience 2 ends the run at step 15, not 20) and step 5 is exported
+    common = ["train.validate_every=5", "train.patience=2", "train.early_stop_metric=loss",
+              "train.min_delta=1e9", "checkpoint.save_every=50", "checkpoint.keep_last=1",
+              "train.bleu_sentences=4", "data.max_tokens=400"]
+    run_cli(["train", "--config", CONFIG,
+             *debug_overrides(tiny_prepared, tmp_path, "train.max_steps=10", *common)], cwd=ROOT)
+    meta = read_meta(tmp_path / "ckpt" / "step_00000010")["early_stop"]
+    assert meta["best_step"] == 5 and meta["bad"] == 1 and meta["best_tag"] == "step_00000005"
+    proc = run_cli(["train", "--config", CONFIG, "--resume",
+                    *debug_overrides(tiny_prepared, tmp_path, "train.max_steps=100", *common)],
+                   cwd=ROOT)
+    out = proc.stdout + proc.stderr
+    assert "| early stop at step 15: dev/loss best" in out and "at step 5," in out, out[-2000:]
+    assert "| export: the best validation, step 5" in out, out[-2000:]
+    best = consolidated_state_dict(tmp_path / "ckpt" / "step_00000005")
+    exported = load_export_weights(tmp_path / "ckpt" / "export")
+    assert all(torch.equal(exported[k], best[k]) for k in exported if k in best)

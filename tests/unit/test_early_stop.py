@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from moe_train.config import load_config
@@ -17,6 +19,25 @@ def test_bleu_plateau_stops_after_patience_validations() -> None:
                                (600, 25.4)]]
     assert seen == [False, False, False, False, False, True]
     assert stop.state() == {"metric": "dev/bleu", "best": 25.0, "best_step": 400}
+    assert stop.best_values == {"dev/loss": 1.0, "dev/bleu": 25.0} and not stop.improved
+
+
+def test_improved_flags_each_new_best_and_state_round_trips() -> None:
+    stop = EarlyStop("bleu", patience=3)
+    flags = []
+    for step, bleu in [(1, 5.0), (2, 4.0), (3, 6.0), (4, 6.0)]:
+        stop.update(step, {"dev/bleu": bleu, "note": "text"})
+        flags.append(stop.improved)
+    assert flags == [True, False, True, False]
+    again = EarlyStop("bleu", patience=3)
+    assert again.state_dict()["best"] is None  # JSON-safe before any validation
+    again.load_state_dict(json.loads(json.dumps(stop.state_dict())))
+    assert again.state() == stop.state() and again.bad == 1
+    assert again.best_values == {"dev/bleu": 6.0}
+    assert again.update(5, {"dev/bleu": 5.0}) is False and again.update(6, {"dev/bleu": 1.0})
+    other = EarlyStop("loss", patience=3)
+    other.load_state_dict(stop.state_dict())  # another metric: starts over
+    assert other.best_step == 0 and other.bad == 0
 
 
 def test_loss_is_lower_better_and_missing_values_are_ignored() -> None:
