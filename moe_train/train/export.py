@@ -23,6 +23,7 @@ import torch
 from moe_train.config.loader import config_from_dict
 from moe_train.config.schema import ExperimentConfig
 from moe_train.data.hf_tokenizer import HFTokenizer
+from moe_train.data.prepare import open_tokenizer
 from moe_train.data.vocab import Vocab
 from moe_train.errors import CheckpointError, MoeTrainError
 from moe_train.models.build import build_model
@@ -167,18 +168,18 @@ def load_for_inference(path: str | Path, device: torch.device | str = "cpu") -> 
 
 
 def _load_vocab(where: Path, manifest: dict[str, Any]) -> Vocab | HFTokenizer:
-    """The tokenizer of an export or checkpoint: its sentencepiece model, or the Hugging Face
-    tokenizer files its manifest names; a bad file is a one-line CheckpointError."""
-    if manifest.get("tokenizer") == HFTokenizer.kind:
-        try:
-            return HFTokenizer(where)
-        except MoeTrainError as exc:
-            raise CheckpointError(str(exc)) from None
-    spm = require_file(where / "spm.model", "the sentencepiece model of the data")
+    """The tokenizer of an export or checkpoint (`open_tokenizer`: its sentencepiece model, or
+    the Hugging Face tokenizer files its manifest names); a bad file is a one-line
+    CheckpointError."""
+    spm = where / manifest.get("spm_model", "spm.model")
+    if manifest.get("tokenizer") != HFTokenizer.kind:
+        require_file(spm, "the sentencepiece model of the data")
     try:
-        return Vocab(spm)
-    except MoeTrainError:
+        return open_tokenizer(where, manifest)
+    except CheckpointError:
         raise
+    except MoeTrainError as exc:
+        raise CheckpointError(str(exc)) from None
     except Exception as exc:  # noqa: BLE001  (sentencepiece raises RuntimeError / OSError)
         text = str(exc).strip()
         raise CheckpointError(f"{spm}: not a readable sentencepiece model ({type(exc).__name__}: "
