@@ -11,8 +11,8 @@ difficulty report,
 prepared once; then every run below as `python -m moe_train pipeline moa --stage S`
 subprocesses (configs/moa-synthetic*.yaml), finished stages reused:
 - moa: backbone (pre-injected adapter, to its dev-BLEU plateau), features, cluster, distill,
-  adapters (Gumbel-Max k=4, tau=1; early stopping on dev BLEU), evaluate (also decodes with
-  random routing: each sentence to a fixed arbitrary adapter);
+  adapters (Gumbel-Max k=4, tau=1, decoder unfrozen; early stopping on dev BLEU), evaluate
+  (also decodes with random routing: each sentence to a fixed arbitrary adapter);
 - top1: the same gate, adapters trained with top-1 routing (k=1);
 - di: label-free (moa) against domain anchors (seed 001 DI: `--anchors` dev sentences per
   domain joined to the clustering sample): features .. evaluate;
@@ -27,7 +27,7 @@ benchmarks/results/moa_synthetic_cpu.json: per seed the corpus difficulty (bag-o
 domain accuracy, BLEU of a right translation in the wrong domain, backbone -> ADPT gap), PUR/NMI
 of clusterer, distilled gate and learned gates on the test split, BLEU/chrF per domain of every
 model, the acceptance checks of issue 13, minutes per stage; then mean / std / min / max over
-seeds. A benchmark, not a test: about 25 minutes per seed on two cores.
+seeds. A benchmark, not a test: about 45 minutes per seed on two cores.
 """
 
 from __future__ import annotations
