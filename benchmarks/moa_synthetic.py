@@ -14,6 +14,8 @@ subprocesses (configs/moa-synthetic*.yaml), finished stages reused:
   adapters (Gumbel-Max k=4, tau=1, decoder unfrozen; early stopping on dev BLEU), evaluate
   (also decodes with random routing: each sentence to a fixed arbitrary adapter);
 - top1: the same gate, adapters trained with top-1 routing (k=1);
+- continued: the control for Unf-D: the backbone's one pre-injected adapter trained on, with the
+  decoder, exactly like MoA's adapter stage (what the extra training alone is worth);
 - di: label-free (moa) against domain anchors (seed 001 DI: `--anchors` dev sentences per
   domain joined to the clustering sample): features .. evaluate;
 - switch_sl / sgmoe_sl: the paper's MoE baselines, trained from scratch to their own plateau:
@@ -104,6 +106,9 @@ def run_seed(work: Path, common: list[str], anchors: int, runs: list[str]
         "moa": (CONFIGS["moa"], [], ["backbone", "features", "cluster", "distill", "adapters",
                                      "evaluate"]),
         "top1": (CONFIGS["moa"], [*backbone, "adapters.k=1"], ["adapters", "evaluate"]),
+        "continued": (CONFIGS["moa"], [*backbone, "adapters.router=single",
+                                       "adapters.num_experts=1", "adapters.k=1"],
+                      ["adapters", "evaluate"]),
         "di": (CONFIGS["moa"], [*backbone, f"moa.anchors_per_domain={anchors}"],
                ["features", "cluster", "distill", "adapters", "evaluate"]),
         "switch_sl": (CONFIGS["switch_sl"], ["moa.backbone_dir="], ["backbone", "evaluate"]),
@@ -171,7 +176,7 @@ def seed_record(corpus: dict[str, Any], runs: dict[str, dict[str, Any]]) -> dict
 
 
 def checks(models: dict[str, Any], routing: dict[str, Any]) -> dict[str, Any]:
-    """Issue 13's acceptance items on one seed: value, bar, holds."""
+    """Issue 13's acceptance items on one seed (and the Unf-D control): value, bar, holds."""
     gate, clus = routing["distilled_gate"], routing["clusterer"]
     moa, bb = models["moa"], models["backbone"]
     out: dict[str, Any] = {
@@ -183,6 +188,9 @@ def checks(models: dict[str, Any], routing: dict[str, Any]) -> dict[str, Any]:
             "holds": gate["pur"] >= clus["pur"] - 0.02 and gate["nmi"] >= clus["nmi"] - 0.02},
         "moa_bleu_ge_backbone_plus_1": {"value": round(moa["bleu"] - bb["bleu"], 2),
                                         "holds": moa["bleu"] >= bb["bleu"] + 1.0},
+        **({"moa_above_continued_training": {
+            "value": round(moa["bleu"] - models["continued"]["bleu"], 2),
+            "holds": moa["bleu"] > models["continued"]["bleu"]}} if "continued" in models else {}),
         "moa_above_random_routing": {
             "value": round(moa["bleu"] - moa["random_routing"]["bleu"], 2),
             "holds": moa["bleu"] > moa["random_routing"]["bleu"]},
@@ -264,7 +272,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seeds", default="2101,2102,2103",
                     help="corpus seeds (tests use 0-99; keep these out of that range)")
-    ap.add_argument("--runs", default="moa,top1,di,switch_sl,sgmoe_sl,adpt,mixed_nat")
+    ap.add_argument("--runs", default="moa,top1,continued,di,switch_sl,sgmoe_sl,adpt,mixed_nat")
     ap.add_argument("--anchors", type=int, default=20, help="dev anchors per domain for di")
     ap.add_argument("--fresh", action="store_true", help="delete the work directory first")
     ap.add_argument("--quick", action="store_true", help="tiny corpus, model and stages")

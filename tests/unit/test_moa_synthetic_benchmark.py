@@ -47,3 +47,12 @@ def test_summary_is_mean_and_spread_of_shared_leaves(bench) -> None:
                                                      "max": 24.0}
     assert "translation/moa/flag" not in out["stats"]  # booleans are not figures
     assert out["checks_hold_on_every_seed"] == {"x": False}
+
+
+def test_the_unf_d_control_is_checked_when_it_ran(bench) -> None:
+    models = _models(30.0, 28.9, 20.0, 29.5)
+    routing = _routing((0.95, 0.85), (0.96, 0.86), 0.4)
+    assert "moa_above_continued_training" not in bench.checks(models, routing)
+    models["continued"] = {"bleu": 30.2}  # the extra training alone beats MoA
+    out = bench.checks(models, routing)["moa_above_continued_training"]
+    assert out == {"value": -0.2, "holds": False}
