@@ -507,9 +507,9 @@ class Trainer:
         export = self.export(source)
         self.monitor.print(f"| saved {path}" + (f" | exported {export}" if export else ""))
         self.monitor.close()
-        exported = {"exported_step": read_meta(source)["step"]}
+        exported: dict[str, Any] = {"exported_step": self.step}
         if source != path:
-            exported["exported_dev"] = early.best_values
+            exported = {"exported_step": early.best_step, "exported_dev": early.best_values}
         return {"step": self.step, "train_seconds": elapsed, "stopped_early": stopped_early,
                 **({"early_stop": early.state()} if tc.patience else {}), **exported,
                 "train_tokens_per_s": tokens / max(elapsed, 1e-9),
