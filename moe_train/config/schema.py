@@ -226,6 +226,11 @@ class TrainConfig:
     """loss (dev loss) or bleu (dev greedy BLEU, then computed at every validation)."""
     min_delta: float = 0.0
     """Smallest change of the early-stopping metric that counts as an improvement."""
+    init_from: str = ""
+    """Start a fresh run from these weights: a moe_train export or checkpoint directory, or a
+    local Hugging Face Qwen2-MoE directory (model.arch hf_qwen2_moe), every name and shape
+    exactly the model's. Read one tensor at a time; under ZeRO-3 (hf_qwen2_moe) the model is
+    built partitioned and no rank holds it whole. Ignored on resume (the checkpoint wins)."""
     export_best: bool = True
     """With early stopping (patience > 0): export the weights of the best validation, not the
     last step's (fairseq's checkpoint_best). Each new best is checkpointed and kept through

@@ -25,7 +25,7 @@ import json
 import re
 import shutil
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable
 
 import torch
 from torch import Tensor
@@ -35,6 +35,7 @@ from moe_train.config.schema import ExperimentConfig
 from moe_train.errors import CheckpointError, ConfigError, MoeTrainError
 from moe_train.utils.atomic import atomic_dir
 from moe_train.utils.safe_load import read_json_object, require_file, save_tensors
+from moe_train.utils.tensor_source import Shape, TensorSource, safetensors_source
 
 PREFIX = "hf."
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt",
@@ -86,62 +87,63 @@ def hf_config_dict(cfg: ExperimentConfig) -> dict[str, Any]:
 
 
 # ----------------------------------------------------------------------------------- weights
-def read_hf_weights(model_dir: Path) -> Iterator[tuple[str, Tensor]]:
-    """(name, tensor) of a model directory's safetensors, single file or sharded."""
-    from safetensors import safe_open
-
+def hf_weight_files(model_dir: Path) -> list[Path]:
+    """The safetensors files of a model directory: the shards its index names, or the one."""
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
         weight_map = read_json_object(index, "a safetensors index (weight_map)").get("weight_map")
         if not isinstance(weight_map, dict):
             raise CheckpointError(f"{index}: no weight_map; expected a safetensors index")
-        files = sorted(set(weight_map.values()))
-    else:
-        require_file(model_dir / "model.safetensors", "the model's weights (model.safetensors "
-                     "or model.safetensors.index.json)")
-        files = ["model.safetensors"]
-    for name in files:
-        path = require_file(model_dir / name, "a weights shard named by the index")
-        try:
-            with safe_open(str(path), framework="pt", device="cpu") as f:
-                for key in f.keys():
-                    yield key, f.get_tensor(key)
-        except MoeTrainError:
-            raise
-        except Exception as exc:  # noqa: BLE001  (SafetensorError, OSError)
-            raise CheckpointError(f"{path}: not a readable safetensors file "
-                                  f"({type(exc).__name__}: {str(exc)[:200]})") from None
+        return [require_file(model_dir / name, "a weights shard named by the index")
+                for name in sorted(set(weight_map.values()))]
+    return [require_file(model_dir / "model.safetensors", "the model's weights "
+                         "(model.safetensors or model.safetensors.index.json)")]
 
 
-def hf_to_ours(weights: Iterator[tuple[str, Tensor]], cfg: ExperimentConfig,
-               source: Path) -> dict[str, Tensor]:
-    """Our state dict from HF (name, tensor) pairs (stacked or per-expert experts)."""
+def hf_source(model_dir: Path, cfg: ExperimentConfig) -> TensorSource:
+    """Our weights of a model directory, each read when asked (`hf_to_ours`)."""
+    return hf_to_ours(safetensors_source(hf_weight_files(model_dir)), cfg, model_dir)
+
+
+def hf_to_ours(src: TensorSource, cfg: ExperimentConfig, source: Path | str) -> TensorSource:
+    """Our names and layouts of HF tensors (stacked or per-expert experts), lazily: reading one
+    of ours reads only the HF tensors it is made of. Shapes are checked up front."""
     F_ = cfg.moe.expert_ffn_dim
-    out: dict[str, Tensor] = {}
-    legacy: dict[tuple[int, str], dict[int, Tensor]] = {}
-    for name, t in weights:
+    plan: dict[str, tuple[Shape, Callable[[], Tensor]]] = {}
+    legacy: dict[tuple[int, str], dict[int, str]] = {}
+
+    def same(name: str) -> tuple[Shape, Callable[[], Tensor]]:
+        return src.shapes[name], lambda: src.get(name)
+
+    def swap12(name: str, part: slice) -> tuple[Shape, Callable[[], Tensor]]:
+        E, rows, D = src.shapes[name]
+        rows = len(range(rows)[part])
+        return (E, D, rows), lambda: src.get(name)[:, part].transpose(1, 2).contiguous()
+
+    for name, shape in src.shapes.items():
         m = _SPARSE.match(name)
         if m is None:
-            out[PREFIX + name] = t
+            plan[PREFIX + name] = same(name)
             continue
         base, rest = f"{PREFIX}model.layers.{m.group(1)}.mlp.moe.", m.group(2)
         legacy_m = _LEGACY.match(rest)
         if rest == "gate.weight":
-            out[base + "router.gate.weight.weight"] = t
+            plan[base + "router.gate.weight.weight"] = same(name)
         elif rest == "experts.gate_up_proj":
-            if t.dim() != 3 or t.size(1) != 2 * F_:
-                raise CheckpointError(f"{source}: {name} has shape {tuple(t.shape)}; expected "
+            if len(shape) != 3 or shape[1] != 2 * F_:
+                raise CheckpointError(f"{source}: {name} has shape {shape}; expected "
                                       f"(E, {2 * F_}, D)")
-            out[base + "experts.w_gate_EDF"] = t[:, :F_].transpose(1, 2).contiguous()
-            out[base + "experts.w_up_EDF"] = t[:, F_:].transpose(1, 2).contiguous()
+            plan[base + "experts.w_gate_EDF"] = swap12(name, slice(0, F_))
+            plan[base + "experts.w_up_EDF"] = swap12(name, slice(F_, 2 * F_))
         elif rest == "experts.down_proj":
-            out[base + "experts.w_down_EFD"] = t.transpose(1, 2).contiguous()
+            plan[base + "experts.w_down_EFD"] = swap12(name, slice(None))
         elif legacy_m is not None:
-            legacy.setdefault((int(m.group(1)), legacy_m.group(2)), {})[int(legacy_m.group(1))] = t
+            legacy.setdefault((int(m.group(1)), legacy_m.group(2)), {})[int(legacy_m.group(1))] \
+                = name
         elif rest == "shared_expert_gate.weight":
-            out[base + "shared_expert.gate.weight"] = t
+            plan[base + "shared_expert.gate.weight"] = same(name)
         elif rest.startswith("shared_expert."):
-            out[base + rest] = t
+            plan[base + rest] = same(name)
         else:
             raise CheckpointError(f"{source}: unknown tensor {name}; expected Qwen2-MoE weights")
     ours_name = {"gate": "w_gate_EDF", "up": "w_up_EDF", "down": "w_down_EFD"}
@@ -149,12 +151,13 @@ def hf_to_ours(weights: Iterator[tuple[str, Tensor]], cfg: ExperimentConfig,
         if sorted(per_expert) != list(range(len(per_expert))):
             raise CheckpointError(f"{source}: layer {layer} {proj}_proj has experts "
                                   f"{sorted(per_expert)[:5]}...; expected 0..E-1")
-        stacked = torch.stack([per_expert[e].t() for e in range(len(per_expert))])
-        out[f"{PREFIX}model.layers.{layer}.mlp.moe.experts.{ours_name[proj]}"] = \
-            stacked.contiguous()
-    if cfg.qwen.tie_word_embeddings and PREFIX + "lm_head.weight" not in out:
-        out[PREFIX + "lm_head.weight"] = out[PREFIX + "model.embed_tokens.weight"]
-    return out
+        names = [per_expert[e] for e in range(len(per_expert))]
+        shape = (len(names), *reversed(src.shapes[names[0]]))
+        plan[f"{PREFIX}model.layers.{layer}.mlp.moe.experts.{ours_name[proj]}"] = (
+            shape, lambda names=names: torch.stack([src.get(k).t() for k in names]).contiguous())
+    if cfg.qwen.tie_word_embeddings and PREFIX + "lm_head.weight" not in plan:
+        plan[PREFIX + "lm_head.weight"] = plan[PREFIX + "model.embed_tokens.weight"]
+    return TensorSource.from_plan(plan, source)
 
 
 def ours_to_hf(state: dict[str, Tensor], source: Path | str,
@@ -235,7 +238,7 @@ def convert_from_hf(model_dir: str | Path, out_dir: str | Path, trim_to: int | N
     cfg_path = model_dir / "config.json"
     hf = read_json_object(cfg_path, "a Hugging Face config.json")
     cfg = config_from_hf(hf, cfg_path)
-    state = hf_to_ours(read_hf_weights(model_dir), cfg, model_dir)
+    state = hf_source(model_dir, cfg).materialize()
     check_state(cfg, state, model_dir)
     manifest = _manifest(cfg, hf, model_dir)
     kept = None

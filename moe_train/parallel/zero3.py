@@ -17,7 +17,7 @@ sizes); the fp32 and Adam partitions are located through the optimizer's ``grad_
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -121,11 +121,61 @@ def skipped_zero3_step(optimizer: Any) -> Iterator[None]:
         del optimizer._get_norm_groups  # the class's method again
 
 
-def gathered_state_dict(model: nn.Module) -> dict[str, Tensor]:
-    """The full state dict of a ZeRO-3 partitioned model (collective: every rank gathers;
-    fp32 copies on CPU)."""
+def full_numel(p: nn.Parameter) -> int:
+    """A parameter's full element count, partitioned (ZeRO-3) or not."""
+    return int(getattr(p, "ds_numel", p.numel()))
+
+
+def gathered_state_dict(model: nn.Module, keep: bool = True) -> dict[str, Tensor]:
+    """The full state dict of a ZeRO-3 partitioned model, fp32 copies on CPU (collective:
+    every rank takes part). Parameters are gathered one at a time and kept only where `keep`
+    (rank 0 of an export), so no rank ever holds more than one whole parameter beyond them."""
     import deepspeed
 
-    with deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=None):
-        return {k: v.detach().float().cpu().clone() if v.is_floating_point() else v.cpu().clone()
-                for k, v in model.state_dict().items()}
+    out: dict[str, Tensor] = {}
+    for name, t in model.state_dict(keep_vars=True).items():
+        with deepspeed.zero.GatheredParameters([t] if hasattr(t, "ds_id") else [],
+                                               modifier_rank=None):
+            if keep:
+                out[name] = t.detach().float().cpu().clone() if t.is_floating_point() \
+                    else t.detach().cpu().clone()
+    return out
+
+
+@contextlib.contextmanager
+def partitioned_build(ds_config: dict[str, Any]) -> Iterator[None]:
+    """Modules built inside have their parameters partitioned as each is created
+    (`deepspeed.zero.Init`): a model too large for one process never exists whole. Their
+    values are meaningless until loaded (`load_partitioned`): parent modules cannot
+    re-initialize partitioned children, so this is for models whose weights come from a file."""
+    import deepspeed
+    import torch._dynamo  # noqa: F401  imported before zero.Init patches torch.Tensor
+
+    try:  # transformers imports dynamo-checked code lazily inside model constructors
+        import transformers.masking_utils  # noqa: F401
+        import transformers.models.qwen2_moe.modeling_qwen2_moe  # noqa: F401
+    except ImportError:
+        pass
+    with deepspeed.zero.Init(config_dict_or_path=ds_config):
+        yield
+
+
+@torch.no_grad()
+def load_partitioned(model: nn.Module, read: Callable[[str], Tensor], is_main: bool) -> None:
+    """Fill a ZeRO-3 partitioned model tensor by tensor (collective, in state-dict order):
+    `read(name)` runs on the main rank only, its value is scattered to every rank's partition
+    (`GatheredParameters` with modifier rank 0); buffers are read on every rank. A parameter
+    tied under several names is loaded once."""
+    import deepspeed
+
+    seen: set[int] = set()
+    for name, t in model.state_dict(keep_vars=True).items():
+        if id(t) in seen:
+            continue
+        seen.add(id(t))
+        if not hasattr(t, "ds_id"):
+            t.copy_(read(name))
+            continue
+        with deepspeed.zero.GatheredParameters([t], modifier_rank=0):
+            if is_main:
+                t.data.copy_(read(name))

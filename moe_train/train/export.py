@@ -28,6 +28,7 @@ from moe_train.data.vocab import Vocab
 from moe_train.errors import CheckpointError, MoeTrainError
 from moe_train.models.build import build_model
 from moe_train.train.checkpoint import consolidated_state_dict, latest_tag, read_meta
+from moe_train.train.init_from import check_shapes, model_shapes
 from moe_train.utils.atomic import atomic_dir
 from moe_train.utils.safe_load import load_tensors, read_json_object, require_file, save_tensors
 
@@ -117,16 +118,7 @@ def _check_manifest(manifest: dict[str, Any], source: Path) -> None:
 
 def check_weights(model: torch.nn.Module, state: dict[str, torch.Tensor], source: Path) -> None:
     """Same names and shapes as the model built from the config, else one line naming them."""
-    own = model.state_dict()
-    missing = [k for k in own if k not in state]
-    unexpected = [k for k in state if k not in own]
-    shapes = [f"{k} {tuple(state[k].shape)} vs {tuple(own[k].shape)}" for k in own
-              if k in state and state[k].shape != own[k].shape]
-    if missing or unexpected or shapes:
-        raise CheckpointError(f"{source}: weights do not match the model of its config "
-                              f"({len(missing)} missing {missing[:3]}, {len(unexpected)} "
-                              f"unexpected {unexpected[:3]}, {len(shapes)} of other shape "
-                              f"{shapes[:2]}); expected weights of the same architecture")
+    check_shapes(model_shapes(model), {k: tuple(v.shape) for k, v in state.items()}, source)
 
 
 def read_parts(path: str | Path) -> tuple[str, Path, ExperimentConfig, dict[str, Any], Path]:

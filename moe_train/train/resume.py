@@ -15,6 +15,7 @@ from moe_train.errors import CheckpointError
 RESUME_MAY_CHANGE: tuple[str, ...] = (
     "train.max_steps", "train.max_minutes", "train.log_every", "train.validate_every",
     "train.bleu_every", "train.bleu_sentences", "train.progress_bar", "train.export_best",
+    "train.init_from",  # the start of the run only; a resumed run reads its checkpoint
     "checkpoint.dir", "checkpoint.save_every", "checkpoint.keep_last",
     "logging.*", "eval.*",
     "data.prepared_dir", "data.num_workers",  # where the (identical) data lives, how it is read

@@ -27,9 +27,9 @@ from moe_train.errors import CheckpointError, MoeTrainError
 from moe_train.eval.decode import batch_context
 from moe_train.eval.evaluate import evaluate_dataset
 from moe_train.models.lm_batch import teacher_forced
-from moe_train.parallel.zero3 import gathered_state_dict, is_partitioned, mark_moe_leaf_modules, \
-    zero3_grad_norm
-from moe_train.models.build import build_model, moe_layers
+from moe_train.parallel.zero3 import full_numel, gathered_state_dict, is_partitioned, \
+    mark_moe_leaf_modules, zero3_grad_norm
+from moe_train.models.build import moe_layers
 from moe_train.parallel.collectives import (all_reduce_floats, grad_norm_and_clip,
                                             parameters_are_finite, step_is_finite)
 from moe_train.parallel.expert_checkpoint import (detach_experts_from_state_dict, expert_modules,
@@ -47,6 +47,7 @@ from moe_train.train.checkpoint import (latest_tag, load_checkpoint, read_meta, 
                                         step_tag, verify)
 from moe_train.train.ds_config import build_deepspeed_config
 from moe_train.train.export import export_inference
+from moe_train.train.init_from import build_start_model
 from moe_train.train.early_stop import EarlyStop
 from moe_train.train.hooks import Ratio, TrainerHooks, hooks_for
 from moe_train.train.loss import label_smoothed_nll
@@ -99,7 +100,14 @@ class Trainer:
             rt = self.rt = setup_expert_parallel(rt, cfg.moe.ep_size)
         torch.manual_seed(cfg.train.seed)
         np.random.seed(cfg.train.seed)
-        model = build_model(cfg, self.manifest)  # identical on every rank (same seed)
+        self.ckpt_dir = Path(cfg.checkpoint.dir)
+        tag = latest_tag(self.ckpt_dir, warn=self._log_main) if resume else None
+        self.ds_config = build_deepspeed_config(cfg, rt.world_size, rt.device)
+        # identical on every rank (same seed, or the same init_from weights)
+        model, loaded = build_start_model(cfg, self.manifest, self.ds_config, rt.is_main,
+                                          load=tag is None)
+        if loaded:
+            self._log_main(f"| init_from {cfg.train.init_from}: {loaded / 1e6:.2f}M weights")
         self.hooks.init_model(model)
         if cfg.uses_experts:
             wire_expert_parallel(model, rt)
@@ -112,7 +120,6 @@ class Trainer:
         scheduler = inverse_sqrt_scheduler(optimizer, cfg.optim.warmup_steps)
         if cfg.optim.zero_stage == 3:
             mark_moe_leaf_modules(model)
-        self.ds_config = build_deepspeed_config(cfg, rt.world_size, rt.device)
         detect = deepspeed_sees_moe_layers() if rt.ep_size > 1 else contextlib.nullcontext()
         with detect:
             self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer,
@@ -136,12 +143,10 @@ class Trainer:
         self.last_grad_norm: float | None = None
         self.nonfinite_steps = 0  # skipped steps in this process's run, and the current streak
         self.nonfinite_in_a_row = 0
-        self.ckpt_dir = Path(cfg.checkpoint.dir)
         tc = cfg.train
         self.early = EarlyStop(tc.early_stop_metric, tc.patience, tc.min_delta)
         self.best_tag: str | None = None
         """The best validation's checkpoint (train.export_best), kept through rotation."""
-        tag = latest_tag(self.ckpt_dir, warn=self._log_main) if resume else None
         if resume and tag is None:
             self._log_main(f"| resume: no checkpoint in {self.ckpt_dir}; starting from step 0")
         if tag is not None:  # strict: the config must match (train/resume.py)
@@ -156,7 +161,7 @@ class Trainer:
             self._resume_early_stop(meta.get("early_stop") or {})
         self.monitor = Monitor(rt, cfg.logging.tensorboard_dir, cfg.train.max_steps, self.step,
                                cfg.train.progress_bar)
-        n_params = sum(p.numel() for p in model.parameters())
+        n_params = sum(full_numel(p) for p in model.parameters())
         self.monitor.print(
             f"| model {n_params / 1e6:.2f}M parameters | world {rt.world_size} ({rt.launcher}, "
             f"{rt.backend}) | device {rt.device} | zero {cfg.optim.zero_stage} | "
@@ -377,7 +382,8 @@ class Trainer:
         """Standalone weights (experts assembled from the checkpoint `tag_dir`), rank 0;
         collective under ZeRO-3 (every rank gathers the partitioned weights)."""
         module = self.engine.module
-        state = gathered_state_dict(module) if is_partitioned(module) else None
+        state = gathered_state_dict(module, keep=self.rt.is_main) if is_partitioned(module) \
+            else None
         if not self.rt.is_main:
             return None
         state = module.state_dict() if state is None else state

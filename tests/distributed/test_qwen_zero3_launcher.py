@@ -109,3 +109,19 @@ def test_zero3_sigkill_after_a_step_then_resume_equals_uninterrupted(qwen_prepar
     assert a.keys() == b.keys()
     unequal = [k for k in a if not torch.equal(a[k], b[k])]
     assert not unequal, unequal
+
+
+def test_zero3_fine_tunes_from_a_hugging_face_directory(qwen_prepared, full_run, tmp_path):
+    """`train.init_from` a transformers directory (the full run's export converted): the model
+    is built partitioned and filled from the file, and the first step's loss is the trained
+    model's, not a fresh one's."""
+    full, text = full_run
+    hf_dir = tmp_path / "hf"
+    run_cli(["convert", "--to-hf", str(full / "ckpt" / "export"), "--out", str(hf_dir)],
+            cwd=tmp_path)
+    tuned = _finish(*_start(qwen_prepared, tmp_path / "tuned", f"train.init_from={hf_dir}",
+                            "train.max_steps=2"))
+    assert re.search(r"\| init_from .*: 0\.\d\dM weights", tuned), tuned[-2000:]
+    scratch, first = _losses(text), _losses(tuned)
+    assert sorted(first) == [1, 2]
+    assert first[1] < scratch[1] - 0.5, (first, scratch)

@@ -230,6 +230,11 @@ CASES: dict[str, Case] = {
                                          breaks=dangling_latest),
     "train_resume_garbage_latest": Case(resume(), ("{ckpt}/latest",), breaks=garbage_latest),
     "train_resume_corrupt_meta": Case(resume(), ("{ckpt}", "meta.json"), breaks=corrupt_meta),
+    "train_init_from_missing": Case(train("train.init_from={tmp}/none"),
+                                    ("train.init_from", "{tmp}/none", "not found")),
+    "train_init_from_other_shape": Case(train("train.init_from={model}", "model.ffn_dim=48"),
+                                        ("train.init_from", "{model}", "of other shape",
+                                         "expected weights of the same architecture")),
     # translate
     "translate_non_utf8_stdin": Case(translate(), ("<stdin>:2", "UTF-8"),
                                      stdin=b"a b\nc \xe9 d\ne f\n"),

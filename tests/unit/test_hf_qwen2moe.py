@@ -9,6 +9,7 @@ from moe_train.config import load_config
 from moe_train.errors import ConfigError
 from moe_train.models.build import build_model
 from moe_train.models.hf_io import hf_to_ours, ours_to_hf
+from moe_train.utils.tensor_source import TensorSource
 from moe_train.models.hf_qwen2moe import Qwen2MoEForCausalLM, moe_blocks, qwen_hf_config
 
 transformers = pytest.importorskip("transformers")
@@ -136,7 +137,7 @@ def test_per_expert_checkpoint_layout_is_stacked_on_import() -> None:
                 legacy[f"{base}{e}.down_proj.weight"] = t[e]
         else:
             legacy[name] = t
-    state = hf_to_ours(iter(legacy.items()), cfg, "test")
+    state = hf_to_ours(TensorSource.from_dict(legacy, "test"), cfg, "test").materialize()
     own = ours.state_dict()
     assert set(state) == set(own)
     for name, t in own.items():
