@@ -3,12 +3,14 @@
 DeepSpeed writes the model states of rank 0 only, which under expert parallelism hold just that
 rank's slice of every stacked expert tensor. So expert tensors are taken out of the module state
 dict (a state-dict hook) and written by the first rank of every expert-data-parallel group to
-``experts_ep{r}of{P}.pt``: its local slice [r*L, (r+1)*L) of each stacked parameter (fp32 master)
-and the Adam moments of those slices, read per parameter under ZeRO 0, 1 and 2
-(parallel/optim_state.py; collective under ZeRO 1/2, so every rank takes part). Concatenated in
-file order they give every tensor under its global expert index. Loading cuts the slice the
-loading rank owns, whatever its ep size; inference assembles the full experts. The files hold
-tensors only and load with ``torch.load(weights_only=True)``.
+the tensor store ``experts_ep{r}of{P}`` (utils/tensor_store.py: safetensors shards and an
+index): its local slice [r*L, (r+1)*L) of each stacked parameter (fp32 master) and the Adam
+moments of those slices, gathered one parameter at a time under ZeRO 0-3
+(parallel/optim_state.py; collective under ZeRO 1-3, so every rank takes part), so no rank
+holds all experts at once. Concatenated in rank order they give every tensor under its global
+expert index. Loading cuts the slice the loading rank owns, whatever its ep size; inference
+assembles the full experts. Checkpoints written before the stores hold
+``experts_ep{r}of{P}.pt`` (read with ``torch.load(weights_only=True)``).
 """
 
 from __future__ import annotations
@@ -23,13 +25,16 @@ from torch import Tensor, nn
 from moe_train.errors import CheckpointError
 from moe_train.moe.experts import StackedExperts
 from moe_train.parallel.zero3 import full_shape
-from moe_train.parallel.optim_state import (adam_step, fp32_param, get_moments, set_moments,
-                                             set_param)
+from moe_train.parallel.optim_state import (MOMENTS, adam_step, legacy_state_source,
+                                             save_param_state, set_moments, set_param,
+                                             state_keys)
 from moe_train.parallel.runtime import ParallelRuntime
 from moe_train.utils.atomic import atomic_path
 from moe_train.utils.safe_load import load_torch
+from moe_train.utils.tensor_source import TensorSource
+from moe_train.utils.tensor_store import MAX_SHARD_BYTES, TensorStoreWriter, open_store
 
-_FILE_RE = re.compile(r"^experts_ep(\d+)of(\d+)\.pt$")
+_FILE_RE = re.compile(r"^experts_ep(\d+)of(\d+)\.(?:pt|index\.json)$")
 
 
 def expert_modules(model: nn.Module) -> Iterator[tuple[str, StackedExperts]]:
@@ -55,72 +60,102 @@ def _local_tensors(model: nn.Module) -> dict[str, nn.Parameter]:
 
 
 def save_expert_shards(model: nn.Module, optimizer: Any, rt: ParallelRuntime,
-                       tag_dir: Path) -> None:
-    """Write this rank's expert slices (first rank of each expert-data group; collective)."""
+                       tag_dir: Path, max_bytes: int = MAX_SHARD_BYTES) -> None:
+    """Write this rank's expert slices (first rank of each expert-data group; collective),
+    one parameter at a time (`save_param_state`)."""
     params = _local_tensors(model)
     if not params:
         return
-    values = {n: fp32_param(optimizer, p) for n, p in params.items()}  # every rank: collective
-    moments = {}
-    for name, p in params.items():
-        m = get_moments(optimizer, p)
-        if m is not None:
-            moments[name] = m
-    if rt.rank >= rt.ep_size:
-        return  # ranks 0..P-1 form the first expert-parallel group (DeepSpeed's layout)
-    payload = {"ep_size": rt.ep_size, "ep_rank": rt.ep_rank, "adam_step": adam_step(optimizer),
-               "params": values, "moments": moments}
-    with atomic_path(tag_dir / f"experts_ep{rt.ep_rank}of{rt.ep_size}.pt") as tmp:
-        torch.save(payload, tmp)
+    # ranks 0..P-1 form the first expert-parallel group (DeepSpeed's layout): they write
+    writer = TensorStoreWriter(tag_dir, f"experts_ep{rt.ep_rank}of{rt.ep_size}",
+                               active=rt.rank < rt.ep_size, max_bytes=max_bytes)
+    save_param_state(params, optimizer, writer)
+    writer.close({"ep_size": rt.ep_size, "ep_rank": rt.ep_rank,
+                  "adam_step": adam_step(optimizer)})
 
 
-def _read_shards(tag_dir: Path) -> list[dict[str, Any]]:
-    files = sorted((p for p in Path(tag_dir).iterdir() if _FILE_RE.match(p.name)),
-                   key=lambda p: int(_FILE_RE.match(p.name).group(1)))
-    if not files:
-        return []
-    sizes = {int(_FILE_RE.match(p.name).group(2)) for p in files}
-    if len(sizes) != 1 or len(files) != sizes.pop():
+def _open_shards(tag_dir: Path) -> tuple[list[TensorSource], float]:
+    """(one lazy source per expert-parallel rank, in rank order; Adam's step) of a checkpoint's
+    expert files: tensor stores, or the single .pt files of older checkpoints."""
+    names = {m.group(1, 2): p for p in Path(tag_dir).iterdir()
+             if (m := _FILE_RE.match(p.name)) is not None}
+    if not names:
+        return [], 0.0
+    sizes = {int(size) for _, size in names}
+    ranks = sorted(int(rank) for rank, _ in names)
+    if len(sizes) != 1 or ranks != list(range(sizes.pop())):
         raise CheckpointError(f"{tag_dir}: incomplete expert files "
-                              f"({', '.join(p.name for p in files)})")
-    return [load_torch(p, "expert shard") for p in files]
+                              f"({', '.join(sorted(p.name for p in names.values()))})")
+    sources, step = [], 0.0
+    for rank in ranks:
+        path = next(p for (r, _), p in names.items() if int(r) == rank)
+        if path.name.endswith(".index.json"):
+            src, meta = open_store(tag_dir, path.name[:-len(".index.json")])
+            step = float(meta.get("adam_step", 0.0))
+        else:
+            shard = load_torch(path, "expert shard")
+            src = legacy_state_source(shard, str(path))
+            step = shard.get("adam_step")
+            if step is None:  # files written before adam_step was recorded: per moment
+                step = next((float(m["step"]) for m in shard["moments"].values()
+                             if "step" in m), 0.0)
+        sources.append(src)
+    return sources, float(step)
+
+
+def _expert_names(sources: list[TensorSource]) -> list[str]:
+    return [k[len("param/"):] for k in sources[0].names() if k.startswith("param/")]
+
+
+def _global(sources: list[TensorSource], key: str) -> Tensor:
+    """A stacked expert tensor under its global expert index: the ranks' slices, in order."""
+    return torch.cat([src.get(key) for src in sources], 0)
 
 
 def full_expert_state(tag_dir: Path) -> dict[str, Tensor]:
     """Global stacked expert tensors {name: [E, ...]} assembled from the expert files."""
-    shards = _read_shards(tag_dir)
-    if not shards:
+    sources, _ = _open_shards(tag_dir)
+    if not sources:
         return {}
-    return {name: torch.cat([s["params"][name] for s in shards], 0)
-            for name in shards[0]["params"]}
+    return {name: _global(sources, state_keys(name)["value"]) for name in _expert_names(sources)}
+
+
+def read_expert_moments(tag_dir: Path) -> dict[str, dict[str, Tensor]]:
+    """{name: {moment: global tensor}} of the expert files ({} before Adam's first step)."""
+    sources, _ = _open_shards(tag_dir)
+    out = {}
+    for name in _expert_names(sources) if sources else []:
+        keys = state_keys(name)
+        if all(keys[k] in sources[0].shapes for k in MOMENTS):
+            out[name] = {k: _global(sources, keys[k]) for k in MOMENTS}
+    return out
 
 
 def load_expert_shards(model: nn.Module, optimizer: Any, rt: ParallelRuntime,
                        tag_dir: Path) -> None:
-    """Copy this rank's slice of every expert tensor (and Adam moments if saved) into place."""
+    """Copy this rank's slice of every expert tensor (and Adam moments if saved) into place,
+    one parameter at a time."""
     params = _local_tensors(model)
     if not params:
         return
-    shards = _read_shards(tag_dir)
-    if not shards:
+    sources, step = _open_shards(tag_dir)
+    if not sources:
         raise CheckpointError(f"{tag_dir}: the model has MoE experts but the checkpoint has "
-                              "no experts_ep*.pt files")
-    step = shards[0].get("adam_step")
-    if step is None:  # files written before adam_step was recorded keep it per moment
-        step = next((float(m["step"]) for m in shards[0]["moments"].values() if "step" in m), 0.0)
+                              "no experts_ep* files")
     for name, p in params.items():
-        if name not in shards[0]["params"]:
+        keys = state_keys(name)
+        if keys["value"] not in sources[0].shapes:
             raise CheckpointError(f"{tag_dir}: no expert tensor {name!r} in the checkpoint")
         shape = full_shape(p)
         L = shape[0]
         lo = rt.ep_rank * L
-        full = torch.cat([s["params"][name] for s in shards], 0)
+        full = _global(sources, keys["value"])
         if full.shape[1:] != shape[1:] or lo + L > full.size(0):
             raise CheckpointError(f"{tag_dir}: expert tensor {name!r} has shape "
                                   f"{tuple(full.shape)}, the model needs slice {lo}:{lo + L} of "
                                   f"shape {tuple(shape)}")
         set_param(optimizer, p, full[lo:lo + L])
-        if all(name in s["moments"] for s in shards):
-            moments = {k: torch.cat([s["moments"][name][k] for s in shards], 0)[lo:lo + L]
-                       for k in ("exp_avg", "exp_avg_sq")}
+        del full
+        if all(keys[k] in src.shapes for src in sources for k in MOMENTS):
+            moments = {k: _global(sources, keys[k])[lo:lo + L] for k in MOMENTS}
             set_moments(optimizer, p, moments, step)

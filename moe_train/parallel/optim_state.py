@@ -24,6 +24,8 @@ from torch import Tensor, nn
 
 from moe_train.errors import CheckpointError
 from moe_train.parallel.zero3 import full_shape, is_zero3, z3_get, z3_set
+from moe_train.utils.tensor_source import TensorSource
+from moe_train.utils.tensor_store import TensorStoreWriter
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -141,31 +143,49 @@ def set_moments(optimizer: Any, p: nn.Parameter, moments: dict[str, Tensor], ste
     slot["step"] = torch.tensor(step, dtype=torch.float32)
 
 
-def dense_state(model: nn.Module, optimizer: Any, skip: set[int]) -> dict[str, Any]:
-    """fp32 values and moments of every trainable parameter not in `skip` (collective)."""
-    params, moments = {}, {}
-    for name, p in model.named_parameters():
-        if not p.requires_grad or id(p) in skip:
-            continue
-        params[name] = fp32_param(optimizer, p)
-        m = get_moments(optimizer, p)
-        if m is not None:
-            moments[name] = m
-    return {"step": adam_step(optimizer), "params": params, "moments": moments}
+def state_keys(name: str) -> dict[str, str]:
+    """Store keys of a parameter's fp32 value and Adam moments (parallel checkpoints)."""
+    return {"value": f"param/{name}", **{k: f"{k}/{name}" for k in MOMENTS}}
 
 
-def load_dense_state(model: nn.Module, optimizer: Any, state: dict[str, Any], skip: set[int],
-                     where: str) -> None:
-    """Inverse of `dense_state` on this rank's partition (local)."""
-    for name, p in model.named_parameters():
-        if not p.requires_grad or id(p) in skip:
-            continue
-        if name not in state["params"]:
-            raise CheckpointError(f"{where}: no optimizer state for parameter {name!r}")
-        value = state["params"][name]
-        if value.shape != full_shape(p):
-            raise CheckpointError(f"{where}: parameter {name!r} has shape {tuple(value.shape)}, "
-                                  f"the model needs {tuple(full_shape(p))}")
-        set_param(optimizer, p, value)
-        if name in state["moments"]:
-            set_moments(optimizer, p, state["moments"][name], state["step"])
+def save_param_state(params: dict[str, nn.Parameter], optimizer: Any,
+                     writer: TensorStoreWriter) -> None:
+    """fp32 value and Adam moments (once there are any) of each of `params`, gathered one
+    parameter at a time into `writer` (collective under ZeRO: every rank runs the same
+    gathers; only an active writer keeps them)."""
+    for name, p in params.items():
+        keys = state_keys(name)
+        writer.add(keys["value"], fp32_param(optimizer, p))
+        moments = get_moments(optimizer, p)
+        for k, value in (moments or {}).items():
+            writer.add(keys[k], value)
+
+
+def dense_params(model: nn.Module, skip: set[int]) -> dict[str, nn.Parameter]:
+    """The trainable parameters of `model` not in `skip` (the experts), by name."""
+    return {name: p for name, p in model.named_parameters()
+            if p.requires_grad and id(p) not in skip}
+
+
+def legacy_state_source(state: dict[str, Any], where: str) -> TensorSource:
+    """The store keys of a pre-store state dict {"params": {n: t}, "moments": {n: {k: t}}}."""
+    flat = {state_keys(n)["value"]: t for n, t in state["params"].items()}
+    flat.update({state_keys(n)[k]: t for n, m in state["moments"].items() for k, t in m.items()})
+    return TensorSource.from_dict(flat, where)
+
+
+def load_dense_state(model: nn.Module, optimizer: Any, src: TensorSource, step: float,
+                     skip: set[int]) -> None:
+    """Set every trainable parameter not in `skip` and its moments from `src` (local: each
+    rank writes its partition; tensors read one at a time)."""
+    for name, p in dense_params(model, skip).items():
+        keys = state_keys(name)
+        if keys["value"] not in src.shapes:
+            raise CheckpointError(f"{src.where}: no optimizer state for parameter {name!r}")
+        if src.shapes[keys["value"]] != tuple(full_shape(p)):
+            raise CheckpointError(f"{src.where}: parameter {name!r} has shape "
+                                  f"{src.shapes[keys['value']]}, the model needs "
+                                  f"{tuple(full_shape(p))}")
+        set_param(optimizer, p, src.get(keys["value"]))
+        if all(keys[k] in src.shapes for k in MOMENTS):
+            set_moments(optimizer, p, {k: src.get(keys[k]) for k in MOMENTS}, step)

@@ -2,8 +2,9 @@
 
 Layout of `checkpoint.dir`:
   step_00001000/      DeepSpeed files (model, optimizer / ZeRO shards, lr scheduler),
-                      experts_ep*of*.pt (parallel/expert_checkpoint.py), optim_dense.pt (ZeRO 1/2:
-                      per-parameter Adam state, parallel/optim_state.py), meta.json (config, step,
+                      experts_ep*of* (parallel/expert_checkpoint.py), optim_dense (ZeRO 1-3:
+                      per-parameter fp32 values and Adam state, parallel/optim_state.py; both
+                      tensor stores written one parameter at a time), meta.json (config, step,
                       data position), rng_rank{r}.pt per rank, spm.model, manifest.json (data) and,
                       written last, complete.json (every file with its size)
   latest              the tag of the newest complete checkpoint
@@ -42,14 +43,21 @@ import torch
 from moe_train.errors import CheckpointError
 from moe_train.parallel.collectives import barrier
 from moe_train.parallel.expert_checkpoint import expert_modules, full_expert_state
-from moe_train.parallel.optim_state import dense_state, is_zero_partitioned, load_dense_state
+from moe_train.parallel.optim_state import (adam_step, dense_params, is_zero_partitioned,
+                                             legacy_state_source, load_dense_state,
+                                             save_param_state)
 from moe_train.parallel.runtime import ParallelRuntime
 from moe_train.utils.atomic import atomic_path, write_json
 from moe_train.utils.safe_load import load_torch
+from moe_train.utils.tensor_source import TensorSource
+from moe_train.utils.tensor_store import TensorStoreWriter, has_store, open_store
 
 _TAG_RE = re.compile(r"^step_(\d+)$")
 COMPLETE = "complete.json"
-DENSE_OPTIM = "optim_dense.pt"
+DENSE_STORE = "optim_dense"
+"""Per-parameter fp32 values and Adam moments (ZeRO 1-3), a tensor store."""
+LEGACY_DENSE_OPTIM = "optim_dense.pt"
+"""The same in checkpoints written before the stores."""
 KILL_ENV = "MOE_TRAIN_TEST_KILL_AT"
 ZERO3_MODEL_STATES = "zero_pp_rank_0_mp_rank_00_model_states.pt"
 """Rank 0's model states under ZeRO-3 (DeepSpeed's name; no 'mp_rank_00_model_states.pt')."""
@@ -235,12 +243,10 @@ def save_checkpoint(engine: Any, rt: ParallelRuntime, ckpt_dir: str | Path, step
         save_extra(tmp_dir)
     if is_zero_partitioned(engine.optimizer):  # collective: every rank takes part
         experts = {id(p) for _, m in expert_modules(engine.module) for p in m.parameters()}
-        dense = dense_state(engine.module, engine.optimizer, experts)
-        if rt.is_main:
-            dense["lr_scheduler"] = {"last_epoch": int(getattr(engine.lr_scheduler,
-                                                               "last_epoch", 0))}
-            with atomic_path(tmp_dir / DENSE_OPTIM) as tmp:
-                torch.save(dense, tmp)
+        writer = TensorStoreWriter(tmp_dir, DENSE_STORE, active=rt.is_main)
+        save_param_state(dense_params(engine.module, experts), engine.optimizer, writer)
+        writer.close({"step": adam_step(engine.optimizer), "lr_scheduler": {
+            "last_epoch": int(getattr(engine.lr_scheduler, "last_epoch", 0))}})
     _test_hook("engine_saved", step)
     barrier(rt)
     if rt.is_main:
@@ -277,7 +283,7 @@ def load_checkpoint(engine: Any, rt: ParallelRuntime, ckpt_dir: str | Path,
     Expert tensors are not in DeepSpeed's module states (see parallel/expert_checkpoint.py):
     the module loads non-strictly and `load_extra(tag_dir)` restores them. Under ZeRO 1/2 at
     another world size or ep size, DeepSpeed loads the module only (its optimizer partitions do
-    not fit) and the per-parameter Adam state of optim_dense.pt and the expert files is set.
+    not fit) and the per-parameter Adam state of optim_dense and the expert files is set.
     """
     ckpt_dir = Path(ckpt_dir)
     tag = tag or latest_tag(ckpt_dir, warn=lambda m: log(f"warning: {m}"))
@@ -315,18 +321,33 @@ def load_checkpoint(engine: Any, rt: ParallelRuntime, ckpt_dir: str | Path,
     return meta
 
 
-def _load_dense(engine: Any, tag_dir: Path) -> None:
-    path = tag_dir / DENSE_OPTIM
+def read_dense_state(tag_dir: Path) -> tuple[TensorSource, dict[str, Any]] | None:
+    """(lazy per-parameter fp32 values and moments, {step, lr_scheduler}) of a ZeRO 1-3
+    checkpoint: the optim_dense store, or the optim_dense.pt of older checkpoints; None when
+    the checkpoint has neither (ZeRO 0)."""
+    if has_store(tag_dir, DENSE_STORE):
+        return open_store(tag_dir, DENSE_STORE)
+    path = tag_dir / LEGACY_DENSE_OPTIM
     if not path.is_file():
-        raise CheckpointError(f"{path}: missing; this checkpoint cannot be resumed at another "
-                              "world size or ep size (resume with the world size it was saved at)")
+        return None
     state = load_torch(path, "per-parameter optimizer state")
+    return legacy_state_source(state, str(path)), {k: state[k] for k in ("step", "lr_scheduler")
+                                                    if k in state}
+
+
+def _load_dense(engine: Any, tag_dir: Path) -> None:
+    dense = read_dense_state(tag_dir)
+    if dense is None:
+        raise CheckpointError(f"{tag_dir / DENSE_STORE}.index.json: missing; this checkpoint "
+                              "cannot be resumed at another world size or ep size (resume with "
+                              "the world size it was saved at)")
+    src, meta = dense
     experts = {id(p) for _, m in expert_modules(engine.module) for p in m.parameters()}
-    load_dense_state(engine.module, engine.optimizer, state, experts, str(path))
+    load_dense_state(engine.module, engine.optimizer, src, float(meta.get("step", 0.0)), experts)
     sched = engine.lr_scheduler
     if sched is None:
         return
-    sched.last_epoch = state["lr_scheduler"]["last_epoch"]
+    sched.last_epoch = meta["lr_scheduler"]["last_epoch"]
     for group, base, fn in zip(sched.optimizer.param_groups, sched.base_lrs, sched.lr_lambdas):
         group["lr"] = base * fn(sched.last_epoch)
     sched._last_lr = [g["lr"] for g in sched.optimizer.param_groups]
@@ -359,8 +380,10 @@ def consolidated_state_dict(tag_dir: str | Path) -> dict[str, torch.Tensor]:
     if not isinstance(state, dict):
         raise CheckpointError(f"{path}: no 'module' weights in the model states")
     state = dict(state)
-    dense = Path(tag_dir) / DENSE_OPTIM
-    if dense.is_file() and any(v.numel() == 0 for v in state.values()):  # ZeRO-3 partitions
-        state.update(load_torch(dense, "per-parameter optimizer state")["params"])
+    dense = read_dense_state(Path(tag_dir))
+    if dense is not None and any(v.numel() == 0 for v in state.values()):  # ZeRO-3 partitions
+        src = dense[0]
+        state.update({k[len("param/"):]: src.get(k) for k in src.names()
+                      if k.startswith("param/")})
     state.update(full_expert_state(Path(tag_dir)))
     return {k: v.float() if v.is_floating_point() else v for k, v in state.items()}

@@ -22,8 +22,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from moe_train.parallel.expert_checkpoint import _read_shards
-from moe_train.train.checkpoint import KILL_ENV, consolidated_state_dict, latest_tag, read_meta
+from moe_train.parallel.expert_checkpoint import read_expert_moments
+from moe_train.train.checkpoint import (KILL_ENV, consolidated_state_dict, latest_tag,
+                                       read_dense_state, read_meta)
 from tests.distributed.two_ranks import finish_launch
 from tests.conftest import ROOT, cli_env, debug_overrides, run_cli
 
@@ -72,9 +73,16 @@ def full_run(tiny_prepared, tmp_path_factory) -> Path:
 
 def _expert_moments(tag_dir: Path) -> dict[str, torch.Tensor]:
     """{name/moment: global tensor [E, ...]} from the expert files (any ep size)."""
-    shards = _read_shards(tag_dir)
-    return {f"{name}/{k}": torch.cat([s["moments"][name][k] for s in shards])
-            for name in shards[0]["moments"] for k in ("exp_avg", "exp_avg_sq")}
+    return {f"{name}/{k}": value for name, m in read_expert_moments(tag_dir).items()
+            for k, value in m.items()}
+
+
+def _dense_moments(tag_dir: Path) -> tuple[float, dict[str, dict[str, torch.Tensor]]]:
+    """(Adam's step, {name: {moment: tensor}}) of the dense parameters' optim_dense store."""
+    src, meta = read_dense_state(tag_dir)
+    names = [k[len("param/"):] for k in src.names() if k.startswith("param/")]
+    return meta["step"], {n: {k: src.get(f"{k}/{n}") for k in ("exp_avg", "exp_avg_sq")}
+                          for n in names if f"exp_avg/{n}" in src.shapes}
 
 
 def _resumable_step(ckpt: Path) -> int:
@@ -164,8 +172,7 @@ def test_ep2_zero1_checkpoint_resumes_at_ep1_with_moments(tiny_prepared, full_ru
     diff = max((a[k] - b[k]).abs().max().item() for k in a)
     ma, mb = _expert_moments(ref), _expert_moments(got)
     mdiff = max((ma[k] - mb[k]).abs().max().item() for k in ma)
-    dense_a = torch.load(ref / "optim_dense.pt", weights_only=True)["moments"]
-    dense_b = torch.load(got / "optim_dense.pt", weights_only=True)["moments"]
+    dense_a, dense_b = _dense_moments(ref)[1], _dense_moments(got)[1]
     ddiff = max((dense_a[n][k] - dense_b[n][k]).abs().max().item()
                 for n in dense_a for k in ("exp_avg", "exp_avg_sq"))
     la, lb = _tb_losses(full_run / "tb")[5], _tb_losses(work / "tb")[5]
@@ -193,12 +200,11 @@ def test_zero1_checkpoint_of_two_ranks_resumes_in_one_process(tiny_prepared, ful
     beta2 = read_meta(old)["config"]["optim"]["betas"][1]
     v_old = {k: v for k, v in _expert_moments(old).items() if k.endswith("exp_avg_sq")}
     v_new = _expert_moments(new)
-    dense_old = torch.load(old / "optim_dense.pt", weights_only=True)
-    dense_new = torch.load(new / "optim_dense.pt", weights_only=True)
-    assert dense_old["step"] == 4.0 and dense_new["step"] == 5.0
-    for name, m in dense_old["moments"].items():
+    (step_old, dense_old), (step_new, dense_new) = _dense_moments(old), _dense_moments(new)
+    assert step_old == 4.0 and step_new == 5.0 and dense_old
+    for name, m in dense_old.items():
         v_old[name] = m["exp_avg_sq"]
-        v_new[name] = dense_new["moments"][name]["exp_avg_sq"]
+        v_new[name] = dense_new[name]["exp_avg_sq"]
     worst = min((v_new[k] - beta2 * v_old[k]).min().item() for k in v_old)
     print(f"world 2 -> 1: min(v5 - beta2 * v4) = {worst:.2e} over {len(v_old)} tensors")
     assert worst >= -1e-12 and max(v.abs().max().item() for v in v_old.values()) > 0
