@@ -29,7 +29,6 @@ from moe_train.parallel.optim_state import (MOMENTS, adam_step, legacy_state_sou
                                              save_param_state, set_moments, set_param,
                                              state_keys)
 from moe_train.parallel.runtime import ParallelRuntime
-from moe_train.utils.atomic import atomic_path
 from moe_train.utils.safe_load import load_torch
 from moe_train.utils.tensor_source import TensorSource
 from moe_train.utils.tensor_store import MAX_SHARD_BYTES, TensorStoreWriter, open_store
