@@ -74,3 +74,13 @@ def tune_cpu_allocator() -> dict[str, Any]:
     failed = [name for name, value in settings.items() if libc.mallopt(params[name], value) != 1]
     return {"allocator": "glibc, tuned by moe_train.utils.malloc", "applied": not failed,
             **settings, **({"failed": failed} if failed else {})}
+
+
+def release_free_heap() -> bool:
+    """Give the free pages of glibc's heap back to the OS (`malloc_trim(0)`), also those
+    between live blocks; whether anything was released (False where the C library is not
+    glibc). For one-off phases that free much in a pattern the heap cannot reuse, such as
+    building a model partition by partition."""
+    libc = _glibc()
+    return bool(libc.malloc_trim(0)) if libc is not None and hasattr(libc, "malloc_trim") \
+        else False

@@ -22,7 +22,8 @@ from moe_train.utils.safe_load import read_json_object, require_file, save_tenso
 from moe_train.utils.tensor_source import TensorSource, safetensors_source
 
 STORE_FORMAT = "moe_train-tensor-store-1"
-MAX_SHARD_BYTES = 2 << 30
+MAX_SHARD_BYTES = 1 << 30
+"""The writer's buffer: what the writing rank holds beyond one gathered parameter."""
 
 
 def index_path(directory: Path, stem: str) -> Path:
