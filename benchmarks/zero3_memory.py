@@ -2,8 +2,9 @@
 
     .venv/bin/python benchmarks/zero3_memory.py [--quick] [--out PATH]
 
-Two gloo ranks, spawned afresh for each part, resident memory sampled from /proc every 5 ms during each phase
-(`peak_gib`: the phase's highest resident set, `grew_gib`: that minus the resident set before it).
+Two gloo ranks, spawned afresh for each part; resident memory sampled from /proc every 5 ms
+during each phase (`peak_gib`: the phase's highest resident set, `grew_gib`: that minus the
+resident set before it).
 - construct_trim / construct_no_trim: the 3.52B Trim-MoE (configs/qwen1.5-moe-trim8.yaml, bf16)
   built by `partitioned_build`, as `train.init_from` does under ZeRO-3, with the per-module heap
   trim and without it; per rank its partition's bytes, against the whole model's bytes.
@@ -71,7 +72,8 @@ def phase(fn: Callable[[], Any]) -> tuple[Any, dict[str, float]]:
         stop.set()
         thread.join()
     peak[0] = max(peak[0], _rss())
-    return out, {"peak_gib": round(peak[0] / GIB, 3), "grew_gib": round((peak[0] - before) / GIB, 3)}
+    return out, {"peak_gib": round(peak[0] / GIB, 3),
+                 "grew_gib": round((peak[0] - before) / GIB, 3)}
 
 
 def _construct(rt, quick: bool, trim: bool) -> dict[str, Any]:
