@@ -90,11 +90,9 @@ def _construct(rt, quick: bool, trim: bool) -> dict[str, Any]:
         with partitioned_build(ds, trim=trim):
             return build_model(cfg, {"vocab_size": cfg.qwen.vocab_size, "pad_id": 0})
 
-    t0 = time.perf_counter()
     model, mem = phase(build)
     params = list(model.parameters())
-    return {**mem, "seconds": round(time.perf_counter() - t0, 1),
-            "partition_gib": round(sum(p.ds_tensor.numel() * p.ds_tensor.element_size()
+    return {**mem, "partition_gib": round(sum(p.ds_tensor.numel() * p.ds_tensor.element_size()
                                        for p in params) / GIB, 3),
             "whole_model_gib": round(sum(p.ds_numel * p.ds_tensor.element_size()
                                          for p in params) / GIB, 3),
