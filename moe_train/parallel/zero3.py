@@ -152,10 +152,10 @@ def partitioned_build(ds_config: dict[str, Any], trim: bool = True) -> Iterator[
     re-initialize partitioned children, so this is for models whose weights come from a file.
 
     On the CPU every parameter is made whole in the heap and then cut to its partition, which
-    leaves holes glibc keeps: building the 3.52B Trim-MoE on two ranks, one rank peaked at 2.5x
-    its 3.3 GiB bf16 partition, above the whole model's 6.6 GiB. The heap is trimmed after each
-    module, which keeps the peak near the partition (`trim` False leaves it alone;
-    benchmarks/zero3_memory.py measures both)."""
+    leaves holes glibc keeps: building the 3.52B Trim-MoE on two ranks without a trim, ranks
+    peaked at 4.6 GiB and, in some runs, 8.2-8.4 GiB, above the whole model's 6.6 GiB, for a
+    3.3 GiB bf16 partition. The heap is trimmed after each module, which keeps the peak at 3.9
+    GiB (`trim` False leaves it alone; benchmarks/zero3_memory.py measures both)."""
     import deepspeed
     import torch._dynamo  # noqa: F401  imported before zero.Init patches torch.Tensor
 
