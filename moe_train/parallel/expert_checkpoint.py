@@ -111,12 +111,17 @@ def _global(sources: list[TensorSource], key: str) -> Tensor:
     return torch.cat([src.get(key) for src in sources], 0)
 
 
+def expert_tensors(tag_dir: Path) -> Iterator[tuple[str, Tensor]]:
+    """(name, global stacked tensor [E, ...]) of every expert parameter, assembled from the
+    expert files one at a time."""
+    sources, _ = _open_shards(tag_dir)
+    for name in _expert_names(sources) if sources else []:
+        yield name, _global(sources, state_keys(name)["value"])
+
+
 def full_expert_state(tag_dir: Path) -> dict[str, Tensor]:
     """Global stacked expert tensors {name: [E, ...]} assembled from the expert files."""
-    sources, _ = _open_shards(tag_dir)
-    if not sources:
-        return {}
-    return {name: _global(sources, state_keys(name)["value"]) for name in _expert_names(sources)}
+    return dict(expert_tensors(tag_dir))
 
 
 def read_expert_moments(tag_dir: Path) -> dict[str, dict[str, Tensor]]:

@@ -128,20 +128,26 @@ def full_numel(p: nn.Parameter) -> int:
     return int(getattr(p, "ds_numel", p.numel()))
 
 
-def gathered_state_dict(model: nn.Module, keep: bool = True) -> dict[str, Tensor]:
-    """The full state dict of a ZeRO-3 partitioned model, fp32 copies on CPU (collective:
-    every rank takes part). Parameters are gathered one at a time and kept only where `keep`
-    (rank 0 of an export), so no rank ever holds more than one whole parameter beyond them."""
+def gathered_tensors(model: nn.Module, keep: bool = True) -> Iterator[tuple[str, Tensor | None]]:
+    """(name, fp32 CPU copy) of every state-dict entry of a ZeRO-3 partitioned model, each
+    parameter gathered only while its copy is made (collective: every rank iterates to the
+    end). Ranks that do not `keep` get None and hold nothing beyond one gathered parameter."""
     import deepspeed
 
-    out: dict[str, Tensor] = {}
     for name, t in model.state_dict(keep_vars=True).items():
         with deepspeed.zero.GatheredParameters([t] if hasattr(t, "ds_id") else [],
                                                modifier_rank=None):
+            value = None
             if keep:
-                out[name] = t.detach().float().cpu().clone() if t.is_floating_point() \
-                    else t.detach().cpu().clone()
-    return out
+                value = t.detach().float().cpu().clone() if t.is_floating_point() else \
+                    t.detach().cpu().clone()
+        yield name, value
+
+
+def gathered_state_dict(model: nn.Module, keep: bool = True) -> dict[str, Tensor]:
+    """The full state dict of a ZeRO-3 partitioned model, fp32 copies on CPU, kept only where
+    `keep` (collective; `gathered_tensors`)."""
+    return {name: value for name, value in gathered_tensors(model, keep) if value is not None}
 
 
 @contextlib.contextmanager

@@ -16,7 +16,7 @@ import json
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 import torch
 
@@ -31,11 +31,15 @@ from moe_train.train.checkpoint import consolidated_state_dict, latest_tag, read
 from moe_train.train.init_from import check_shapes, model_shapes
 from moe_train.utils.atomic import atomic_dir
 from moe_train.utils.safe_load import load_tensors, read_json_object, require_file, save_tensors
+from moe_train.utils.tensor_source import TensorSource, safetensors_source
+from moe_train.utils.tensor_store import TensorStoreWriter, index_path, open_store
 
 EXPORT_WEIGHTS = "model.safetensors"
 LEGACY_EXPORT_WEIGHTS = "model.pt"
 """Weights file of exports written before safetensors (read with weights_only)."""
 EXPORT_FORMAT = "moe_train-export-1"
+EXPORT_STORE = "model"
+"""The tensor store of a streamed export (`export_streamed`)."""
 
 
 @dataclass
@@ -61,28 +65,69 @@ def export_inference(out_dir: str | Path, state_dict: dict[str, torch.Tensor],
         weights = {k: v.detach().float() if v.is_floating_point() else v.detach()
                    for k, v in state_dict.items()}
         save_tensors(tmp / EXPORT_WEIGHTS, weights, metadata={"format": EXPORT_FORMAT})
-        (tmp / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
-        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
-        for path in [tokenizer] if isinstance(tokenizer, Path) else tokenizer:
-            shutil.copyfile(path, tmp / Path(path).name)
-        for name, obj in (extra_json or {}).items():
-            (tmp / name).write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
+        _write_export_files(tmp, cfg, manifest, tokenizer, extra_json)
     return out_dir
 
 
+def export_streamed(out_dir: str | Path, tensors: Iterable[tuple[str, torch.Tensor | None]],
+                    cfg: ExperimentConfig, manifest: dict[str, Any],
+                    tokenizer: Path | Sequence[Path], active: bool = True) -> Path | None:
+    """An export written tensor by tensor, for models no process holds whole: the weights as
+    the tensor store ``model`` (model.index.json + 1 GiB safetensors shards, fp32), the rest as
+    `export_inference`. Iterating `tensors` may be collective (ZeRO-3 gathers): every rank
+    iterates it to the end; only the `active` one writes."""
+    if not active:
+        for _ in tensors:
+            pass
+        return None
+    out_dir = Path(out_dir)
+    with atomic_dir(out_dir, overwrite=True) as tmp:
+        writer = TensorStoreWriter(tmp, EXPORT_STORE)
+        for name, t in tensors:
+            writer.add(name, t.float() if t.is_floating_point() else t)
+        writer.close({"format": EXPORT_FORMAT})
+        _write_export_files(tmp, cfg, manifest, tokenizer)
+    return out_dir
+
+
+def _write_export_files(tmp: Path, cfg: ExperimentConfig, manifest: dict[str, Any],
+                        tokenizer: Path | Sequence[Path],
+                        extra_json: dict[str, dict[str, Any]] | None = None) -> None:
+    (tmp / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+    (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+    for path in [tokenizer] if isinstance(tokenizer, Path) else tokenizer:
+        shutil.copyfile(path, tmp / Path(path).name)
+    for name, obj in (extra_json or {}).items():
+        (tmp / name).write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
+
+
 def export_weights_file(export_dir: str | Path) -> Path:
-    """The weights file of an export: model.safetensors, else a legacy model.pt."""
+    """The weights of an export: model.safetensors, the index of a streamed export's tensor
+    store (model.index.json), else a legacy model.pt."""
     export_dir = Path(export_dir)
-    for name in (EXPORT_WEIGHTS, LEGACY_EXPORT_WEIGHTS):
-        if (export_dir / name).is_file():
-            return export_dir / name
+    for path in (export_dir / EXPORT_WEIGHTS, index_path(export_dir, EXPORT_STORE),
+                 export_dir / LEGACY_EXPORT_WEIGHTS):
+        if path.is_file():
+            return path
     raise CheckpointError(f"{export_dir / EXPORT_WEIGHTS}: missing; expected the export's weights "
-                          f"({EXPORT_WEIGHTS}, or {LEGACY_EXPORT_WEIGHTS} of older exports)")
+                          f"({EXPORT_WEIGHTS}, {EXPORT_STORE}.index.json of a streamed export, "
+                          f"or {LEGACY_EXPORT_WEIGHTS} of older exports)")
+
+
+def export_source(export_dir: str | Path) -> TensorSource:
+    """The weights of an export, read one tensor at a time where the format allows."""
+    path = export_weights_file(export_dir)
+    if path.name == EXPORT_WEIGHTS:
+        return safetensors_source([path])
+    if path == index_path(Path(export_dir), EXPORT_STORE):
+        return open_store(Path(export_dir), EXPORT_STORE)[0]
+    return TensorSource.from_dict(load_tensors(path, "weights file (name -> tensor)"), path)
 
 
 def load_export_weights(export_dir: str | Path) -> dict[str, torch.Tensor]:
-    """{name: tensor} of an export directory (safetensors, or legacy model.pt weights_only)."""
-    return load_tensors(export_weights_file(export_dir), "weights file (name -> tensor)")
+    """{name: tensor} of an export directory (safetensors, a tensor store, or legacy model.pt
+    weights_only)."""
+    return export_source(export_dir).materialize()
 
 
 def _resolve(path: Path) -> tuple[str, Path]:

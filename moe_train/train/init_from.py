@@ -21,7 +21,7 @@ from moe_train.config.schema import ExperimentConfig
 from moe_train.errors import CheckpointError
 from moe_train.parallel.zero3 import full_shape, is_partitioned, load_partitioned
 from moe_train.utils.safe_load import read_json_object
-from moe_train.utils.tensor_source import Shape, TensorSource, safetensors_source
+from moe_train.utils.tensor_source import Shape, TensorSource
 
 
 def is_hf_model_dir(path: Path) -> bool:
@@ -35,7 +35,7 @@ def open_init_weights(path: str | Path, cfg: ExperimentConfig) -> TensorSource:
     """The weights `train.init_from` names, under our tensor names, read lazily."""
     from moe_train.models.hf_io import hf_source
     from moe_train.train.checkpoint import consolidated_state_dict
-    from moe_train.train.export import EXPORT_WEIGHTS, load_export_weights, read_parts
+    from moe_train.train.export import export_source, read_parts
 
     path = Path(path)
     try:
@@ -45,12 +45,10 @@ def open_init_weights(path: str | Path, cfg: ExperimentConfig) -> TensorSource:
                                       "model.arch hf_qwen2_moe to start from it (or a moe_train "
                                       "export / checkpoint)")
             return hf_source(path, cfg)
-        kind, where, _, _, weights = read_parts(path)
+        kind, where, _, _, _ = read_parts(path)
         if kind == "step":
             return TensorSource.from_dict(consolidated_state_dict(where), where)
-        if weights.name == EXPORT_WEIGHTS:
-            return safetensors_source([weights])
-        return TensorSource.from_dict(load_export_weights(where), where)
+        return export_source(where)
     except CheckpointError as exc:
         raise CheckpointError(f"train.init_from: {exc}") from None
 

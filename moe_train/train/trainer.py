@@ -9,6 +9,7 @@ scaling divide out again; so the update equals one process on the whole global b
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import math
 import time
@@ -27,13 +28,14 @@ from moe_train.errors import CheckpointError, MoeTrainError
 from moe_train.eval.decode import batch_context
 from moe_train.eval.evaluate import evaluate_dataset
 from moe_train.models.lm_batch import teacher_forced
-from moe_train.parallel.zero3 import full_numel, gathered_state_dict, is_partitioned, \
+from moe_train.parallel.zero3 import full_numel, gathered_tensors, is_partitioned, \
     mark_moe_leaf_modules, zero3_grad_norm
 from moe_train.models.build import moe_layers
 from moe_train.parallel.collectives import (all_reduce_floats, grad_norm_and_clip,
                                             parameters_are_finite, step_is_finite)
 from moe_train.parallel.expert_checkpoint import (detach_experts_from_state_dict, expert_modules,
-                                                  full_expert_state, load_expert_shards,
+                                                  expert_tensors, full_expert_state,
+                                                  load_expert_shards,
                                                   save_expert_shards)
 from moe_train.parallel.step_guard import (check_zero_optimizer, loss_scale, skipped_update,
                                            zero_grad_norm)
@@ -46,7 +48,7 @@ from moe_train.parallel.runtime import ParallelRuntime
 from moe_train.train.checkpoint import (latest_tag, load_checkpoint, read_meta, save_checkpoint,
                                         step_tag, verify)
 from moe_train.train.ds_config import build_deepspeed_config
-from moe_train.train.export import export_inference
+from moe_train.train.export import export_inference, export_streamed
 from moe_train.train.init_from import build_start_model
 from moe_train.train.early_stop import EarlyStop
 from moe_train.train.hooks import Ratio, TrainerHooks, hooks_for
@@ -379,17 +381,21 @@ class Trainer:
             load_expert_shards(self.engine.module, self.engine.optimizer, self.rt, tag_dir)
 
     def export(self, tag_dir: Path) -> Path | None:
-        """Standalone weights (experts assembled from the checkpoint `tag_dir`), rank 0;
-        collective under ZeRO-3 (every rank gathers the partitioned weights)."""
-        module = self.engine.module
-        state = gathered_state_dict(module, keep=self.rt.is_main) if is_partitioned(module) \
-            else None
+        """Standalone weights (experts assembled from the checkpoint `tag_dir`), rank 0.
+        Under ZeRO-3 collective and streamed (`export_streamed`): every rank gathers one
+        parameter at a time, rank 0 writes it, then the experts one at a time from the files."""
+        module, out = self.engine.module, self.ckpt_dir / "export"
+        if is_partitioned(module):
+            main = self.rt.is_main
+            tensors = itertools.chain(gathered_tensors(module, keep=main),
+                                      expert_tensors(tag_dir) if main else ())
+            return export_streamed(out, tensors, self.cfg, self.manifest, self.tokenizer_files,
+                                   active=main)
         if not self.rt.is_main:
             return None
-        state = module.state_dict() if state is None else state
+        state = module.state_dict()
         state.update(full_expert_state(tag_dir))
-        return export_inference(self.ckpt_dir / "export", state, self.cfg, self.manifest,
-                                self.tokenizer_files)
+        return export_inference(out, state, self.cfg, self.manifest, self.tokenizer_files)
 
     # ------------------------------------------------------------------ the loop
     def _log(self, window: dict[str, float], elapsed: float) -> None:

@@ -91,6 +91,7 @@ def safetensors_source(paths: Sequence[Path]) -> TensorSource:
 
 
 def _unreadable(path: Path, exc: BaseException) -> CheckpointError:
-    return CheckpointError(f"{path}: not a readable safetensors file "
-                           f"({type(exc).__name__}: {str(exc)[:200]})")
+    text = str(exc).strip()
+    return CheckpointError(f"{path}: not a readable weights file (name -> tensor) "
+                           f"({type(exc).__name__}: {text.splitlines()[0][:200] if text else ''})")
 

@@ -68,6 +68,8 @@ def test_zero3_training_loss_falls_and_export_loads_in_transformers(full_run, tm
     assert sorted(losses) == list(range(1, STEPS + 1))
     assert losses[STEPS] < losses[1] - 0.5, losses
     export = work / "ckpt" / "export"
+    # streamed under ZeRO-3: a tensor store written one gathered parameter at a time
+    assert (export / "model.index.json").is_file() and not (export / "model.safetensors").exists()
     hf_dir = tmp_path / "hf"
     summary = json.loads(run_cli(["convert", "--to-hf", str(export), "--out", str(hf_dir)],
                                  cwd=tmp_path).stdout.strip().splitlines()[-1])
