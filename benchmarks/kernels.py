@@ -21,7 +21,6 @@ tuned first (`tune_cpu_allocator`, as `init_runtime` does), for every implementa
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
