@@ -186,10 +186,11 @@ def partitioned_build(ds_config: dict[str, Any], trim: bool = True) -> Iterator[
 
 @torch.no_grad()
 def load_partitioned(model: nn.Module, read: Callable[[str], Tensor], is_main: bool) -> None:
-    """Fill a ZeRO-3 partitioned model tensor by tensor (collective, in state-dict order):
-    `read(name)` runs on the main rank only, its value is scattered to every rank's partition
-    (`GatheredParameters` with modifier rank 0); buffers are read on every rank. A parameter
-    tied under several names is loaded once."""
+    """Fill a model tensor by tensor, in state-dict order. A ZeRO-3 partitioned parameter is
+    collective: `read(name)` runs on the main rank only and its value is scattered to every
+    rank's partition (`GatheredParameters` with modifier rank 0); anything not partitioned
+    (buffers, or every tensor of a plain model) is read on every rank. A parameter tied under
+    several names is loaded once."""
     import deepspeed
 
     seen: set[int] = set()

@@ -19,7 +19,7 @@ from torch import nn
 
 from moe_train.config.schema import ExperimentConfig
 from moe_train.errors import CheckpointError
-from moe_train.parallel.zero3 import full_shape, is_partitioned, load_partitioned
+from moe_train.parallel.zero3 import full_shape, load_partitioned
 from moe_train.utils.safe_load import read_json_object
 from moe_train.utils.tensor_source import Shape, TensorSource
 
@@ -77,14 +77,7 @@ def load_init_weights(model: nn.Module, src: TensorSource, is_main: bool = True)
     partitioned); returns the number of elements loaded (each tied tensor once)."""
     check_shapes(model_shapes(model), src.shapes, f"train.init_from: {src.where}",
                  "the model of this run's config")
-    if is_partitioned(model):
-        load_partitioned(model, src.get, is_main)
-    else:
-        seen: set[int] = set()
-        for name, t in model.state_dict(keep_vars=True).items():
-            if id(t) not in seen:
-                seen.add(id(t))
-                t.data.copy_(src.get(name))
+    load_partitioned(model, src.get, is_main)
     unique = {id(t): t for t in model.state_dict(keep_vars=True).values()}
     return sum(int(torch.Size(full_shape(t)).numel()) for t in unique.values())
 
