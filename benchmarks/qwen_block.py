@@ -1,6 +1,7 @@
 """One Qwen2-MoE sparse block on the CPU: ours against transformers' own, forward + backward.
 
-    .venv/bin/python benchmarks/qwen_block.py [--reps 15] [--threads 2] [--quick] [--out PATH]
+    .venv/bin/python benchmarks/qwen_block.py [--reps 25] [--threads 2] [--quick] [--out PATH]
+        [--allocator both|default|tuned]
 
 Qwen2-MoE sizes D=512, moe_intermediate_size F=352, shared expert 1408, T=2048 tokens (B=1),
 fp32: E=60 experts top-4 and E=8 top-2. Every block gets the same weights (our state dict,
@@ -47,8 +48,22 @@ on the output, the input gradient and every weight gradient (mapped to HF names)
 ours dropped no slot. Timing: `--warmup` steps of every contender, then `--reps` rounds, each
 round running every contender once in an order rotated by one each round; `ms` is the median,
 `min_ms` the minimum. `acceptance` (computed): ours <= 1.05x per_expert_floor_full and
-hf_eager / ours >= 5, per size. Writes benchmarks/results/qwen_block_cpu.json; `--quick` (tiny
-sizes, 2 reps) checks the script and writes qwen_block_cpu_quick.json (or `--out`).
+hf_eager / ours >= 5 at E=60 k=4, the size the issue calibrates and states the targets at; the
+E=8 k=2 row gets the same comparison for information.
+
+The C allocator decides much of the eager loop's cost. Each `self.gate_up_proj[expert]` slice
+of a stacked (E, 2F, D) weight has a backward that allocates a zeroed gradient of the whole
+stack (82 MiB for gate_up_proj at E=60) once per expert; glibc serves blocks that large with a fresh mmap by
+default, so every one is page-faulted in anew. `moe_train.utils.malloc.tune_cpu_allocator`
+(what our runtime applies on CPU) keeps such blocks on the heap, which makes the eager loop
+several times faster. Each measurement therefore runs under one allocator for every
+contender: `--allocator default` leaves glibc as a plain transformers process has it,
+`tuned` applies our settings to the whole process (transformers' blocks included), and `both`
+(the default) runs each in its own child process, one after the other, and records both, with
+acceptance per allocator and `calibration_check`, our transformers figures next to the issue's.
+
+Writes benchmarks/results/qwen_block_cpu.json; `--quick` (tiny sizes, 2 reps) checks the
+script and writes qwen_block_cpu_quick.json (or `--out`).
 
 Shape legend: B sequences, T tokens, D model dim, E experts, k experts per token, N = T*k
 routed rows, F expert FFN dim, S shared-expert FFN dim.
@@ -57,7 +72,9 @@ routed rows, F expert FFN dim, S shared-expert FFN dim.
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -81,10 +98,11 @@ from moe_train.models.build import build_model  # noqa: E402
 from moe_train.models.context import ForwardContext  # noqa: E402
 from moe_train.models.hf_io import ours_to_hf  # noqa: E402
 from moe_train.models.hf_qwen2moe import moe_blocks, qwen_hf_config  # noqa: E402
-from moe_train.utils.malloc import tune_cpu_allocator  # noqa: E402
+from moe_train.utils.atomic import write_json  # noqa: E402
+from moe_train.utils.malloc import malloc_set_by_environment, tune_cpu_allocator  # noqa: E402
 from moe_train.utils.provenance import provenance  # noqa: E402
 
-FULL = {"T": 2048, "D": 512, "F": 352, "S": 1408, "configs": [(60, 4), (8, 2)], "reps": 15,
+FULL = {"T": 2048, "D": 512, "F": 352, "S": 1408, "configs": [(60, 4), (8, 2)], "reps": 25,
         "warmup": 2}
 QUICK = {"T": 128, "D": 64, "F": 48, "S": 96, "configs": [(60, 4), (8, 2)], "reps": 2,
          "warmup": 1}
@@ -93,9 +111,10 @@ VOCAB = 32
 TARGETS = {"ours_over_per_expert_floor": ("<=", 1.05), "eager_over_ours": (">=", 5.0)}
 CALIBRATION = {
     "source": "the issue, for calibration (not measured here)",
-    "transformers": "5.23",
+    "transformers": "5.23", "E": 60, "k": 4,
     "hf_default_over_dense_floor": 1.88, "hf_default_over_per_expert_floor": 0.99,
     "hf_eager_over_dense_floor": 11.8}
+ALLOCATORS = ("default", "tuned")
 Step = Callable[[], None]
 
 
@@ -293,20 +312,27 @@ def bench(E: int, k: int, s: dict[str, Any], reps: int, warmup: int) -> dict[str
 
 
 def acceptance(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """The targets at the issue's calibration size (E=60, k=4), where it states them; other
+    sizes get the same comparison for information, outside `all_hold`."""
     out: dict[str, Any] = {"targets": {name: f"{op} {bound}"
                                        for name, (op, bound) in TARGETS.items()},
                            "floors": "per_expert_floor_full (routed experts + shared expert "
-                                     "+ router)"}
-    holds_all = True
+                                     "+ router)",
+                           "targets_at": f"E={CALIBRATION['E']} k={CALIBRATION['k']} (the "
+                                         "issue's calibration size); other sizes: information"}
+    holds_all, checked = True, False
     for r in results:
         row = {}
+        at_calibration = (r["E"], r["k"]) == (CALIBRATION["E"], CALIBRATION["k"])
         for name, (op, bound) in TARGETS.items():
             value = r["ratios"][name]
             holds = value <= bound if op == "<=" else value >= bound
-            holds_all &= holds
+            if at_calibration:
+                holds_all &= holds
+                checked = True
             row[name] = {"value": value, "target": f"{op} {bound}", "holds": holds}
         out[f"E{r['E']}_k{r['k']}"] = row
-    out["all_hold"] = holds_all
+    out["all_hold"] = holds_all and checked
     return out
 
 
@@ -337,6 +363,51 @@ def experts_implementation_info(results: list[dict[str, Any]]) -> dict[str, Any]
     return info
 
 
+def measure(allocator: str, s: dict[str, Any], reps: int, warmup: int) -> dict[str, Any]:
+    """Every size under one allocator (`ALLOCATORS`), in this process."""
+    if allocator == "tuned":
+        state = tune_cpu_allocator()
+    else:
+        state = {"allocator": "glibc, settings from the environment"
+                 if malloc_set_by_environment() else "glibc defaults", "applied": False}
+    results = [bench(E, k, s, reps, warmup) for E, k in s["configs"]]
+    return {"allocator": state, "results": results, "acceptance": acceptance(results),
+            "transformers": experts_implementation_info(results)}
+
+
+def in_child(allocator: str, args: argparse.Namespace, out: Path) -> dict[str, Any]:
+    """`measure(allocator, ...)` in a fresh child process (mallopt settings are per process and
+    cannot be undone), with this run's sizes, reps and threads."""
+    child_out = out.with_name(f".{out.stem}.{allocator}.tmp.json")
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--allocator", allocator,
+           "--threads", str(args.threads), "--child-out", str(child_out)]
+    cmd += ["--quick"] if args.quick else []
+    cmd += [] if args.reps is None else ["--reps", str(args.reps)]
+    cmd += [] if args.warmup is None else ["--warmup", str(args.warmup)]
+    proc = subprocess.run(cmd, check=False)
+    if proc.returncode != 0:
+        raise SystemExit(f"qwen_block: the {allocator} child failed with status "
+                         f"{proc.returncode}")
+    try:
+        return json.loads(child_out.read_text())
+    finally:
+        child_out.unlink(missing_ok=True)
+
+
+def calibration_check(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Our measurement of transformers' blocks next to the issue's calibration figures (E=60,
+    routed-only dense and per-expert floors, as the issue states them), per allocator."""
+    out: dict[str, Any] = {"size": "E=60 k=4", "floors": "routed experts only"}
+    keys = ("hf_default_over_dense_floor", "hf_default_over_per_expert_floor",
+            "hf_eager_over_dense_floor")
+    for name, run in runs.items():
+        row = next((r for r in run["results"] if (r["E"], r["k"]) == (60, 4)), None)
+        if row is not None:
+            out[name] = {key: {"measured": row["ratios_routed_only_floors"][key],
+                               "issue": CALIBRATION[key]} for key in keys}
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="tiny sizes, 2 reps (a smoke test)")
@@ -345,6 +416,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     ap.add_argument("--out", default=None,
                     help="default benchmarks/results/qwen_block_cpu[_quick].json")
+    ap.add_argument("--allocator", choices=("both", *ALLOCATORS), default="both",
+                    help="glibc as a plain process has it (default), tuned by moe_train "
+                         "(tuned), or each in its own child process (both)")
+    ap.add_argument("--child-out", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     prov = provenance(sys.argv if argv is None else ["benchmarks/qwen_block.py", *argv])
@@ -352,8 +427,12 @@ def main(argv: list[str] | None = None) -> None:
     reps, warmup = args.reps or s["reps"], s["warmup"] if args.warmup is None else args.warmup
     suffix = "_quick" if args.quick else ""
     out = Path(args.out or ROOT / "benchmarks" / "results" / f"qwen_block_cpu{suffix}.json")
-    allocator = tune_cpu_allocator()
-    results = [bench(E, k, s, reps, warmup) for E, k in s["configs"]]
+    if args.child_out:  # one allocator's measurements, for the parent to merge
+        write_json(Path(args.child_out), measure(args.allocator, s, reps, warmup))
+        return
+    names = list(ALLOCATORS) if args.allocator == "both" else [args.allocator]
+    runs = {name: (measure(name, s, reps, warmup) if len(names) == 1
+                   else in_child(name, args, out)) for name in names}
     record = {
         "benchmark": f"qwen_block_cpu{suffix}",
         "config": {"quick": args.quick, "threads": torch.get_num_threads(), "reps": reps,
@@ -362,7 +441,7 @@ def main(argv: list[str] | None = None) -> None:
                    "router": "topk, softmax then top-k raw probabilities "
                              "(moe.renormalize=false = norm_topk_prob false)",
                    "aux_loss_coef": 0.0, "z_loss_coef": 0.0, "capacity_factor": 0.0},
-        "transformers": experts_implementation_info(results),
+        "transformers": next(iter(runs.values()))["transformers"],
         "floors": "Comparable floors: per_expert_floor_full = per_expert_floor (routed "
                   "experts, swiglu_experts.py) + shared_router (router GEMM, softmax, top-k, "
                   "sigmoid-gated shared expert), dense_floor_full = dense_floor + "
@@ -383,9 +462,13 @@ def main(argv: list[str] | None = None) -> None:
         "timing": "forward + backward (grads to input and all weights); ms: median, min_ms: "
                   "minimum over reps rounds after warmup steps each; each round runs every "
                   "contender once, the order rotated by one per round",
-        "allocator": allocator, "results": results,
-        "acceptance": acceptance(results),
+        "allocators": ALLOCATORS,
+        "runs": runs,
+        "acceptance": {**{name: run["acceptance"] for name, run in runs.items()},
+                       "all_hold_per_allocator": {name: run["acceptance"]["all_hold"]
+                                                  for name, run in runs.items()}},
         "calibration_from_issue": CALIBRATION,
+        "calibration_check": calibration_check(runs),
     }
     write_record(out, record, prov)
 
