@@ -20,7 +20,7 @@ demo: $(STAMP)
 	$(BIN)/moe-train demo --workdir demo-work
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -rs tests   # -rs: every skipped test says why
+	$(BIN)/python -m pytest -q -rs --durations=25 tests   # -rs: every skipped test says why; the 25 slowest, for the CI budget
 
 clean:
 	rm -rf demo-work .pytest_cache

@@ -102,10 +102,10 @@ def make_init(ctx: StageContext, cfg: ExperimentConfig):
 
 
 def run(ctx: StageContext) -> dict[str, Any]:
-    done = ctx.done(STAGE)
+    cfg = adapters_config(ctx)
+    done = ctx.reuse(STAGE, cfg)
     if done is not None:
         return done
-    cfg = adapters_config(ctx)
     init_model = make_init(ctx, cfg)
     resume = latest_tag(cfg.checkpoint.dir) is not None
     trainer = Trainer(cfg, ctx.rt, resume=resume, hooks=[InitModel(init_model)])
@@ -113,4 +113,4 @@ def run(ctx: StageContext) -> dict[str, Any]:
     summary = trainer.fit()
     return ctx.finish(STAGE, training_summary(summary)
                       | {"router": cfg.adapters.router, "num_adapters": cfg.adapters.num_experts,
-                         "trainable_parameters_local": trainable})
+                         "trainable_parameters_local": trainable}, cfg)

@@ -27,11 +27,11 @@ def backbone_config(ctx: StageContext):
 
 
 def run(ctx: StageContext) -> dict[str, Any]:
-    done = ctx.done(STAGE)
+    cfg = backbone_config(ctx)
+    done = ctx.reuse(STAGE, cfg)
     if done is not None:
         return done
-    cfg = backbone_config(ctx)
     resume = latest_tag(cfg.checkpoint.dir) is not None
     summary = Trainer(cfg, ctx.rt, resume=resume).fit()
     return ctx.finish(STAGE, training_summary(summary)
-                      | {"pre_inject": cfg.moa.pre_inject})
+                      | {"pre_inject": cfg.moa.pre_inject}, cfg)

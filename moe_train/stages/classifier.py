@@ -76,7 +76,7 @@ def _fit(ctx: StageContext, train: ShardedDataset, num_domains: int) -> tuple[
 
 
 def run(ctx: StageContext) -> dict[str, Any]:
-    done = ctx.done(STAGE)
+    done = ctx.reuse(STAGE, ctx.cfg)
     if done is not None:
         return done
     data = _datasets(ctx)
@@ -96,7 +96,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
                "train_micro_f1": reports["train"]["micro_f1"],
                "test_micro_f1": reports["test"]["micro_f1"],
                "test_misclassified": reports["test"]["misclassified"]}
-    return ctx.finish(STAGE, summary)
+    return ctx.finish(STAGE, summary, ctx.cfg)
 
 
 def load_probs(ctx: StageContext, split: str, by: str) -> np.ndarray:

@@ -32,7 +32,7 @@ default settings on unit-scale features) every sentence is its own subcluster: a
 
 
 def run(ctx: StageContext) -> dict[str, Any]:
-    done = ctx.done(STAGE)
+    done = ctx.reuse(STAGE, ctx.cfg)
     if done is not None:
         return done
     moa = ctx.cfg.moa
@@ -62,7 +62,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
                    "sampled_only": cluster_report(labels_N[sampled], meta["domain"][sampled],
                                                   domains, moa.num_clusters)}
     summary = broadcast_object(ctx.rt, summary)
-    return ctx.finish(STAGE, summary)
+    return ctx.finish(STAGE, summary, ctx.cfg)
 
 
 def _domain_names(ctx: StageContext) -> list[str]:

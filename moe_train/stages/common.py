@@ -2,15 +2,18 @@
 
 A stage is a function ``run(ctx) -> dict`` writing its artifact under ``<moa.workdir>/<stage>/``
 and, last, ``done.json`` (atomically): a stage whose ``done.json`` exists is finished and is
-reused, not run again. A stage whose inputs are missing fails in one line naming the stage to
-run first. Every rank runs every stage; rank-0-only work is followed by a barrier.
+reused, not run again, as long as it was made from the same config, data and inputs
+(stages/record.py; otherwise the run stops naming what changed). A stage whose inputs are
+missing fails in one line naming the stage to run first. Every rank runs every stage;
+rank-0-only work is followed by a barrier.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-from dataclasses import dataclass
+import uuid
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +24,7 @@ from moe_train.config.schema import EvalConfig, ExperimentConfig
 from moe_train.errors import CheckpointError, ConfigError, DataError
 from moe_train.parallel.collectives import barrier
 from moe_train.parallel.runtime import ParallelRuntime
+from moe_train.stages.record import check_current, made_from
 from moe_train.utils.atomic import write_json
 from moe_train.utils.provenance import provenance
 
@@ -35,6 +39,9 @@ class StageContext:
     rt: ParallelRuntime
     recipe: str = "moa"
     """The recipe whose stages these are (named in errors)."""
+    read: dict[str, Path] = field(default_factory=dict)
+    """The finished stages whose output the running stage has read ({stage: its done.json}),
+    recorded in its `made_from`."""
 
     @property
     def workdir(self) -> Path:
@@ -47,15 +54,39 @@ class StageContext:
         return self.workdir / stage
 
     def done(self, stage: str) -> dict[str, Any] | None:
-        """The summary a finished stage recorded, or None."""
+        """The summary a finished stage recorded, or None. The running stage depends on what
+        it looks up here (`read`)."""
         path = self.stage_dir(stage) / DONE
         if not path.is_file():
             return None
         try:
-            return json.loads(path.read_text())
+            record = json.loads(path.read_text())
         except (OSError, json.JSONDecodeError) as err:
             raise DataError(f"{path}: unreadable stage record ({err}); delete it to rerun "
                             f"the stage") from None
+        self.read[stage] = path
+        return record
+
+    def reuse(self, stage: str, cfg: ExperimentConfig) -> dict[str, Any] | None:
+        """Called first by every stage, with the config it runs with: the record of `stage`
+        when it is finished and was made from what it would be made from now, None when it
+        has to run. A record made from another config, data or inputs is a ConfigError naming
+        what changed."""
+        self.read = {}
+        record = self.done(stage)
+        self.read = {}
+        if record is None:
+            return None
+        where = self.stage_dir(stage)
+        if "made_from" not in record:
+            if self.rt.is_main:
+                print(f"| stage {stage}: {where} does not record what it was made from "
+                      f"(an older moe_train wrote it); reusing it unchecked", flush=True)
+            return record
+        inputs = {name: self.stage_dir(name) / DONE for name in record["made_from"]["inputs"]}
+        check_current(stage, where, record, made_from(stage, cfg, inputs, self.recipe),
+                      self.recipe)
+        return record
 
     def require(self, stage: str, by: str) -> Path:
         """The directory of finished stage `stage`, which stage `by` needs."""
@@ -65,10 +96,17 @@ class StageContext:
                               f"`moe-train pipeline {self.recipe} --stage {stage}` first")
         return self.stage_dir(stage)
 
-    def finish(self, stage: str, summary: dict[str, Any]) -> dict[str, Any]:
-        """Record `stage` as finished (rank 0 writes, everyone waits), with the provenance of
-        the process that ran it (commit, command, machine, libraries, time)."""
-        summary = summary | {"provenance": provenance()}
+    def finish(self, stage: str, summary: dict[str, Any], cfg: ExperimentConfig
+               ) -> dict[str, Any]:
+        """Record `stage` as finished (rank 0 writes, everyone waits), with what it was made
+        from (`cfg`, the config it ran with; the data; the stages it read) and the
+        provenance of the process that ran it (commit, command, machine, libraries, time)."""
+        inputs = {name: path for name, path in self.read.items() if name != stage}
+        # A new id per run: a rerun's record differs from the old one even where all else is
+        # equal, so the stages that read the old output see that it changed.
+        summary = summary | {"record_id": uuid.uuid4().hex,
+                             "made_from": made_from(stage, cfg, inputs, self.recipe),
+                             "provenance": provenance()}
         if self.rt.is_main:
             write_json(self.stage_dir(stage) / DONE, summary)
         barrier(self.rt)

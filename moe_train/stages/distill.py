@@ -39,7 +39,7 @@ def gate_labels(gate: MoAGate, features_ND: np.ndarray, chunk: int = 4096) -> np
 
 
 def run(ctx: StageContext) -> dict[str, Any]:
-    done = ctx.done(STAGE)
+    done = ctx.reuse(STAGE, ctx.cfg)
     if done is not None:
         return done
     moa, rt = ctx.cfg.moa, ctx.rt
@@ -62,7 +62,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
         "final_loss": final_loss,
         "cluster_accuracy": float((predicted_N == labels_N).mean()),
         "gate_vs_domains": cluster_report(predicted_N, meta["domain"], domains,
-                                          moa.num_clusters)})
+                                          moa.num_clusters)}, ctx.cfg)
 
 
 def load_gate(ctx: StageContext, by: str) -> dict[str, torch.Tensor]:

@@ -165,7 +165,7 @@ def _write_table(out: Path, name: str, report: dict[str, Any]) -> None:
 
 
 def run(ctx: StageContext) -> dict[str, Any]:
-    done = ctx.done(STAGE)
+    done = ctx.reuse(STAGE, ctx.cfg)
     if done is not None:
         return done
     cfg, rt, moa = ctx.cfg, ctx.rt, ctx.cfg.moa
@@ -236,4 +236,4 @@ def run(ctx: StageContext) -> dict[str, Any]:
     result["routing"] = routing
     if rt.is_main:
         write_json(out / "eval.json", result)
-    return ctx.finish(STAGE, result)
+    return ctx.finish(STAGE, result, ctx.cfg)

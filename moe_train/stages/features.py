@@ -81,7 +81,7 @@ def anchor_indices(dev: ShardedDataset, domains: list[str], wanted: list[str], p
 
 
 def run(ctx: StageContext) -> dict[str, Any]:
-    done = ctx.done(STAGE)
+    done = ctx.reuse(STAGE, ctx.cfg)
     if done is not None:
         return done
     moa, data = ctx.cfg.moa, ctx.cfg.data
@@ -116,7 +116,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
     return ctx.finish(STAGE, {"sentences": int(sum(len(i) for i in index)),
                               "sampled": int(len(index[0])),
                               "anchors": int(sum(len(i) for i in index[1:])),
-                              "dim": int(feats[0].shape[1])})
+                              "dim": int(feats[0].shape[1])}, ctx.cfg)
 
 
 def load_features(ctx: StageContext, by: str) -> tuple[np.ndarray, dict[str, np.ndarray]]:

@@ -99,14 +99,14 @@ def _train(ctx: StageContext, stage: str, cfg: ExperimentConfig, init: Any,
     summary = trainer.fit()
     return ctx.finish(stage, training_summary(summary) | check.report(model)
                       | {"router": cfg.adapters.router, "trainable_parameters": trainable,
-                         "precision": str(next(model.parameters()).dtype)})
+                         "precision": str(next(model.parameters()).dtype)}, cfg)
 
 
 def run_ad(ctx: StageContext) -> dict[str, Any]:
-    done = ctx.done("ad")
+    cfg = adapter_stage_config(ctx, "ad")
+    done = ctx.reuse("ad", cfg)
     if done is not None:
         return done
-    cfg = adapter_stage_config(ctx, "ad")
     source = ctx.require("backbone", "ad") / "checkpoints" / "export"
     backbone = load_export_weights(source)
 
@@ -118,10 +118,10 @@ def run_ad(ctx: StageContext) -> dict[str, Any]:
 
 
 def run_gad(ctx: StageContext) -> dict[str, Any]:
-    done = ctx.done("gad")
+    cfg = adapter_stage_config(ctx, "gad")
+    done = ctx.reuse("gad", cfg)
     if done is not None:
         return done
-    cfg = adapter_stage_config(ctx, "gad")
     ctx.require("ad", "gad")
     source = export_dir(ctx, "ad")
     ad = load_export_weights(source)
@@ -137,10 +137,14 @@ def run_gad(ctx: StageContext) -> dict[str, Any]:
 
 
 def run_tag(ctx: StageContext) -> dict[str, Any]:
-    done = ctx.done("tag")
+    g = ctx.cfg.gated
+    cfg = stage_config(ctx.cfg, ctx.stage_dir("tag"),
+                       data={"prepared_dir": g.tag_prepared_dir},
+                       adapters={"num_experts": 0, "router": "single", "k": 1},
+                       optim={"lr": g.lr}, train={"max_steps": g.tag_steps})
+    done = ctx.reuse("tag", cfg)
     if done is not None:
         return done
-    g = ctx.cfg.gated
     source = ctx.require("backbone", "tag") / "checkpoints" / "export"
     tagged = Path(g.tag_prepared_dir)
     manifest = read_manifest(tagged)
@@ -153,9 +157,6 @@ def run_tag(ctx: StageContext) -> dict[str, Any]:
         raise ConfigError(f"gated.tag_prepared_dir: {tagged} has another sentencepiece model "
                           f"than the backbone; prepare the same corpora with the same data "
                           "settings plus data.domain_tags=true")
-    cfg = stage_config(ctx.cfg, ctx.stage_dir("tag"), data={"prepared_dir": str(tagged)},
-                       adapters={"num_experts": 0, "router": "single", "k": 1},
-                       optim={"lr": g.lr}, train={"max_steps": g.tag_steps})
     backbone = load_export_weights(source)
 
     def init(model: nn.Module) -> None:

@@ -198,7 +198,7 @@ def evaluate_split(ctx: StageContext, models: dict[str, InferenceModel], test: A
 
 
 def run(ctx: StageContext) -> dict[str, Any]:
-    done = ctx.done(STAGE)
+    done = ctx.reuse(STAGE, ctx.cfg)
     if done is not None:
         return done
     test = ShardedDataset(ctx.cfg.data.prepared_dir, "test")
@@ -208,7 +208,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
                             load_probs(ctx, "test", STAGE), clf)
     if ctx.rt.is_main:
         write_json(ctx.stage_dir(STAGE) / "eval.json", result)
-    return ctx.finish(STAGE, result)
+    return ctx.finish(STAGE, result, ctx.cfg)
 
 
 def _efficiency(ctx: StageContext, test: Any, idx: np.ndarray, ad: InferenceModel,

@@ -25,12 +25,13 @@ RESUME_MAY_CHANGE: tuple[str, ...] = (
 """Dotted config fields (``section.*`` for a whole section) that may change on resume."""
 
 
-def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+def flatten_config(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """A config dict as {dotted field: value} (the deepspeed section stays one value)."""
     out: dict[str, Any] = {}
     for key, value in d.items():
         name = f"{prefix}{key}"
         if isinstance(value, dict) and value and name != "deepspeed":
-            out.update(_flatten(value, name + "."))
+            out.update(flatten_config(value, name + "."))
         else:
             out[name] = value
     return out
@@ -52,7 +53,7 @@ def check_resume_config(stored: dict[str, Any], current: dict[str, Any], where: 
     `where` names the checkpoint (for the message). Fields present on one side only (a field
     added to the schema after the checkpoint was written) are logged, not refused.
     """
-    old, new = _flatten(stored), _flatten(current)
+    old, new = flatten_config(stored), flatten_config(current)
     refused = []
     for name in sorted(old.keys() | new.keys()):
         if name not in old or name not in new:

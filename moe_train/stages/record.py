@@ -1,0 +1,138 @@
+"""What a finished stage was made from, so that rerunning a recipe reuses only what still holds.
+
+Every stage's ``done.json`` records ``made_from``:
+
+- ``config``: the config fields the stage depends on, flattened (``train.max_steps``), taken
+  from the config the stage actually ran with (a training stage's own, e.g. the adapter
+  stage's step count). Fields that do not change an artifact are left out (`IGNORED`), and so
+  are the parts of the config a MoA stage never reads (`STAGE_IGNORES`, `MOA_READS`): the
+  backbone does not depend on MoA's clustering or adapter-stage settings, so a baseline may
+  share it, and a new adapter step count leaves the features, clusters and gate current.
+  The gad recipe's stages depend on the whole config.
+- ``data``: a digest of the prepared data's ``manifest.json`` (its path may change, its
+  content may not).
+- ``inputs``: a digest of the record of every other stage whose output it read.
+
+A later run compares these with what it would use now. Equal: the stage is reused. Different:
+the run stops with one line naming what changed (old -> new) and the directory to delete, so a
+config edit never silently reuses a stale backbone, gate or adapter model. Records written
+before ``made_from`` existed are reused with a warning.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+from moe_train.config.adapters import AdapterConfig
+from moe_train.config.schema import ExperimentConfig
+from moe_train.data.shards import MANIFEST
+from moe_train.errors import ConfigError
+from moe_train.train.resume import flatten_config
+
+IGNORED: tuple[str, ...] = (
+    "logging.*", "checkpoint.*", "train.progress_bar", "train.log_every", "data.num_workers",
+    "data.prepared_dir",  # its manifest's digest stands for it
+    "moa.workdir", "moa.backbone_dir",
+)
+"""Dotted fields (``section.*``: a whole section) that no stage's artifact depends on."""
+
+_BACKBONE_ADAPTER_FIELDS = {"num_experts", "dim", "sides", "router", "k"}
+STAGE_IGNORES: dict[str, tuple[str, ...]] = {
+    # One pre-injected adapter (or none) with the single router: only its shape matters.
+    "backbone": ("gated.*", *(f"adapters.{f.name}" for f in fields(AdapterConfig)
+                              if f.name not in _BACKBONE_ADAPTER_FIELDS)),
+    # Encoder features, clusters and the distilled gate read the data and the moa section.
+    **{stage: ("model.*", "moe.*", "adapters.*", "thor.*", "gated.*", "qwen.*", "optim.*",
+               "train.*", "eval.*") for stage in ("features", "cluster", "distill")},
+}
+"""Per stage, the further fields it does not read."""
+
+MOA_READS: dict[str, frozenset[str]] = {
+    "backbone": frozenset(),  # moa.pre_inject shows as its adapters.num_experts
+    "features": frozenset({"sample_size", "anchors_per_domain", "anchor_domains", "seed"}),
+    "cluster": frozenset({"sample_size", "anchors_per_domain", "anchor_domains", "seed",
+                          "num_clusters", "pca_dim", "clusterer", "cluster_inits",
+                          "standardize", "whiten", "unit_norm"}),
+    "distill": frozenset({"num_clusters", "seed", "distill_steps", "distill_batch_sentences",
+                          "distill_lr"}),
+    "adapters": frozenset({"num_clusters", "pre_inject", "adapter_steps", "adapter_lr",
+                           "unfreeze_decoder"}),
+    "evaluate": frozenset({"num_clusters", "seed", "eval_sentences", "eval_beam"}),
+}
+"""The ``moa`` fields each MoA stage reads (what it reads of the stages before it, their
+records stand for); stages not named here depend on the whole section."""
+
+MAX_NAMED = 6
+"""Differing fields named in the error before '(+N more)'."""
+
+
+def _ignored(name: str, patterns: tuple[str, ...]) -> bool:
+    return any(name == p or (p.endswith(".*") and name.startswith(p[:-1])) for p in patterns)
+
+
+def _jsonable(value: Any) -> Any:
+    return json.loads(json.dumps(value, default=str))
+
+
+def config_fields(stage: str, cfg: ExperimentConfig, recipe: str = "moa") -> dict[str, Any]:
+    """The flattened config fields `stage` of `recipe` depends on."""
+    moa_reads = MOA_READS.get(stage) if recipe == "moa" else None
+    patterns = IGNORED + (STAGE_IGNORES.get(stage, ()) if recipe == "moa" else ())
+    return {name: value for name, value in flatten_config(_jsonable(cfg.to_dict())).items()
+            if not _ignored(name, patterns) and not (
+                moa_reads is not None and name.startswith("moa.")
+                and name[len("moa."):] not in moa_reads)}
+
+
+def file_digest(path: Path) -> str | None:
+    """sha256 of a file's bytes (None when it does not exist)."""
+    return hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else None
+
+
+def made_from(stage: str, cfg: ExperimentConfig, inputs: dict[str, Path],
+              recipe: str = "moa") -> dict[str, Any]:
+    """What `stage` of `recipe` is made from when it runs with `cfg` and reads the stages in
+    `inputs` ({stage: its done.json})."""
+    return {"config": config_fields(stage, cfg, recipe),
+            "data": file_digest(Path(cfg.data.prepared_dir) / MANIFEST),
+            "inputs": {name: file_digest(path) for name, path in sorted(inputs.items())}}
+
+
+def _show(value: Any) -> str:
+    text = json.dumps(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """What changed between two `made_from` records, one short phrase each."""
+    out = []
+    old_cfg, new_cfg = old.get("config", {}), new.get("config", {})
+    for name in sorted(old_cfg.keys() | new_cfg.keys()):
+        if name not in old_cfg or name not in new_cfg:
+            continue  # a field added to the schema since: its default is what ran
+        if old_cfg[name] != new_cfg[name]:
+            out.append(f"{name}: {_show(old_cfg[name])} -> {_show(new_cfg[name])}")
+    if old.get("data") != new.get("data"):
+        out.append("the prepared data (manifest.json differs)")
+    for name, digest in sorted(old.get("inputs", {}).items()):
+        if new.get("inputs", {}).get(name, digest) != digest:
+            out.append(f"the output of stage {name} (rerun since)")
+    return out
+
+
+def check_current(stage: str, where: Path, record: dict[str, Any], now: dict[str, Any],
+                  recipe: str) -> None:
+    """Raise ConfigError naming what changed when `record` (a done.json) was made from
+    something other than `now`."""
+    changed = differences(record["made_from"], now)
+    if not changed:
+        return
+    more = f" (+{len(changed) - MAX_NAMED} more)" if len(changed) > MAX_NAMED else ""
+    raise ConfigError(
+        f"stage {stage}: {where} was made from something else: "
+        f"{'; '.join(changed[:MAX_NAMED])}{more}; delete {where} (and the stages after it) to "
+        f"rerun it with `moe-train pipeline {recipe}`, or restore what changed")

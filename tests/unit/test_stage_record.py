@@ -1,0 +1,151 @@
+"""Stage records (stages/record.py): a finished stage is reused only while its config fields,
+its prepared data and the stages it read are what they were; otherwise one ConfigError line
+names what changed."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from moe_train.config import load_config
+from moe_train.errors import ConfigError
+from moe_train.parallel.runtime import ParallelRuntime
+from moe_train.stages.backbone import backbone_config
+from moe_train.stages.common import DONE, StageContext
+from moe_train.stages.record import config_fields, differences, made_from
+
+
+def _ctx(tmp_path, *overrides: str) -> StageContext:
+    prepared = tmp_path / "prepared"
+    prepared.mkdir(exist_ok=True)
+    if not (prepared / "manifest.json").exists():
+        (prepared / "manifest.json").write_text('{"version": 1}')
+    cfg = load_config(None, [f"moa.workdir={tmp_path / 'run'}",
+                             f"data.prepared_dir={prepared}", *overrides])
+    return StageContext(cfg, ParallelRuntime())
+
+
+def _finish(ctx: StageContext, stage: str, cfg=None, reads: tuple[str, ...] = ()) -> dict:
+    assert ctx.reuse(stage, cfg or ctx.cfg) is None
+    for name in reads:
+        ctx.require(name, stage)
+    ctx.stage_dir(stage).mkdir(parents=True, exist_ok=True)
+    return ctx.finish(stage, {"value": 1}, cfg or ctx.cfg)
+
+
+def test_fields_leave_out_what_no_artifact_depends_on(tmp_path) -> None:
+    cfg = _ctx(tmp_path).cfg
+    fields = config_fields("adapters", cfg)
+    assert "train.max_steps" in fields and "model.d_model" in fields
+    assert "moa.adapter_steps" in fields and "moa.seed" not in fields
+    assert not [f for f in fields if f.startswith(("logging.", "checkpoint."))]
+    assert "data.prepared_dir" not in fields and "moa.workdir" not in fields
+    assert "train.progress_bar" not in fields and "data.num_workers" not in fields
+    # The backbone depends on its adapter's shape, not on MoA's stage settings or routing.
+    backbone = config_fields("backbone", cfg)
+    assert "adapters.dim" in backbone and "adapters.num_experts" in backbone
+    assert not [f for f in backbone if f.startswith("moa.")]
+    assert "adapters.tau" not in backbone and "adapters.task_source" not in backbone
+    # Features, clusters and the gate read the data and the moa section only.
+    gate = config_fields("cluster", cfg)
+    assert "moa.num_clusters" in gate and "data.vocab_size" in gate
+    assert not [f for f in gate if f.startswith(("model.", "train.", "adapters.", "optim."))]
+    assert "moa.adapter_steps" not in gate and "moa.distill_steps" not in gate
+    assert "moa.num_clusters" not in config_fields("features", cfg)
+    assert "moa.adapter_steps" in config_fields("adapters", cfg)
+    assert "moa.distill_steps" not in config_fields("adapters", cfg)
+    # The gad recipe's stages depend on the whole config.
+    gad = config_fields("backbone", cfg, recipe="gad")
+    assert "moa.adapter_steps" in gad and "gated.lr" in gad
+
+
+def test_differences_name_fields_data_and_inputs() -> None:
+    old = {"config": {"a.x": 1, "a.y": [1, 2], "a.gone": 0}, "data": "d1",
+           "inputs": {"backbone": "h1", "cluster": "h2"}}
+    new = {"config": {"a.x": 2, "a.y": [1, 2], "a.new": 5}, "data": "d2",
+           "inputs": {"backbone": "h1", "cluster": "h3"}}
+    assert differences(old, new) == ["a.x: 1 -> 2", "the prepared data (manifest.json differs)",
+                                     "the output of stage cluster (rerun since)"]
+    assert differences(old, old) == []
+
+
+def test_unchanged_stage_is_reused(tmp_path) -> None:
+    ctx = _ctx(tmp_path)
+    _finish(ctx, "features")
+    again = _ctx(tmp_path, "train.log_every=7", "train.progress_bar=true",
+                 "checkpoint.keep_last=9")
+    record = again.reuse("features", again.cfg)
+    assert record is not None and record["value"] == 1 and "made_from" in record
+
+
+def test_changed_config_is_one_line_naming_the_fields(tmp_path) -> None:
+    ctx = _ctx(tmp_path)
+    _finish(ctx, "cluster")
+    changed = _ctx(tmp_path, "moa.num_clusters=7", "moa.pca_dim=9")
+    with pytest.raises(ConfigError) as err:
+        changed.reuse("cluster", changed.cfg)
+    msg = str(err.value)
+    assert "\n" not in msg and "stage cluster" in msg and str(ctx.stage_dir("cluster")) in msg
+    assert "moa.num_clusters: 12 -> 7" in msg and "moa.pca_dim: 64 -> 9" in msg
+    assert "delete" in msg
+    # Settings the cluster stage does not read change nothing.
+    other = _ctx(tmp_path, "train.max_steps=3", "model.d_model=32", "model.n_heads=4",
+                 "moa.adapter_steps=3", "moa.distill_steps=5", "moa.eval_beam=1")
+    assert other.reuse("cluster", other.cfg) is not None
+
+
+def test_changed_data_is_stale(tmp_path) -> None:
+    ctx = _ctx(tmp_path)
+    _finish(ctx, "features")
+    (tmp_path / "prepared" / "manifest.json").write_text('{"version": 1, "other": true}')
+    with pytest.raises(ConfigError, match="the prepared data"):
+        ctx.reuse("features", ctx.cfg)
+
+
+def test_rerun_upstream_makes_readers_stale(tmp_path) -> None:
+    ctx = _ctx(tmp_path)
+    _finish(ctx, "features")
+    _finish(ctx, "cluster", reads=("features",))
+    made = json.loads((ctx.stage_dir("cluster") / DONE).read_text())["made_from"]
+    assert set(made["inputs"]) == {"features"}
+    assert ctx.reuse("cluster", ctx.cfg) is not None
+    # features rerun (its record rewritten): the clusters were made from the old features.
+    (ctx.stage_dir("features") / DONE).unlink()
+    _finish(ctx, "features")
+    with pytest.raises(ConfigError, match="the output of stage features"):
+        ctx.reuse("cluster", ctx.cfg)
+
+
+def test_backbone_is_shared_by_runs_that_differ_in_moa_settings(tmp_path) -> None:
+    ctx = _ctx(tmp_path)
+    _finish(ctx, "backbone", backbone_config(ctx))
+    # ADPT-like: another adapter router and stage settings over the same backbone.
+    adpt = _ctx(tmp_path, "adapters.router=task", "adapters.num_experts=5", "adapters.k=1",
+                "moa.adapter_steps=7", "moa.unfreeze_decoder=false", "moa.num_clusters=3")
+    assert adpt.reuse("backbone", backbone_config(adpt)) is not None
+    # A longer training budget is another backbone.
+    longer = _ctx(tmp_path, "train.max_steps=123")
+    with pytest.raises(ConfigError, match="train.max_steps"):
+        longer.reuse("backbone", backbone_config(longer))
+    # So is another pre-injected adapter size.
+    wider = _ctx(tmp_path, "adapters.dim=7")
+    with pytest.raises(ConfigError, match="adapters.dim: 128 -> 7"):
+        wider.reuse("backbone", backbone_config(wider))
+
+
+def test_records_without_made_from_are_reused_with_a_warning(tmp_path, capsys) -> None:
+    ctx = _ctx(tmp_path)
+    where = ctx.stage_dir("distill")
+    where.mkdir(parents=True)
+    (where / DONE).write_text('{"steps": 3}')
+    assert ctx.reuse("distill", ctx.cfg) == {"steps": 3}
+    assert "reusing it unchecked" in capsys.readouterr().out
+
+
+def test_made_from_is_json_and_tracks_reads(tmp_path) -> None:
+    ctx = _ctx(tmp_path)
+    cfg = dataclasses.replace(ctx.cfg)
+    rec = made_from("evaluate", cfg, {})
+    assert json.loads(json.dumps(rec)) == rec and rec["inputs"] == {} and rec["data"]
