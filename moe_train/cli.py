@@ -257,20 +257,30 @@ def _add_routing_stats(sub: argparse._SubParsersAction) -> None:
                    help="at most this many batches per rank")
 
 
+def _rerun_stale(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--rerun-stale", action="store_true",
+                   help="delete and rerun a finished stage made from another config, data or "
+                        "inputs (the stages reading it follow); default: stop and name what "
+                        "changed")
+
+
 def _add_pipeline(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("pipeline", help="run a stage-wise recipe (moa, gad) or one of its stages",
-                       description="Stage-wise recipes. Each finished stage is reused; runs "
-                       "alone or under a launcher with N ranks.")
+                       description="Stage-wise recipes. Each finished stage is reused while it "
+                       "was made from the same config, data and inputs; runs alone or under a "
+                       "launcher with N ranks.")
     recipes = p.add_subparsers(dest="recipe", required=True)
     r = recipes.add_parser("moa", help="MoA: backbone, features, cluster, distill, adapters, "
                            "evaluate (the stages depend on the adapter router)")
     r.add_argument("--config", required=True, help="YAML config (see configs/moa-*.yaml)")
     r.add_argument("--stage", help="run only this stage (its inputs must exist)")
+    _rerun_stale(r)
     r.add_argument("overrides", nargs="*", help="a.b=value overrides, e.g. moa.num_clusters=8")
     r = recipes.add_parser("gad", help="Gated Adapters: backbone (MIX), [tag], classifier, ad, "
                            "gad, evaluate (MIX, TAG, TAG_CLF, AD_ORACLE, AD_CLF, GAD)")
     r.add_argument("--config", required=True, help="YAML config (see configs/gad-*.yaml)")
     r.add_argument("--stage", help="run only this stage (its inputs must exist)")
+    _rerun_stale(r)
     r.add_argument("overrides", nargs="*", help="a.b=value overrides, e.g. gated.alpha=1.0")
 
 

@@ -393,7 +393,8 @@ def cmd_pipeline(args: argparse.Namespace) -> int:
     check_request(args.recipe, args.stage)
     rt = init_runtime()
     try:
-        summary = run_pipeline(StageContext(cfg, rt), args.recipe, args.stage)
+        summary = run_pipeline(StageContext(cfg, rt, rerun_stale=args.rerun_stale),
+                               args.recipe, args.stage)
     finally:
         shutdown(rt)
     if rt.is_main:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,7 +25,7 @@ from moe_train.config.schema import EvalConfig, ExperimentConfig
 from moe_train.errors import CheckpointError, ConfigError, DataError
 from moe_train.parallel.collectives import barrier
 from moe_train.parallel.runtime import ParallelRuntime
-from moe_train.stages.record import check_current, made_from
+from moe_train.stages.record import differences, made_from, stale_error
 from moe_train.utils.atomic import write_json
 from moe_train.utils.provenance import provenance
 
@@ -39,6 +40,9 @@ class StageContext:
     rt: ParallelRuntime
     recipe: str = "moa"
     """The recipe whose stages these are (named in errors)."""
+    rerun_stale: bool = False
+    """A finished stage made from something else is deleted and run again (instead of a
+    ConfigError); `moe-train pipeline --rerun-stale`."""
     read: dict[str, Path] = field(default_factory=dict)
     """The finished stages whose output the running stage has read ({stage: its done.json}),
     recorded in its `made_from`."""
@@ -84,9 +88,19 @@ class StageContext:
                       f"(an older moe_train wrote it); reusing it unchecked", flush=True)
             return record
         inputs = {name: self.stage_dir(name) / DONE for name in record["made_from"]["inputs"]}
-        check_current(stage, where, record, made_from(stage, cfg, inputs, self.recipe),
-                      self.recipe)
-        return record
+        changed = differences(record["made_from"], made_from(stage, cfg, inputs, self.recipe))
+        if not changed:
+            return record
+        shared = where.resolve() != (self.workdir / stage).resolve()  # moa.backbone_dir
+        if not self.rerun_stale or shared:
+            raise stale_error(stage, where, changed, self.recipe, shared)
+        if self.rt.is_main:
+            print(f"| stage {stage}: {where} was made from something else "
+                  f"({'; '.join(changed[:3])}); deleting it and running the stage again",
+                  flush=True)
+            shutil.rmtree(where)
+        barrier(self.rt)
+        return None
 
     def require(self, stage: str, by: str) -> Path:
         """The directory of finished stage `stage`, which stage `by` needs."""

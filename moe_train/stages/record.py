@@ -14,9 +14,12 @@ Every stage's ``done.json`` records ``made_from``:
 - ``inputs``: a digest of the record of every other stage whose output it read.
 
 A later run compares these with what it would use now. Equal: the stage is reused. Different:
-the run stops with one line naming what changed (old -> new) and the directory to delete, so a
-config edit never silently reuses a stale backbone, gate or adapter model. Records written
-before ``made_from`` existed are reused with a warning.
+the run stops with one line naming what changed (old -> new), so a config edit never silently
+reuses a stale backbone, gate or adapter model; with ``--rerun-stale`` the stage's directory is
+deleted and the stage runs again, and every stage that read it then differs in its inputs and
+follows (a backbone shared from another workdir through ``moa.backbone_dir`` is never
+deleted). Each record carries a fresh ``record_id``, so a rerun always changes its digest.
+Records written before ``made_from`` existed are reused with a warning.
 """
 
 from __future__ import annotations
@@ -124,15 +127,14 @@ def differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     return out
 
 
-def check_current(stage: str, where: Path, record: dict[str, Any], now: dict[str, Any],
-                  recipe: str) -> None:
-    """Raise ConfigError naming what changed when `record` (a done.json) was made from
-    something other than `now`."""
-    changed = differences(record["made_from"], now)
-    if not changed:
-        return
+def stale_error(stage: str, where: Path, changed: list[str], recipe: str,
+                shared: bool) -> ConfigError:
+    """The one-line error for a finished stage made from something else (`changed`, from
+    `differences`); `shared`: it lives outside this recipe's workdir (moa.backbone_dir)."""
     more = f" (+{len(changed) - MAX_NAMED} more)" if len(changed) > MAX_NAMED else ""
-    raise ConfigError(
-        f"stage {stage}: {where} was made from something else: "
-        f"{'; '.join(changed[:MAX_NAMED])}{more}; delete {where} (and the stages after it) to "
-        f"rerun it with `moe-train pipeline {recipe}`, or restore what changed")
+    fix = (f"it is shared through moa.backbone_dir and is not deleted for you: point "
+           f"moa.backbone_dir elsewhere, or delete {where} yourself" if shared else
+           f"rerun with `moe-train pipeline {recipe} --rerun-stale` (deletes it and reruns "
+           f"it and the stages after it), delete {where} yourself, or restore what changed")
+    return ConfigError(f"stage {stage}: {where} was made from something else: "
+                       f"{'; '.join(changed[:MAX_NAMED])}{more}; {fix}")

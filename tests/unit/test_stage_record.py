@@ -149,3 +149,30 @@ def test_made_from_is_json_and_tracks_reads(tmp_path) -> None:
     cfg = dataclasses.replace(ctx.cfg)
     rec = made_from("evaluate", cfg, {})
     assert json.loads(json.dumps(rec)) == rec and rec["inputs"] == {} and rec["data"]
+
+
+def test_rerun_stale_deletes_the_stage_and_its_readers_follow(tmp_path, capsys) -> None:
+    ctx = _ctx(tmp_path)
+    _finish(ctx, "features")
+    _finish(ctx, "cluster", reads=("features",))
+    (ctx.stage_dir("features") / "features.npy").write_bytes(b"old")
+    changed = dataclasses.replace(_ctx(tmp_path, "moa.sample_size=3"), rerun_stale=True)
+    assert changed.reuse("features", changed.cfg) is None  # stale: deleted, to be run again
+    assert not changed.stage_dir("features").exists()
+    assert "deleting it and running the stage again" in capsys.readouterr().out
+    _finish(changed, "features")
+    # The clusters read the old features: stale through their input, deleted in turn.
+    assert changed.reuse("cluster", changed.cfg) is None
+    assert not changed.stage_dir("cluster").exists()
+
+
+def test_rerun_stale_never_deletes_a_shared_backbone(tmp_path) -> None:
+    owner = _ctx(tmp_path)
+    _finish(owner, "backbone", backbone_config(owner))
+    shared = f"moa.backbone_dir={owner.stage_dir('backbone')}"
+    other = dataclasses.replace(
+        _ctx(tmp_path, shared, f"moa.workdir={tmp_path / 'other'}", "train.max_steps=9"),
+        rerun_stale=True)
+    with pytest.raises(ConfigError, match="shared through moa.backbone_dir"):
+        other.reuse("backbone", backbone_config(other))
+    assert (owner.stage_dir("backbone") / DONE).is_file()
