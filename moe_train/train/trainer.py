@@ -143,8 +143,8 @@ class Trainer:
         self.expert_param_ids = {id(p) for _, m in expert_modules(self.engine.module)
                                  for p in m.parameters()}
         self.last_grad_norm: float | None = None
-        self.nonfinite_steps = 0  # skipped steps in this process's run, and the current streak
-        self.nonfinite_in_a_row = 0
+        self.nonfinite_steps = 0  # skipped steps in this run, and the current streak (both
+        self.nonfinite_in_a_row = 0  # travel in checkpoints: a resume continues the streak)
         tc = cfg.train
         self.early = EarlyStop(tc.early_stop_metric, tc.patience, tc.min_delta)
         self.best_tag: str | None = None
@@ -161,6 +161,7 @@ class Trainer:
             self.tokens_seen = meta.get("tokens_seen", 0)
             self.batches.load_state_dict(meta["data_state"])
             self._resume_early_stop(meta.get("early_stop") or {})
+            self._resume_nonfinite(meta.get("nonfinite") or {})
         self.monitor = Monitor(rt, cfg.logging.tensorboard_dir, cfg.train.max_steps, self.step,
                                cfg.train.progress_bar)
         n_params = sum(full_numel(p) for p in model.parameters())
@@ -246,6 +247,16 @@ class Trainer:
             return {"loss": 0.0, "nll": 0.0, "tokens": 0.0, "nonfinite": 1.0}
         return {"loss": loss_tot, "nll": nll_tot, "tokens": float(ntok), "nonfinite": 0.0}
 
+    def _resume_nonfinite(self, state: dict[str, int]) -> None:
+        """Continue the skipped-step counts of the checkpoint: a run saved in the middle of a
+        streak of non-finite steps (skipped steps leave the parameters finite, so they are
+        saved) gets no fresh allowance of `optim.max_nonfinite_steps` by being resumed."""
+        self.nonfinite_steps = int(state.get("total", 0))
+        self.nonfinite_in_a_row = int(state.get("in_a_row", 0))
+        if self.nonfinite_in_a_row:
+            self._log_main(f"| resume: {self.nonfinite_in_a_row} non-finite steps in a row so "
+                           f"far (optim.max_nonfinite_steps {self.cfg.optim.max_nonfinite_steps})")
+
     def _count_nonfinite(self, skipped: bool) -> None:
         """Log a skipped step; stop after `optim.max_nonfinite_steps` of them in a row (every
         rank raises together: the decision was collective)."""
@@ -322,7 +333,9 @@ class Trainer:
         meta = {"step": self.step, "tokens_seen": self.tokens_seen,
                 "data_state": self.batches.state_dict(), "config": self.cfg.to_dict(),
                 "world_size": self.rt.world_size,
-                "early_stop": self.early.state_dict() | {"best_tag": self.best_tag}}
+                "early_stop": self.early.state_dict() | {"best_tag": self.best_tag},
+                "nonfinite": {"total": self.nonfinite_steps,
+                              "in_a_row": self.nonfinite_in_a_row}}
         attachments = {**{path.name: path for path in self.tokenizer_files},
                        "manifest.json": Path(self.cfg.data.prepared_dir) / "manifest.json"}
         with without_deepspeed_moe_checkpointing(self.engine):

@@ -198,4 +198,17 @@ def test_cli_stops_a_diverging_run_with_exit_2(tiny_prepared, tmp_path):
     assert "Traceback" not in proc.stderr
     assert proc.stdout.count("update skipped on every rank") == 3
     assert "| step      2 | loss nan |" in proc.stdout  # a window of skipped steps only
+    # Step 3's checkpoint was saved two skips into the streak: resumed, the streak goes on and
+    # the next skip is the third in a row (a requeued job gets no fresh allowance).
+    proc = run_cli(["train", "--config", str(ROOT / "configs" / "debug-cpu.yaml"), "--resume",
+                    *debug_overrides(tiny_prepared, tmp_path, "optim.lr=1e30",
+                                     "optim.warmup_steps=1", "optim.clip_norm=0",
+                                     "optim.max_nonfinite_steps=3", "train.max_steps=20",
+                                     "train.log_every=1", "checkpoint.save_every=1",
+                                     "train.validate_every=0", "data.max_tokens=300")],
+                   cwd=tmp_path, check=False)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "| resume: 2 non-finite steps in a row so far" in proc.stdout
+    assert proc.stdout.count("update skipped on every rank") == 1
+    assert "3 consecutive steps (up to step 4)" in proc.stderr
     assert not (tmp_path / "ckpt" / "step_00000004").exists()
