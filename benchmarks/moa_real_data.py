@@ -60,32 +60,36 @@ QUICK_SWITCH = ["adapters.num_experts=4"]
 
 
 def run_stage(config: str, workdir: Path, stage: str, overrides: list[str]) -> dict[str, Any]:
-    """Run one stage (or reuse it when finished); its done.json, the minutes it took and
-    whether it was reused."""
+    """Run one stage through `moe-train pipeline --stage ... --rerun-stale`: a finished stage
+    made from the same config, data and inputs is reused, one made from anything else is run
+    again (stages/record.py). Returns its done.json, the minutes it took (those of the run that
+    made it, when reused) and whether it was reused."""
     timings_path = workdir / TIMINGS
     timings = json.loads(timings_path.read_text()) if timings_path.is_file() else {}
     done = workdir / stage / "done.json"
-    reused = done.is_file()
-    if not reused:
-        cmd = [sys.executable, "-m", "moe_train", "pipeline", "moa", "--config", config,
-               "--stage", stage, f"moa.workdir={workdir}", *overrides]
-        print(f"== {workdir.name}/{stage}: {' '.join(cmd[1:])}", flush=True)
-        t0 = time.time()
-        proc = subprocess.run(cmd, cwd=ROOT, text=True, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT)
-        minutes = (time.time() - t0) / 60
-        log = workdir / f"{stage}.log"
+    before = done.read_text() if done.is_file() else None
+    cmd = [sys.executable, "-m", "moe_train", "pipeline", "moa", "--config", config,
+           "--stage", stage, "--rerun-stale", f"moa.workdir={workdir}", *overrides]
+    print(f"== {workdir.name}/{stage}: {' '.join(cmd[1:])}", flush=True)
+    t0 = time.time()
+    proc = subprocess.run(cmd, cwd=ROOT, text=True, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT)
+    minutes = (time.time() - t0) / 60
+    if proc.returncode != 0 or not done.is_file():
+        log = workdir / f"{stage}.failed.log"
         log.parent.mkdir(parents=True, exist_ok=True)
         log.write_text(proc.stdout)
-        if proc.returncode != 0 or not done.is_file():
-            sys.stdout.write(proc.stdout[-6000:])
-            raise SystemExit(f"{workdir.name}/{stage} failed with status {proc.returncode} "
-                             f"(log: {log})")
+        sys.stdout.write(proc.stdout[-6000:])
+        raise SystemExit(f"{workdir.name}/{stage} failed with status {proc.returncode} "
+                         f"(log: {log})")
+    reused = before is not None and done.read_text() == before
+    if reused:
+        print("   reused (finished earlier from the same config and inputs)", flush=True)
+    else:
+        (workdir / f"{stage}.log").write_text(proc.stdout)
         timings[stage] = round(minutes, 2)
         write_json(timings_path, timings)
         print(f"   done in {minutes:.2f} min", flush=True)
-    else:
-        print(f"== {workdir.name}/{stage}: reused (finished earlier)", flush=True)
     return {"done": json.loads(done.read_text()), "minutes": timings.get(stage),
             "reused": reused}
 
