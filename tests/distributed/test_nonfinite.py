@@ -182,13 +182,13 @@ def test_save_refuses_a_nonfinite_parameter_on_any_rank(runs):
 def test_cli_stops_a_diverging_run_with_exit_2(tiny_prepared, tmp_path):
     """A learning rate of 1e30 makes step 2's forward overflow: every later step is skipped,
     the third in a row stops `moe-train train` with one `error:` line and exit status 2."""
-    proc = run_cli(["train", "--config", str(ROOT / "configs" / "debug-cpu.yaml"),
-                    *debug_overrides(tiny_prepared, tmp_path, "optim.lr=1e30",
-                                     "optim.warmup_steps=1", "optim.clip_norm=0",
-                                     "optim.max_nonfinite_steps=3", "train.max_steps=20",
-                                     "train.log_every=1", "checkpoint.save_every=1",
-                                     "train.validate_every=0", "data.max_tokens=300")],
-                   cwd=tmp_path, check=False)
+    train = ["train", "--config", str(ROOT / "configs" / "debug-cpu.yaml"),
+             *debug_overrides(tiny_prepared, tmp_path, "optim.lr=1e30", "optim.warmup_steps=1",
+                              "optim.clip_norm=0", "optim.max_nonfinite_steps=3",
+                              "train.max_steps=20", "train.log_every=1",
+                              "checkpoint.save_every=1", "train.validate_every=0",
+                              "data.max_tokens=300")]
+    proc = run_cli(train, cwd=tmp_path, check=False)
     assert proc.returncode == 2, proc.stderr[-3000:]
     errors = [line for line in (proc.stdout + proc.stderr).splitlines()
               if line.startswith("error:")]
@@ -200,13 +200,7 @@ def test_cli_stops_a_diverging_run_with_exit_2(tiny_prepared, tmp_path):
     assert "| step      2 | loss nan |" in proc.stdout  # a window of skipped steps only
     # Step 3's checkpoint was saved two skips into the streak: resumed, the streak goes on and
     # the next skip is the third in a row (a requeued job gets no fresh allowance).
-    proc = run_cli(["train", "--config", str(ROOT / "configs" / "debug-cpu.yaml"), "--resume",
-                    *debug_overrides(tiny_prepared, tmp_path, "optim.lr=1e30",
-                                     "optim.warmup_steps=1", "optim.clip_norm=0",
-                                     "optim.max_nonfinite_steps=3", "train.max_steps=20",
-                                     "train.log_every=1", "checkpoint.save_every=1",
-                                     "train.validate_every=0", "data.max_tokens=300")],
-                   cwd=tmp_path, check=False)
+    proc = run_cli([*train, "--resume"], cwd=tmp_path, check=False)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "| resume: 2 non-finite steps in a row so far" in proc.stdout
     assert proc.stdout.count("update skipped on every rank") == 1
