@@ -53,8 +53,8 @@ E=8 k=2 row gets the same comparison for information.
 
 The C allocator decides much of the eager loop's cost. Each `self.gate_up_proj[expert]` slice
 of a stacked (E, 2F, D) weight has a backward that allocates a zeroed gradient of the whole
-stack (82 MiB for gate_up_proj at E=60) once per expert; glibc serves blocks that large with a fresh mmap by
-default, so every one is page-faulted in anew. `moe_train.utils.malloc.tune_cpu_allocator`
+stack (82 MiB for gate_up_proj at E=60) once per expert; glibc serves blocks that large with a
+fresh mmap by default, so every one is page-faulted in anew. `moe_train.utils.malloc.tune_cpu_allocator`
 (what our runtime applies on CPU) keeps such blocks on the heap, which makes the eager loop
 several times faster. Each measurement therefore runs under one allocator for every
 contender: `--allocator default` leaves glibc as a plain transformers process has it,
@@ -395,13 +395,15 @@ def in_child(allocator: str, args: argparse.Namespace, out: Path) -> dict[str, A
 
 
 def calibration_check(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """Our measurement of transformers' blocks next to the issue's calibration figures (E=60,
-    routed-only dense and per-expert floors, as the issue states them), per allocator."""
-    out: dict[str, Any] = {"size": "E=60 k=4", "floors": "routed experts only"}
+    """Our measurement of transformers' blocks next to the issue's calibration figures (at its
+    size, against the routed-only dense and per-expert floors, as the issue states them), per
+    allocator."""
+    size = (CALIBRATION["E"], CALIBRATION["k"])
+    out: dict[str, Any] = {"size": f"E={size[0]} k={size[1]}", "floors": "routed experts only"}
     keys = ("hf_default_over_dense_floor", "hf_default_over_per_expert_floor",
             "hf_eager_over_dense_floor")
     for name, run in runs.items():
-        row = next((r for r in run["results"] if (r["E"], r["k"]) == (60, 4)), None)
+        row = next((r for r in run["results"] if (r["E"], r["k"]) == size), None)
         if row is not None:
             out[name] = {key: {"measured": row["ratios_routed_only_floors"][key],
                                "issue": CALIBRATION[key]} for key in keys}

@@ -57,18 +57,22 @@ class StageContext:
             return Path(self.cfg.moa.backbone_dir)
         return self.workdir / stage
 
-    def done(self, stage: str) -> dict[str, Any] | None:
-        """The summary a finished stage recorded, or None. The running stage depends on what
-        it looks up here (`read`)."""
+    def _record(self, stage: str) -> dict[str, Any] | None:
         path = self.stage_dir(stage) / DONE
         if not path.is_file():
             return None
         try:
-            record = json.loads(path.read_text())
+            return json.loads(path.read_text())
         except (OSError, json.JSONDecodeError) as err:
             raise DataError(f"{path}: unreadable stage record ({err}); delete it to rerun "
                             f"the stage") from None
-        self.read[stage] = path
+
+    def done(self, stage: str) -> dict[str, Any] | None:
+        """The summary a finished stage recorded, or None. The running stage depends on what
+        it looks up here (`read`)."""
+        record = self._record(stage)
+        if record is not None:
+            self.read[stage] = self.stage_dir(stage) / DONE
         return record
 
     def reuse(self, stage: str, cfg: ExperimentConfig) -> dict[str, Any] | None:
@@ -76,9 +80,8 @@ class StageContext:
         when it is finished and was made from what it would be made from now, None when it
         has to run. A record made from another config, data or inputs is a ConfigError naming
         what changed."""
-        self.read = {}
-        record = self.done(stage)
-        self.read = {}
+        self.read = {}  # a new stage starts: what it reads from here on
+        record = self._record(stage)
         if record is None:
             return None
         where = self.stage_dir(stage)
