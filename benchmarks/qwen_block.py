@@ -54,9 +54,9 @@ E=8 k=2 row gets the same comparison for information.
 The C allocator decides much of the eager loop's cost. Each `self.gate_up_proj[expert]` slice
 of a stacked (E, 2F, D) weight has a backward that allocates a zeroed gradient of the whole
 stack (82 MiB for gate_up_proj at E=60) once per expert; glibc serves blocks that large with a
-fresh mmap by default, so every one is page-faulted in anew. `moe_train.utils.malloc.tune_cpu_allocator`
-(what our runtime applies on CPU) keeps such blocks on the heap, which makes the eager loop
-several times faster. Each measurement therefore runs under one allocator for every
+fresh mmap by default, so every one is page-faulted in anew.
+`moe_train.utils.malloc.tune_cpu_allocator` (what our runtime applies on CPU) keeps such blocks
+on the heap, which makes the eager loop several times faster. Each measurement therefore runs under one allocator for every
 contender: `--allocator default` leaves glibc as a plain transformers process has it,
 `tuned` applies our settings to the whole process (transformers' blocks included), and `both`
 (the default) runs each in its own child process, one after the other, and records both, with
