@@ -56,8 +56,9 @@ of a stacked (E, 2F, D) weight has a backward that allocates a zeroed gradient o
 stack (82 MiB for gate_up_proj at E=60) once per expert; glibc serves blocks that large with a
 fresh mmap by default, so every one is page-faulted in anew.
 `moe_train.utils.malloc.tune_cpu_allocator` (what our runtime applies on CPU) keeps such blocks
-on the heap, which makes the eager loop several times faster. Each measurement therefore runs under one allocator for every
-contender: `--allocator default` leaves glibc as a plain transformers process has it,
+on the heap, which makes the eager loop several times faster. Each measurement therefore runs
+under one allocator for every contender: `--allocator default` leaves glibc as a plain
+transformers process has it,
 `tuned` applies our settings to the whole process (transformers' blocks included), and `both`
 (the default) runs each in its own child process, one after the other, and records both, with
 acceptance per allocator and `calibration_check`, our transformers figures next to the issue's.
