@@ -54,6 +54,23 @@ def test_decode_throughput_quick(tmp_path) -> None:
         3)
 
 
+def test_decode_throughput_sweep_only(tmp_path) -> None:
+    """--experts / --batches reshape the sweep; --sweep-only records no training, MarianMT or
+    EP figures (nothing it did not measure); a bad --batches is one line and status 2."""
+    out = tmp_path / "d.json"
+    _bench("decode_throughput.py", "--quick", "--sweep-only", "--experts", "6",
+           "--batches", "3,1", "--out", str(out), cwd=tmp_path)
+    r = json.loads(out.read_text())
+    assert r["sizes"]["E"] == 6 and r["decode_sweep"]["batch_sizes"] == [1, 3]
+    assert r["training"] is None and r["marian"] is None and r["ep2"] is None
+    assert set(r["acceptance"]["holds"]) == {"extracted_peak_at_least_2x_token_moe"}
+    bad = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "decode_throughput.py"),
+                          "--quick", "--batches", "8,x"], cwd=tmp_path, env=cli_env(),
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0
+    assert bad.stderr.startswith("error: --batches") and "'8,x'" in bad.stderr
+
+
 @pytest.mark.skipif(not SHARED_DATA.is_dir(), reason="../shared OPUS data absent")
 def test_multilingual_quick(tmp_path) -> None:
     ext = tmp_path / "ext" / "EMEA"  # an external test set: 5 de-en pairs of one domain
