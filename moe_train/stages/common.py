@@ -32,6 +32,10 @@ from moe_train.utils.provenance import provenance
 DONE = "done.json"
 
 
+class NotFinished(Exception):
+    """Raised by `StageContext.reuse` for an unfinished stage while only looking it over."""
+
+
 @dataclass
 class StageContext:
     """The recipe's config, the process group container and the recipe's working directory."""
@@ -43,6 +47,10 @@ class StageContext:
     rerun_stale: bool = False
     """A finished stage made from something else is deleted and run again (instead of a
     ConfigError); `moe-train pipeline --rerun-stale`."""
+    upstream_of: str | None = None
+    """Set while `moe-train pipeline --stage S` looks over the stages before S (S here): none
+    of them runs; a finished one made from something else is named in a warning line (S reads
+    it as it is), a missing one is left to S's own `require`."""
     read: dict[str, Path] = field(default_factory=dict)
     """The finished stages whose output the running stage has read ({stage: its done.json}),
     recorded in its `made_from`."""
@@ -83,16 +91,25 @@ class StageContext:
         self.read = {}  # a new stage starts: what it reads from here on
         record = self._record(stage)
         if record is None:
+            if self.upstream_of is not None:
+                raise NotFinished(stage)
             return None
         where = self.stage_dir(stage)
         if "made_from" not in record:
-            if self.rt.is_main:
+            if self.rt.is_main and self.upstream_of is None:
                 print(f"| stage {stage}: {where} does not record what it was made from "
                       f"(an older moe_train wrote it); reusing it unchecked", flush=True)
             return record
         inputs = {name: self.stage_dir(name) / DONE for name in record["made_from"]["inputs"]}
         changed = differences(record["made_from"], made_from(stage, cfg, inputs, self.recipe))
         if not changed:
+            return record
+        if self.upstream_of is not None:
+            if self.rt.is_main:
+                print(f"| warning: stage {self.upstream_of} reads stage {stage}, whose {where} "
+                      f"was made from something else ({'; '.join(changed[:3])}); "
+                      f"`moe-train pipeline {self.recipe}` without --stage would stop there",
+                      flush=True)
             return record
         shared = where.resolve() != (self.workdir / stage).resolve()  # moa.backbone_dir
         if not self.rerun_stale or shared:

@@ -7,7 +7,8 @@ the recipe is the backbone alone (Mixed-nat).
 gad -- Gated Adapters (seed 004): backbone (MIX, no pre-injected adapter) -> [tag] ->
 classifier -> ad -> gad -> evaluate; `tag` runs when ``gated.tag_prepared_dir`` is set.
 Each stage is reused when finished, so rerunning the pipeline resumes it; ``--stage`` runs one
-stage (its inputs must exist).
+stage (its inputs must exist), after a look over the stages before it that names any made from
+something else (`StageContext.upstream_of`).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any, Callable
 from moe_train.errors import ConfigError
 from moe_train.stages import (adapters, backbone, classifier, cluster, distill, evaluate,
                               features, gad, gad_eval)
-from moe_train.stages.common import StageContext
+from moe_train.stages.common import NotFinished, StageContext
 
 Stage = Callable[[StageContext], dict[str, Any]]
 RECIPES: dict[str, dict[str, Stage]] = {
@@ -68,5 +69,13 @@ def run_pipeline(ctx: StageContext, recipe: str = "moa", stage: str | None = Non
     """Run the recipe (or one `stage` of it); returns {stage: summary}."""
     check_request(recipe, stage)
     ctx = recipe_context(ctx, recipe)
-    order = recipe_stages(ctx, recipe) if stage is None else [stage]
+    order = recipe_stages(ctx, recipe)
+    if stage is not None:
+        look = dataclasses.replace(ctx, upstream_of=stage, read={})
+        for name in order[:order.index(stage)] if stage in order else []:
+            try:
+                RECIPES[recipe][name](look)  # returns at once: reuse() never lets it run
+            except NotFinished:
+                pass  # the stage's own require() says so if it needs it
+        order = [stage]
     return {name: RECIPES[recipe][name](ctx) for name in order}

@@ -176,3 +176,31 @@ def test_rerun_stale_never_deletes_a_shared_backbone(tmp_path) -> None:
     with pytest.raises(ConfigError, match="shared through moa.backbone_dir"):
         other.reuse("backbone", backbone_config(other))
     assert (owner.stage_dir("backbone") / DONE).is_file()
+
+
+def test_one_stage_run_names_stale_inputs_and_runs(tmp_path, capsys, monkeypatch) -> None:
+    """`pipeline moa --stage distill`: the stages before it are looked over, not run; one
+    made from something else is a warning line (the stage reads it as it is), a missing one is
+    left to the stage's own require(), and a stale one is never deleted, even with
+    --rerun-stale."""
+    from moe_train.stages import pipeline
+
+    ran: list[str] = []
+    monkeypatch.setitem(pipeline.RECIPES["moa"], "distill",
+                        lambda ctx: ran.append(ctx.cfg.moa.num_clusters) or {"ok": 1})
+    gumbel = ("adapters.router=gumbel", "adapters.num_experts=0")
+    ctx = _ctx(tmp_path, *gumbel)
+    assert pipeline.recipe_stages(ctx)[:4] == ["backbone", "features", "cluster", "distill"]
+    assert pipeline.run_pipeline(ctx, "moa", stage="distill") == {"distill": {"ok": 1}}
+    assert "warning" not in capsys.readouterr().out  # nothing finished yet: nothing to name
+    _finish(ctx, "backbone", backbone_config(ctx))
+    _finish(ctx, "features")
+    _finish(ctx, "cluster", reads=("features",))
+    pipeline.run_pipeline(ctx, "moa", stage="distill")
+    assert "warning" not in capsys.readouterr().out  # all current
+    other = dataclasses.replace(_ctx(tmp_path, *gumbel, "moa.num_clusters=6"), rerun_stale=True)
+    pipeline.run_pipeline(other, "moa", stage="distill")
+    out = capsys.readouterr().out
+    assert out.count("warning") == 1 and "reads stage cluster" in out
+    assert "moa.num_clusters: 12 -> 6" in out and out.count("\n") == 1
+    assert ran == [12, 12, 6] and (ctx.stage_dir("cluster") / DONE).is_file()
