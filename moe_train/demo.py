@@ -20,12 +20,25 @@ from typing import Any
 import numpy as np
 
 from moe_train.config.loader import load_config, merge, read_yaml
+from moe_train.errors import ConfigError
 
 CORPUS = {"num_domains": 3, "target_langs": ["de", "fr"], "train_per_domain": 2000,
           "dev_per_domain": 20, "test_per_domain": 25}
 """The synthetic corpus of the demo (`moe-train synth` options)."""
 EXTRACT_TASK = "en-de"
 """The direction whose sub-network the demo extracts."""
+
+
+def check_workdir(workdir: Path) -> None:
+    """Refuse a --workdir that is not a directory (or lies under a file) before anything runs;
+    a missing one is created by the first step."""
+    if workdir.exists():
+        if not workdir.is_dir():
+            raise ConfigError(f"demo --workdir {workdir}: exists and is not a directory")
+        return
+    above = next(p for p in Path(workdir).absolute().parents if p.exists())
+    if not above.is_dir():
+        raise ConfigError(f"demo --workdir {workdir}: {above} is not a directory")
 
 
 def demo_config(workdir: Path, minutes: float | None, overrides: list[str]):
@@ -144,6 +157,7 @@ def run_demo(workdir: Path, minutes: float | None = None, overrides: list[str] |
     from moe_train.utils.atomic import write_json
 
     t0 = time.time()
+    check_workdir(workdir)
     workdir = workdir.resolve()
     cfg = demo_config(workdir, minutes, overrides or [])
     prepared = _data(workdir, cfg)

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import ClassVar
 
-from moe_train.config.moe import RouterConfig, _expect
+from moe_train.config.moe import RouterConfig, _at_most, _expect
 
 ADAPTER_SIDES = ("decoder", "both")
 CLUSTERERS = ("gmm", "kmeans", "birch")
@@ -46,6 +46,8 @@ class AdapterConfig(RouterConfig):
         _expect(self.num_experts >= 0, "adapters.num_experts", "a non-negative integer",
                 self.num_experts)
         _expect(self.dim >= 1, "adapters.dim", "a positive integer", self.dim)
+        _at_most("experts", self, "adapters", "num_experts")
+        _at_most("size", self, "adapters", "dim")
         _expect(self.sides in ADAPTER_SIDES, "adapters.sides",
                 f"one of {', '.join(ADAPTER_SIDES)}", self.sides)
         if self.router == "single":
@@ -126,6 +128,7 @@ class MoAConfig:
     def __post_init__(self) -> None:
         _expect(bool(self.workdir), "moa.workdir", "a directory", self.workdir)
         _expect(self.num_clusters >= 2, "moa.num_clusters", "at least 2", self.num_clusters)
+        _at_most("experts", self, "moa", "num_clusters")
         for name in ("sample_size", "pca_dim", "cluster_inits", "distill_steps",
                      "distill_batch_sentences",
                      "adapter_steps", "eval_sentences", "eval_beam"):

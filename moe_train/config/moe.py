@@ -37,6 +37,29 @@ def _expect(cond: bool, path: str, expected: str, got: object) -> None:
         raise ConfigError(f"{path}: expected {expected}, got {got!r}")
 
 
+MAX_SIZE = 2**31 - 1
+"""Largest dimension, vocabulary, length or row count a config may give (an int32 index; no real
+model comes near it): an absurd value fails here, naming its field, not inside torch."""
+MAX_LAYERS = 1024
+"""Most layers a stack may have (no real model has more)."""
+MAX_EXPERTS = 65536
+"""Most experts (or adapters) a layer may have (no real model has more)."""
+_LIMITS = {
+    "size": (MAX_SIZE, "a size below 2**31 (no real model has a larger dimension, vocabulary "
+             "or length)"),
+    "layers": (MAX_LAYERS, f"at most {MAX_LAYERS} layers (no real model has more)"),
+    "experts": (MAX_EXPERTS, f"at most {MAX_EXPERTS} (no real model has more experts)"),
+}
+
+
+def _at_most(kind: str, obj: object, section: str, *names: str) -> None:
+    """Upper bounds of the integer fields `names` of `obj` (kind: size, layers or experts)."""
+    limit, expected = _LIMITS[kind]
+    for name in names:
+        value = getattr(obj, name)
+        _expect(value <= limit, f"{section}.{name}", expected, value)
+
+
 @dataclass
 class RouterConfig:
     """Router settings (the ``moe.*`` router fields); checked on construction."""
@@ -87,6 +110,7 @@ class RouterConfig:
     def __post_init__(self) -> None:
         s = self.section
         _expect(self.k >= 1, f"{s}.k", "a positive integer", self.k)
+        _at_most("experts", self, s, "k")
         _expect(self.capacity_factor >= 0, f"{s}.capacity_factor",
                 "a non-negative number (0: dropless)", self.capacity_factor)
         _expect(0.0 <= self.jitter_eps < 1.0, f"{s}.jitter_eps", "a number in [0, 1)",
@@ -98,6 +122,7 @@ class RouterConfig:
         _expect(self.task_source in TASK_SOURCES, f"{s}.task_source",
                 f"one of {', '.join(TASK_SOURCES)}", self.task_source)
         _expect(self.num_tasks >= 0, f"{s}.num_tasks", "a non-negative integer", self.num_tasks)
+        _at_most("size", self, s, "num_tasks")
         _expect(self.tau >= 0, f"{s}.tau", "a non-negative temperature (0: plain top-1)",
                 self.tau)
         _expect(self.sentence_pool == "mean", f"{s}.sentence_pool", "mean", self.sentence_pool)
@@ -166,6 +191,10 @@ class MoEConfig(RouterConfig):
         _expect(self.expert_ffn_dim >= 0, "moe.expert_ffn_dim", "a non-negative integer",
                 self.expert_ffn_dim)
         _expect(self.ep_size >= 1, "moe.ep_size", "a positive integer", self.ep_size)
+        _at_most("experts", self, "moe", "num_experts", "encoder_num_experts",
+                 "decoder_num_experts", "ep_size")
+        _at_most("size", self, "moe", "expert_ffn_dim", "encoder_task_table",
+                 "decoder_task_table")
         if self.num_experts:
             _expect(self.num_experts % self.ep_size == 0, "moe.num_experts",
                     f"a multiple of moe.ep_size ({self.ep_size})", self.num_experts)

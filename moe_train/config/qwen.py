@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from moe_train.config.moe import _expect
+from moe_train.config.moe import _at_most, _expect
 
 
 @dataclass
@@ -52,6 +52,10 @@ class QwenConfig:
                      "num_key_value_heads", "intermediate_size", "max_position_embeddings"):
             _expect(getattr(self, name) > 0, f"qwen.{name}", "a positive integer",
                     getattr(self, name))
+        _at_most("size", self, "qwen", "vocab_size", "hidden_size", "num_attention_heads",
+                 "num_key_value_heads", "intermediate_size", "shared_expert_intermediate_size",
+                 "max_position_embeddings")
+        _at_most("layers", self, "qwen", "num_hidden_layers")
         _expect(self.shared_expert_intermediate_size >= 0, "qwen.shared_expert_intermediate_size",
                 "a non-negative integer (0: no shared expert)",
                 self.shared_expert_intermediate_size)

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from moe_train.config.adapters import AdapterConfig, MoAConfig
-from moe_train.config.moe import ROUTER_NAMES, MoEConfig
+from moe_train.config.moe import ROUTER_NAMES, MoEConfig, _at_most
 from moe_train.config.gated import GatedConfig
 from moe_train.config.qwen import QwenConfig
 from moe_train.data.prompts import DEFAULT_PROMPT, check_template
@@ -76,6 +76,8 @@ class ModelConfig:
     def __post_init__(self) -> None:
         _positive(self, "model", "d_model", "n_heads", "ffn_dim", "encoder_layers",
                   "decoder_layers", "max_positions")
+        _at_most("size", self, "model", "d_model", "n_heads", "ffn_dim", "max_positions")
+        _at_most("layers", self, "model", "encoder_layers", "decoder_layers")
         _check(self.d_model % self.n_heads == 0, "model.d_model",
                f"a multiple of model.n_heads ({self.n_heads})", self.d_model)
         for name in ("dropout", "attention_dropout", "activation_dropout"):
@@ -139,6 +141,7 @@ class DataConfig:
                    pair)
         _positive(self, "data", "vocab_size", "spm_max_sentences", "max_tokens", "max_len",
                   "max_chars", "temperature")
+        _at_most("size", self, "data", "vocab_size", "max_tokens", "max_len", "max_chars")
         _choice(self, "data", "spm_model_type", ("unigram", "bpe"))
         _check(self.max_tokens >= self.max_len, "data.max_tokens",
                f"at least data.max_len ({self.max_len})", self.max_tokens)
@@ -291,6 +294,7 @@ class EvalConfig:
 
     def __post_init__(self) -> None:
         _positive(self, "eval", "beam", "max_sentences")
+        _at_most("size", self, "eval", "beam", "max_sentences", "max_len_b")
         _check(self.lenpen >= 0, "eval.lenpen", "a non-negative number", self.lenpen)
         _check(self.max_len_a >= 0 and self.max_len_b >= 0, "eval.max_len_a",
                "non-negative max_len_a and max_len_b", (self.max_len_a, self.max_len_b))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from moe_train.config.moe import _at_most
 from moe_train.errors import ConfigError
 
 THOR_TASK_SOURCES = ("domain", "tgt_lang", "src_lang", "lang_pair", "other_lang")
@@ -94,6 +95,8 @@ class ThorConfig:
                 self.num_tasks)
         _expect(self.num_candidates >= 1, "thor.num_candidates", "a positive integer",
                 self.num_candidates)
+        _at_most("size", self, "thor", "num_tasks")
+        _at_most("experts", self, "thor", "num_candidates")
         _expect(self.predictor_layer >= -1, "thor.predictor_layer",
                 "an encoder layer index, or -1 (the first encoder THOR layer)",
                 self.predictor_layer)

@@ -14,15 +14,34 @@ message is a single line naming ``file:line`` and what was expected.
 from __future__ import annotations
 
 import os
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
 
-from moe_train.errors import DataError
+from moe_train.errors import ConfigError, DataError
 
 SPLITS: tuple[str, ...] = ("train", "dev", "test")
 """Split names, in the order used everywhere (sorting, manifests)."""
+
+DOMAIN_NAME = "letters, digits, '_', '.' and '-', not starting with '.' or '-'"
+LANG_CODE = "letters, digits and '_'"
+"""What a domain name and a language code may hold (said by errors): they become parts of file
+names (``{domain}.{src}-{tgt}.*``), tags and ``xx-yy`` pairs, so no path separator, no ``..``,
+no whitespace, and no ``-`` inside a language code."""
+_DOMAIN_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]*")
+_LANG_RE = re.compile(r"[A-Za-z0-9_]+")
+
+
+def valid_domain(name: str) -> bool:
+    """Whether `name` is a safe domain name (see DOMAIN_NAME; e.g. EMEA, JRC-Acquis, it)."""
+    return isinstance(name, str) and _DOMAIN_RE.fullmatch(name) is not None
+
+
+def valid_lang(code: str) -> bool:
+    """Whether `code` is a safe language code (see LANG_CODE; e.g. en, pt_BR)."""
+    return isinstance(code, str) and _LANG_RE.fullmatch(code) is not None
 
 
 @dataclass(frozen=True)
@@ -89,6 +108,13 @@ def discover(data_dir: str | os.PathLike, pairs: Iterable[str] = (), domains: It
             if parsed is None or not path.is_file():
                 continue
             l1, l2, split, lang = parsed
+            if not valid_domain(folder.name):
+                raise DataError(f"{path}: domain {folder.name!r} (the folder name) must be "
+                                f"{DOMAIN_NAME}")
+            for code in (l1, l2):
+                if not valid_lang(code):
+                    raise DataError(f"{path}: language code {code!r} in the file name must be "
+                                    f"{LANG_CODE}")
             found.setdefault((folder.name, l1, l2, split), {})[lang] = path
 
     all_domains = sorted({key[0] for key in found})
@@ -135,6 +161,11 @@ def plain_corpus(src: str | os.PathLike, tgt: str | os.PathLike, domain: str = "
     """A corpus given as an explicit source file and target file."""
     if split not in SPLITS:
         raise DataError(f"{src}: unknown split {split!r} (expected one of {', '.join(SPLITS)})")
+    if not valid_domain(domain):
+        raise ConfigError(f"--domain: expected a name of {DOMAIN_NAME}, got {domain!r}")
+    for option, code in (("--src-lang", src_lang), ("--tgt-lang", tgt_lang)):
+        if not valid_lang(code):
+            raise ConfigError(f"{option}: expected a language code of {LANG_CODE}, got {code!r}")
     if src_lang == tgt_lang:
         raise DataError(f"{src}: source and target language are both {src_lang!r}")
     return CorpusFiles(domain, src_lang, tgt_lang, split, Path(src), Path(tgt))

@@ -33,10 +33,12 @@ from typing import Any
 import numpy as np
 
 from moe_train.config.schema import DataConfig
-from moe_train.data.corpus import SPLITS, CorpusFiles, read_pairs
+from moe_train.data.corpus import DOMAIN_NAME, LANG_CODE, SPLITS, CorpusFiles, read_pairs, \
+    valid_domain, valid_lang
 from moe_train.data.hf_tokenizer import TOKENIZER_CONFIG, TOKENIZER_JSON, HFTokenizer
 from moe_train.data.prompts import format_prompt
-from moe_train.data.shards import MANIFEST, ShardedDataset, read_manifest, write_shard
+from moe_train.data.shards import MANIFEST, RAW_TEXT_SPLITS, ShardedDataset, read_manifest, \
+    write_shard
 from moe_train.data.vocab import Vocab, domain_tag, lang_tag, \
     train_sentencepiece
 from moe_train.errors import ConfigError, DataError
@@ -44,8 +46,6 @@ from moe_train.utils.atomic import atomic_dir, write_json
 
 MANIFEST_VERSION = 1
 SPM_PREFIX = "spm"
-RAW_TEXT_SPLITS = ("dev", "test")
-"""Splits whose text is kept beside the shards (references for BLEU)."""
 
 Pairs = tuple[list[str], list[str]]
 
@@ -210,6 +210,15 @@ def prepare(corpora: list[CorpusFiles], out_dir: str | os.PathLike, data_cfg: Da
     out_dir = Path(out_dir)
     _check_out_dir(out_dir, overwrite)
     groups = _group(corpora)
+    for files in corpora:  # each domain is one <dom:NAME> piece of the vocabulary
+        if not valid_domain(files.domain):  # and names the shard files: no "/", "..", spaces
+            raise ConfigError(f"{files.src}: domain {files.domain!r} must be a non-empty name of "
+                              f"{DOMAIN_NAME} (it becomes the domain tag <dom:NAME> and part of "
+                              "the shard file names)")
+        for lang in (files.src_lang, files.tgt_lang):
+            if not valid_lang(lang):
+                raise ConfigError(f"{files.src}: language code {lang!r} must be {LANG_CODE} "
+                                  "(it becomes part of the xx-yy pair and the shard file names)")
     names = list(groups)
     train_files = {name: by_split["train"] for name, by_split in groups.items()}
 
@@ -222,10 +231,6 @@ def prepare(corpora: list[CorpusFiles], out_dir: str | os.PathLike, data_cfg: Da
         carved[name], dropped[name] = _carve(train_files[name], texts[name], data_cfg, seed)
 
     domains = sorted({c.domain for c in train_files.values()})
-    for files in train_files.values():  # each domain is one <dom:NAME> piece of the vocabulary
-        if not files.domain or any(ch.isspace() for ch in files.domain):
-            raise ConfigError(f"{files.src}: domain {files.domain!r} must be a non-empty name "
-                              "without whitespace (it becomes the domain tag <dom:NAME>)")
     langs = sorted({lang for c in train_files.values() for lang in (c.src_lang, c.tgt_lang)})
     tgt_langs = sorted({c.tgt_lang for c in train_files.values()})
 

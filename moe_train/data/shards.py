@@ -31,6 +31,8 @@ from moe_train.utils.atomic import atomic_path, write_text
 MANIFEST = "manifest.json"
 TOKEN_DTYPE = np.int32
 OFFSET_DTYPE = np.int64
+RAW_TEXT_SPLITS = ("dev", "test")
+"""Splits whose text is kept beside the shards (references for BLEU)."""
 
 
 def _write_array(path: Path, array: np.ndarray) -> None:
@@ -92,6 +94,30 @@ def _open_tokens(path: Path, n_tokens: int) -> np.ndarray:
     return np.memmap(path, dtype=TOKEN_DTYPE, mode="r", shape=(n_tokens,))
 
 
+def _check_ids(path: Path, tokens: np.ndarray, vocab_size: int | None) -> None:
+    """Every token id of a shard within [0, vocab_size) (one min and one max over the map), so a
+    damaged shard fails here, naming its file, not as an index error inside the model."""
+    if len(tokens) == 0:
+        return
+    low, high = int(tokens.min()), int(tokens.max())
+    if low < 0 or (vocab_size is not None and high >= vocab_size):
+        expected = "non-negative ids" if vocab_size is None else \
+            f"ids in [0, {vocab_size}) (vocab_size {vocab_size} in {MANIFEST})"
+        raise DataError(f"{path}: token ids range over [{low}, {high}], expected {expected} "
+                        "(corrupt shard); run `moe-train prepare` again")
+
+
+def _vocab_size(manifest: dict[str, Any], path: Path) -> int | None:
+    """The manifest's vocab_size (None when it has none: ids are then only checked >= 0)."""
+    size = manifest.get("vocab_size")
+    if size is None:
+        return None
+    if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
+        raise DataError(f"{path}: vocab_size {size!r}, expected a positive integer (corrupt); "
+                        "run `moe-train prepare` again")
+    return size
+
+
 def _read_offsets(path: Path, n: int) -> np.ndarray:
     if not path.is_file():
         raise DataError(f"{path}: missing shard file; run `moe-train prepare` first")
@@ -137,6 +163,10 @@ class ShardedDataset:
         self._tgt_idx = [_read_offsets(split_dir / f"{c}.tgt.idx", n)
                          for c, n in zip(self.corpus_names, self.corpus_sizes)]
         self._open()
+        vocab_size = _vocab_size(self.manifest, self.prepared_dir / MANIFEST)
+        for side in ("src", "tgt"):  # once, here (not when a pickled copy re-maps the files)
+            for name, tokens in zip(self.corpus_names, getattr(self, f"_{side}_bin")):
+                _check_ids(split_dir / f"{name}.{side}.bin", tokens, vocab_size)
 
         def per_sentence(key: str) -> np.ndarray:
             return np.repeat(np.asarray([c[key] for c in corpora], dtype=np.int64), sizes)
@@ -202,7 +232,11 @@ class ShardedDataset:
         if lines is None:
             path = self.prepared_dir / self.split / f"{self.corpus_names[corpus]}.raw.{side}"
             if not path.is_file():
-                raise DataError(f"{path}: raw text is only kept for dev and test splits")
+                if self.split in RAW_TEXT_SPLITS:
+                    raise DataError(f"{path}: missing raw text file of the {self.split} split "
+                                    "(incomplete data); run `moe-train prepare` again")
+                raise DataError(f"{path}: raw text is only kept for "
+                                f"{' and '.join(RAW_TEXT_SPLITS)} splits")
             lines = path.read_text(encoding="utf-8").split("\n")[:-1]
             if len(lines) != self.corpus_sizes[corpus]:
                 raise DataError(f"{path}: {len(lines)} lines, expected "

@@ -2,13 +2,38 @@
 
 from __future__ import annotations
 
+import inspect
 import os
 from pathlib import Path
 from typing import Any
 
-from moe_train.data.synthetic import generate_synthetic
+from moe_train.data.synthetic import DOMAINS, TARGET_LANGS, generate_synthetic
 from moe_train.errors import ConfigError
 from moe_train.utils.atomic import atomic_dir
+
+
+_SIGNATURE = inspect.signature(generate_synthetic)
+
+
+def check_options(**options: Any) -> None:
+    """The checks `generate_synthetic` makes of its counts and languages (same messages), made
+    before anything is created: bad options must not leave even an empty parent directory."""
+    bound = _SIGNATURE.bind(None, **options)
+    bound.apply_defaults()
+    args = bound.arguments
+    num_domains, target_langs = args["num_domains"], args["target_langs"]
+    if not 1 <= num_domains <= len(DOMAINS):
+        raise ConfigError(f"synthetic num_domains: expected 1..{len(DOMAINS)}, got {num_domains}")
+    langs = list(dict.fromkeys(target_langs))
+    if not langs or any(lang not in TARGET_LANGS for lang in langs):
+        raise ConfigError(f"synthetic target_langs: expected some of {', '.join(TARGET_LANGS)}, "
+                          f"got {list(target_langs)!r}")
+    for split in ("train", "dev", "test"):
+        n = args[f"{split}_per_domain"]
+        if n < 0 or (split == "train" and n == 0):
+            raise ConfigError(f"synthetic {split}_per_domain: expected a "
+                              f"{'positive' if split == 'train' else 'non-negative'} integer, "
+                              f"got {n}")
 
 
 def write_synthetic(out_dir: str | os.PathLike, overwrite: bool = False,
@@ -16,7 +41,9 @@ def write_synthetic(out_dir: str | os.PathLike, overwrite: bool = False,
     """`generate_synthetic(**options)` into a temporary directory renamed onto `out_dir` once
     complete, so a killed or failed run leaves nothing under the final name. An existing
     non-empty `out_dir` is replaced only when it is a synthetic corpus (has ``domains.json``)
-    and `overwrite` is set; an empty one is replaced silently."""
+    and `overwrite` is set; an empty one is replaced silently. The options are checked before
+    anything is created, and the parent directories this call creates are removed again if
+    it fails."""
     out = Path(out_dir)
     replace = False
     if out.exists():
@@ -31,5 +58,19 @@ def write_synthetic(out_dir: str | os.PathLike, overwrite: bool = False,
                 raise ConfigError(f"synth --out {out}: already holds a synthetic corpus; use "
                                   "--overwrite to replace it")
             replace = True
-    with atomic_dir(out, overwrite=replace) as tmp:
-        return generate_synthetic(tmp, **options)
+    parents = list(out.absolute().parents)
+    missing = [p for p in parents if not p.exists()]  # deepest first; the root exists
+    above = parents[len(missing)]
+    if not above.is_dir():
+        raise ConfigError(f"synth --out {out}: {above} is not a directory")
+    check_options(**options)
+    try:
+        with atomic_dir(out, overwrite=replace) as tmp:
+            return generate_synthetic(tmp, **options)
+    except BaseException:
+        for parent in missing:  # only the ones made here, and only while empty
+            try:
+                parent.rmdir()
+            except OSError:
+                break
+        raise

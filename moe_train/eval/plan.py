@@ -86,6 +86,8 @@ from moe_train.moe.experts import Experts, StackedExperts, SwiGLUExperts
 from moe_train.moe.layer import MoELayer
 
 GIB = 2**30
+MAX_GPU_MEM_GB = 2**20
+"""Largest --gpu-mem (GiB, a pebibyte) taken: beyond it the byte counts are not real."""
 HEADROOM = 0.10
 """Share of GPU memory left for the CUDA context, fragmentation and what is not modelled."""
 ZERO3_SUB_GROUP = 10**9
@@ -132,7 +134,10 @@ class PlanInputs:
                             ("--ep", self.ep), ("--micro-batch", self.micro_batch),
                             ("--seq-len", self.seq_len)):
             _expect(isinstance(value, int) and value >= 1, flag, "a positive integer", value)
-        _expect(self.gpu_mem_gb > 0, "--gpu-mem", "a positive number of GiB", self.gpu_mem_gb)
+        _expect(isinstance(self.gpu_mem_gb, (int, float)) and math.isfinite(self.gpu_mem_gb)
+                and 0 < self.gpu_mem_gb <= MAX_GPU_MEM_GB, "--gpu-mem",
+                f"a positive, finite number of GiB, at most {MAX_GPU_MEM_GB} (no GPU has more)",
+                self.gpu_mem_gb)
         _expect(self.zero_stage in (0, 1, 2, 3), "--zero", "one of 0, 1, 2, 3", self.zero_stage)
         _expect(self.precision in ("bf16", "fp16", "fp32"), "--precision",
               "one of bf16, fp16, fp32, auto", self.precision)
