@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -80,6 +81,16 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     return 0
 
 
+def check_dir_settings(cfg) -> None:
+    """The directories a run creates or fills can be made (before any training step)."""
+    from moe_train.utils.atomic import check_dir_setting
+
+    for field, path in (("checkpoint.dir", cfg.checkpoint.dir),
+                        ("logging.tensorboard_dir", cfg.logging.tensorboard_dir),
+                        ("moa.workdir", cfg.moa.workdir)):
+        check_dir_setting(path, field)
+
+
 def run_training(cfg, resume: bool) -> dict[str, Any]:
     """Train under whatever launcher started this process; returns the run summary."""
     from moe_train.data.prepare import check_fits_model
@@ -95,6 +106,7 @@ def run_training(cfg, resume: bool) -> dict[str, Any]:
     from moe_train.train.checkpoint import latest_tag
     from moe_train.train.trainer import Trainer
 
+    check_dir_settings(cfg)
     if not resume and latest_tag(cfg.checkpoint.dir) is not None:
         raise CheckpointError(f"checkpoint.dir {cfg.checkpoint.dir}: already holds a checkpoint; "
                               "pass --resume to continue it or choose another checkpoint.dir")
@@ -112,9 +124,13 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.deepspeed_config:
         path = Path(args.deepspeed_config)
         try:
-            cfg.deepspeed.update(json.loads(path.read_text(encoding="utf-8")))
-        except (OSError, json.JSONDecodeError) as exc:
+            extra = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise ConfigError(f"{path}: not a readable DeepSpeed JSON config ({exc})") from None
+        if not isinstance(extra, dict):
+            raise ConfigError(f"{path}: expected a JSON object (DeepSpeed config keys), got "
+                              f"{type(extra).__name__}")
+        cfg.deepspeed.update(extra)
     summary = run_training(cfg, args.resume)
     if summary.pop("rank") == 0:
         _json_line(summary)
@@ -219,12 +235,15 @@ def cmd_translate(args: argparse.Namespace) -> int:
     """Read and check the whole input, translate it all, then write (nothing on any error)."""
     from moe_train.data.corpus import read_text_input
 
+    from moe_train.utils.atomic import check_out_file, write_text
+
     source, lines = read_text_input(args.input)  # before the model: bad input fails fast
+    if args.output != "-":
+        check_out_file(args.output, "--output")
     import torch
 
     from moe_train.eval.decode import translate_lines
     from moe_train.train.export import load_for_inference
-    from moe_train.utils.atomic import write_text
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     inf = load_for_inference(args.checkpoint, device)
@@ -279,8 +298,11 @@ def cmd_params(args: argparse.Namespace) -> int:
 def cmd_extract(args: argparse.Namespace) -> int:
     from moe_train.eval.extract import extract, extraction_report, format_report, \
         write_extraction
-    from moe_train.train.export import load_for_inference
+    from moe_train.train.export import EXPORT_MANIFEST, checkpoint_dir, load_for_inference
+    from moe_train.utils.atomic import check_out_dir
 
+    check_out_dir(args.out, "--out", EXPORT_MANIFEST, "export",
+                  sources=[args.checkpoint, checkpoint_dir(args.checkpoint)])
     inf = load_for_inference(args.checkpoint, "cpu")
     ext = extract(inf.model, inf.cfg, inf.manifest, args.task)
     report = extraction_report(inf.cfg, ext, inf.manifest)
@@ -302,13 +324,21 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 def cmd_convert(args: argparse.Namespace) -> int:
     from moe_train.models.hf_io import convert_from_hf, convert_to_hf
+    from moe_train.train.export import EXPORT_MANIFEST
+    from moe_train.utils.atomic import check_out_dir
 
     if args.from_hf:
+        check_out_dir(args.out, "--out", EXPORT_MANIFEST, "export", sources=[args.from_hf])
+        if args.trim is None and (args.experts or args.calibration or args.k):
+            raise ConfigError("--experts, --calibration and --k: expected --trim N with them "
+                              "(they choose what the trimmed model keeps)")
         summary = convert_from_hf(args.from_hf, args.out, args.trim, args.experts,
                                   args.calibration, args.k, args.calibration_lines)
     else:
         if args.trim or args.experts or args.calibration or args.k:
             raise ConfigError("--trim, --experts, --calibration and --k go with --from-hf")
+        check_out_dir(args.out, "--out", "config.json", "Hugging Face directory",
+                      sources=[args.to_hf])
         summary = convert_to_hf(args.to_hf, args.out)
     print(f"| wrote {args.out}: {summary['tensors']} tensors, {summary['parameters']:,} "
           f"parameters, tokenizer files: {', '.join(summary['tokenizer']) or 'none'}")
@@ -348,8 +378,12 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     from moe_train.eval.evaluate import evaluate_dataset, format_table
     from moe_train.eval.metrics import corpus_metrics
     from moe_train.train.export import load_for_inference
-    from moe_train.utils.atomic import write_json, write_text
+    from moe_train.utils.atomic import atomic_path, check_out_file
 
+    outputs = {flag: check_out_file(path, flag)
+               for flag, path in (("--hyps", args.hyps), ("--json", args.json)) if path}
+    if len({p.resolve() for p in outputs.values()}) < len(outputs):
+        raise ConfigError("--hyps and --json: expected two different files")
     rt = _runtime()
     inf = load_for_inference(args.checkpoint, rt.device)
     ecfg = _eval_config(args, inf.cfg.eval)
@@ -366,13 +400,14 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
                                             ecfg, inf.cfg.data.max_tokens, routing=True)
         ordered = [hyp_map[i] for i in sorted(hyp_map)]
     if rt.is_main:
-        if args.hyps:
-            write_text(args.hyps, "".join(h + "\n" for h in ordered))
         if metrics["domains"]:
             print(format_table(metrics))
         result = {"checkpoint": str(inf.source), "beam": ecfg.beam, **metrics}
-        if args.json:
-            write_json(args.json, result)
+        texts = {"--hyps": "".join(h + "\n" for h in ordered),
+                 "--json": json.dumps(result, indent=2, sort_keys=True) + "\n"}
+        with contextlib.ExitStack() as stack:  # both files are renamed once both are written
+            for flag, path in outputs.items():
+                stack.enter_context(atomic_path(path)).write_text(texts[flag], encoding="utf-8")
         _json_line(result)
     return 0
 
@@ -386,6 +421,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def cmd_pipeline(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)  # before the stages' imports: fails fast
+    check_dir_settings(cfg)
     from moe_train.parallel.runtime import init_runtime, shutdown
     from moe_train.stages.common import StageContext
     from moe_train.stages.pipeline import check_request, run_pipeline

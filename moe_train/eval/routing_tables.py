@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from moe_train.errors import DataError
+from moe_train.utils import atomic
 from moe_train.utils.atomic import atomic_dir, atomic_path, write_json, write_text
 
 SUMMARY_FILE = "summary.json"
@@ -379,12 +379,7 @@ def plot_heatmap(table_EC: np.ndarray, columns: list[str], title: str, column_ki
 
 def check_out_dir(out_dir: str | Path) -> Path:
     """`out_dir` if routing-stats may write it: new, empty, or an earlier routing-stats output."""
-    out_dir = Path(out_dir)
-    if out_dir.exists() and not (out_dir / SUMMARY_FILE).is_file() and \
-            (not out_dir.is_dir() or any(out_dir.iterdir())):
-        raise DataError(f"--out {out_dir}: exists and holds no {SUMMARY_FILE} of an earlier "
-                        "routing-stats run; refusing to replace it (choose a new directory)")
-    return out_dir
+    return atomic.check_out_dir(out_dir, "--out", SUMMARY_FILE, "routing-stats run")
 
 
 def write_routing_stats(stats: RoutingStats, out_dir: str | Path) -> list[Path]:

@@ -53,20 +53,39 @@ def config_from_hf(hf: dict[str, Any], source: Path) -> ExperimentConfig:
     if hf.get("model_type") != "qwen2_moe":
         raise ConfigError(f"{source}: model_type is {hf.get('model_type')!r}; expected "
                           "'qwen2_moe' (a Hugging Face Qwen2-MoE model directory)")
-    n = int(hf.get("num_hidden_layers", 0))
-    step = int(hf.get("decoder_sparse_step", 1) or 1)
-    dense = set(hf.get("mlp_only_layers") or [])
-    sparse = [i for i in range(n) if i not in dense and (i + 1) % step == 0]
-    if not sparse or not hf.get("num_experts"):
+    def integer(key: str, default: int) -> int:
+        value = hf.get(key, default)
+        if value is None:
+            return default
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ConfigError(f"{source}: {key} is {value!r}; expected a non-negative integer")
+        return value
+
+    n = integer("num_hidden_layers", 0)
+    step = integer("decoder_sparse_step", 1) or 1
+    dense = hf.get("mlp_only_layers") or []
+    if not isinstance(dense, list) or not all(isinstance(i, int) for i in dense):
+        raise ConfigError(f"{source}: mlp_only_layers is {dense!r}; expected a list of layer "
+                          "indices")
+    sparse = [i for i in range(n) if i not in set(dense) and (i + 1) % step == 0]
+    if not sparse or not integer("num_experts", 0):
         raise ConfigError(f"{source}: no sparse MoE layer (num_experts "
                           f"{hf.get('num_experts')}); expected a Qwen2-MoE model")
+    if integer("num_experts_per_tok", 4) > hf["num_experts"]:
+        raise ConfigError(f"{source}: num_experts_per_tok is {hf['num_experts_per_tok']}; "
+                          f"expected at most num_experts ({hf['num_experts']})")
     rope = hf.get("rope_parameters") or {}
+    if not isinstance(rope, dict):
+        raise ConfigError(f"{source}: rope_parameters is {rope!r}; expected an object")
+    theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)):
+        raise ConfigError(f"{source}: rope_theta is {theta!r}; expected a number")
     qwen = {key: hf[key] for key in (
         "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
         "intermediate_size", "shared_expert_intermediate_size", "max_position_embeddings",
         "rms_norm_eps", "tie_word_embeddings", "initializer_range", "qkv_bias") if key in hf}
     qwen["num_key_value_heads"] = hf.get("num_key_value_heads") or qwen["num_attention_heads"]
-    qwen["rope_theta"] = float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    qwen["rope_theta"] = float(theta)
     moe = {"num_experts": hf["num_experts"], "k": hf.get("num_experts_per_tok", 4),
            "expert_ffn_dim": hf.get("moe_intermediate_size", 1408),
            "renormalize": bool(hf.get("norm_topk_prob", False)),
@@ -265,6 +284,10 @@ def _manifest(cfg: ExperimentConfig, hf: dict[str, Any], model_dir: Path) -> dic
                                 "langs": [], "domains": [], "corpora": []}
     if (model_dir / TOKENIZER_JSON).is_file():
         tok = HFTokenizer(model_dir)
+        if len(tok) > cfg.qwen.vocab_size:
+            raise ConfigError(f"{model_dir / TOKENIZER_JSON}: {len(tok)} tokens but the model's "
+                              f"vocab_size is {cfg.qwen.vocab_size}; expected the model's own "
+                              "tokenizer")
         return {**manifest, "pad_id": tok.pad_id, "eos_id": tok.eos_id, "bos_id": tok.bos_id}
     eos = hf.get("eos_token_id")
     eos = eos if isinstance(eos, int) else 0

@@ -7,7 +7,8 @@ Batches are token-budget batches built by our iterator, so DeepSpeed's own batch
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from typing import Any, Iterator
 
 import torch
 
@@ -55,3 +56,18 @@ def plain_deepspeed_config(world_size: int) -> dict[str, Any]:
             "train_batch_size": world_size, "zero_optimization": {"stage": 0},
             "zero_allow_untested_optimizer": True, "steps_per_print": 10**9,
             "wall_clock_breakdown": False}
+
+
+@contextlib.contextmanager
+def deepspeed_config_errors() -> Iterator[None]:
+    """DeepSpeed's own validation of the config it is given (pydantic, e.g. a ZeRO stage of 7,
+    or an unknown key under a typed section) as one ConfigError line naming the key."""
+    import pydantic
+
+    try:
+        yield
+    except pydantic.ValidationError as exc:
+        first = exc.errors()[0] if exc.errors() else {}
+        where = ".".join(str(p) for p in first.get("loc", ())) or exc.title
+        raise ConfigError(f"deepspeed config ({exc.title}): {where}: "
+                          f"{first.get('msg', 'invalid value')}") from None

@@ -35,6 +35,8 @@ from moe_train.utils.tensor_source import TensorSource, safetensors_source
 from moe_train.utils.tensor_store import TensorStoreWriter, index_path, open_store
 
 EXPORT_WEIGHTS = "model.safetensors"
+EXPORT_MANIFEST = "manifest.json"
+"""The data manifest every export holds (vocabulary, languages, domains, corpora)."""
 LEGACY_EXPORT_WEIGHTS = "model.pt"
 """Weights file of exports written before safetensors (read with weights_only)."""
 EXPORT_FORMAT = "moe_train-export-1"
@@ -154,16 +156,51 @@ def _export_parts(where: Path) -> tuple[dict[str, Any], dict[str, Any], Path]:
 
 
 def _check_manifest(manifest: dict[str, Any], source: Path) -> None:
+    """The manifest fields translation reads have the types `prepare` writes (one line naming
+    the field otherwise, not a KeyError deep in decoding)."""
+    def bad(key: str, expected: str) -> CheckpointError:
+        return CheckpointError(f"{source}: field {key!r} is {_short(manifest.get(key))}; "
+                               f"expected {expected}")
+
     for key in ("vocab_size", "pad_id"):
         value = manifest.get(key)
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise CheckpointError(f"{source}: field {key!r} is {value!r}; expected a "
-                                  "non-negative integer")
+            raise bad(key, "a non-negative integer")
+    names: dict[str, list[str]] = {}
+    for key in ("langs", "domains"):
+        value = manifest.get(key, [])
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise bad(key, "a list of names")
+        names[key] = value
+    corpora = manifest.get("corpora", [])
+    if not isinstance(corpora, list):
+        raise bad("corpora", "a list of corpus entries")
+    for c in corpora:
+        if not isinstance(c, dict) or not all(isinstance(c.get(k), str) for k in (
+                "src_lang", "tgt_lang", "domain")):
+            raise bad("corpora", "entries with src_lang, tgt_lang and domain names")
+        if c["src_lang"] not in names["langs"] or c["tgt_lang"] not in names["langs"]:
+            raise bad("langs", f"every corpus language ({c['src_lang']}, {c['tgt_lang']})")
+        if c["domain"] not in names["domains"]:
+            raise bad("domains", f"every corpus domain ({c['domain']})")
+    spm = manifest.get("spm_model", "spm.model")
+    if not isinstance(spm, str) or not spm or Path(spm).name != spm:
+        raise bad("spm_model", "a file name beside manifest.json")
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def check_weights(model: torch.nn.Module, state: dict[str, torch.Tensor], source: Path) -> None:
     """Same names and shapes as the model built from the config, else one line naming them."""
     check_shapes(model_shapes(model), {k: tuple(v.shape) for k, v in state.items()}, source)
+
+
+def checkpoint_dir(path: str | Path) -> Path:
+    """The export or step directory a checkpoint path stands for (nothing is read)."""
+    return _resolve(Path(path))[1]
 
 
 def read_parts(path: str | Path) -> tuple[str, Path, ExperimentConfig, dict[str, Any], Path]:
@@ -196,6 +233,10 @@ def load_for_inference(path: str | Path, device: torch.device | str = "cpu") -> 
     """Load a model for translation, in eval mode, on `device`."""
     kind, where, cfg, manifest, weights = read_parts(path)
     vocab = _load_vocab(where, manifest)
+    if len(vocab) > manifest["vocab_size"]:
+        raise CheckpointError(f"{where}: its tokenizer has {len(vocab)} entries but the model "
+                              f"{manifest['vocab_size']} (manifest vocab_size); expected the "
+                              "tokenizer it was trained with")
     state = load_export_weights(where) if kind == "export" else consolidated_state_dict(where)
     model = build_model(cfg, manifest)
     check_weights(model, state, weights)

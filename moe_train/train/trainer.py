@@ -47,7 +47,7 @@ from moe_train.parallel.expert_parallel import (check_moe_against_data,
 from moe_train.parallel.runtime import ParallelRuntime
 from moe_train.train.checkpoint import (latest_tag, load_checkpoint, read_meta, save_checkpoint,
                                         step_tag, verify)
-from moe_train.train.ds_config import build_deepspeed_config
+from moe_train.train.ds_config import build_deepspeed_config, deepspeed_config_errors
 from moe_train.train.export import export_inference, export_streamed
 from moe_train.train.init_from import build_start_model
 from moe_train.train.early_stop import EarlyStop
@@ -123,7 +123,7 @@ class Trainer:
         if cfg.optim.zero_stage == 3:
             mark_moe_leaf_modules(model)
         detect = deepspeed_sees_moe_layers() if rt.ep_size > 1 else contextlib.nullcontext()
-        with detect:
+        with detect, deepspeed_config_errors():
             self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer,
                                                         lr_scheduler=scheduler,
                                                         config=self.ds_config,

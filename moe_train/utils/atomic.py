@@ -11,7 +11,9 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
+
+from moe_train.errors import DataError
 
 
 def _umask() -> int:
@@ -64,10 +66,10 @@ def atomic_dir(final: str | os.PathLike, overwrite: bool = False) -> Iterator[Pa
             if not overwrite:
                 raise FileExistsError(f"{final}: already exists")
             old = final.with_name(f".{final.name}.old")
-            shutil.rmtree(old, ignore_errors=True)
+            _remove(old)
             os.replace(final, old)
             os.replace(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
+            _remove(old)
         else:
             os.replace(tmp, final)
         _fsync_dir(final.parent)
@@ -85,3 +87,69 @@ def write_text(path: str | os.PathLike, text: str) -> None:
 def write_json(path: str | os.PathLike, obj: Any) -> None:
     """Write `obj` as indented JSON to `path` atomically."""
     write_text(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
+
+
+def _remove(path: Path) -> None:
+    """Delete a file or a directory tree if it is there (best effort)."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(OSError):
+            path.unlink()
+
+
+def _writable_parent(path: Path, flag: str) -> None:
+    """The nearest existing ancestor of `path` is a directory this process may write into."""
+    parent = path.absolute().parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise DataError(f"{flag} {path}: {parent} is not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise DataError(f"{flag} {path}: cannot write into {parent}")
+
+
+def check_out_file(path: str | os.PathLike, flag: str) -> Path:
+    """`path` if a command may write its output file there (checked before the work starts,
+    so a bad path fails at once, not after hours of decoding): not empty, not a directory,
+    under a directory that exists or can be made."""
+    if str(path) == "":
+        raise DataError(f"{flag}: expected a file path, got an empty string")
+    path = Path(path)
+    if path.is_dir():
+        raise DataError(f"{flag} {path}: is a directory; expected a file path")
+    _writable_parent(path, flag)
+    return path
+
+
+def check_out_dir(out_dir: str | os.PathLike, flag: str, marker: str, what: str,
+                  sources: Iterable[str | os.PathLike] = ()) -> Path:
+    """`out_dir` if a command may replace it with its output directory: new, empty, or an
+    earlier output of the same kind (it holds `marker`), and neither one of the command's
+    `sources` nor a directory above one. Anything else is refused, never deleted."""
+    out_dir = Path(out_dir)
+    resolved = out_dir.resolve()
+    for source in sources:
+        src = Path(source).resolve()
+        if resolved == src or resolved in src.parents:
+            raise DataError(f"{flag} {out_dir}: is or contains the input {source}; "
+                            "choose a new directory")
+    if out_dir.exists():
+        if not out_dir.is_dir():
+            raise DataError(f"{flag} {out_dir}: exists and is not a directory")
+        if not (out_dir / marker).is_file() and any(out_dir.iterdir()):
+            raise DataError(f"{flag} {out_dir}: exists and holds no {marker} of an earlier "
+                            f"{what}; refusing to replace it (choose a new directory)")
+    _writable_parent(out_dir, flag)
+    return out_dir
+
+
+def check_dir_setting(path: str | os.PathLike, field: str) -> None:
+    """A config field naming a directory a run will create or fill: not an existing file, and
+    under a directory (checked before training, not at its first save)."""
+    if str(path) == "":
+        return
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise DataError(f"{field}: {path} exists and is not a directory")
+    _writable_parent(path, field)

@@ -106,6 +106,24 @@ def corrupt_export_manifest(ckpt: Path) -> dict:
     return {}
 
 
+def manifest_without_langs(ckpt: Path) -> dict:
+    path = ckpt / "export" / "manifest.json"
+    manifest = json.loads(path.read_text())
+    del manifest["langs"]
+    path.write_text(json.dumps(manifest))
+    return {}
+
+
+def smaller_vocab_size(ckpt: Path) -> dict:
+    """An export whose sentencepiece model is larger than its model's vocabulary (the tokenizer
+    of another preparation): translating would index past the embeddings."""
+    path = ckpt / "export" / "manifest.json"
+    manifest = json.loads(path.read_text())
+    manifest["vocab_size"] = 10
+    path.write_text(json.dumps(manifest))
+    return {}
+
+
 def tiny_positions(ckpt: Path) -> dict:
     """An export claiming fewer positions than the test split's sentences need."""
     path = ckpt / "export" / "config.json"
@@ -221,6 +239,12 @@ CASES: dict[str, Case] = {
                                      {"ds.json": '{"train_batch_size": '}),
     "train_missing_deepspeed_json": Case(train("--deepspeed-config", "{tmp}/ds.json"),
                                          ("{tmp}/ds.json",)),
+    "train_checkpoint_dir_is_a_file": Case(train(ckpt="{tmp}/ck"),
+                                           ("checkpoint.dir", "{tmp}/ck", "not a directory"),
+                                           {"ck": "x"}),
+    "train_deepspeed_config_not_an_object": Case(train("--deepspeed-config", "{tmp}/ds.json"),
+                                                 ("{tmp}/ds.json", "JSON object", "list"),
+                                                 {"ds.json": "[1, 2]"}),
     # train: checkpoints
     "train_existing_checkpoint_without_resume": Case(train(ckpt="{ckpt}"), ("{ckpt}", "--resume"),
                                                      copy_ckpt=True),
@@ -259,6 +283,19 @@ CASES: dict[str, Case] = {
                                       "step_00000099"), breaks=dangling_latest, stdin=ONE),
     "translate_corrupt_meta": Case(translate(ckpt="{step}"), ("{step}/meta.json",),
                                    breaks=corrupt_meta, stdin=ONE),
+    "translate_manifest_without_langs": Case(translate(ckpt="{export}"),
+                                             ("{export}/manifest.json", "'langs'"),
+                                             breaks=manifest_without_langs, stdin=ONE),
+    "translate_tokenizer_larger_than_model": Case(translate(ckpt="{export}"),
+                                                  ("{export}", "tokenizer", "vocab_size"),
+                                                  breaks=smaller_vocab_size, stdin=ONE),
+    # Output paths are checked before the model loads, not after the whole decode.
+    "translate_output_is_a_directory": Case(
+        translate("--input", "{tmp}/in.txt", "--output", "{tmp}/o"),
+        ("--output {tmp}/o", "is a directory"), {"in.txt": ONE, "o/mine.txt": "mine\n"}),
+    "translate_output_under_a_file": Case(
+        translate("--input", "{tmp}/in.txt", "--output", "{tmp}/f/out.txt"),
+        ("--output {tmp}/f/out.txt", "{tmp}/f is not a directory"), {"in.txt": ONE, "f": "x"}),
     "translate_zero_max_sentences": Case(translate("--max-sentences", "0"),
                                          ("--max-sentences", "positive"), stdin=ONE),
     "translate_unknown_option": Case(translate("--bem", "4"), ("--bem", "unrecognized"),
@@ -286,6 +323,24 @@ CASES: dict[str, Case] = {
                                     breaks=garbage_latest),
     "evaluate_corrupt_weights": Case(evaluate(ckpt="{export}"), ("{weights}",),
                                      breaks=corrupt_weights),
+    "evaluate_json_is_a_directory": Case(evaluate(), ("--json {tmp}/m.json", "is a directory"),
+                                         {"m.json/mine.txt": "mine\n"}),
+    # extract / convert never replace what is not their own earlier output, nor their input
+    "extract_out_holds_other_files": Case(
+        ["extract", "--checkpoint", "{model}", "--task", "en-de", "--out", "{tmp}/out"],
+        ("--out {tmp}/out", "manifest.json", "refusing"), {"out/notes.txt": "mine\n"}),
+    "extract_out_is_the_checkpoint": Case(
+        ["extract", "--checkpoint", "{ckpt}", "--task", "en-de", "--out", "{ckpt}"],
+        ("--out {ckpt}", "is or contains the input"), copy_ckpt=True),
+    "extract_out_above_the_checkpoint": Case(
+        ["extract", "--checkpoint", "{export}", "--task", "en-de", "--out", "{tmp}"],
+        ("--out {tmp}", "is or contains the input"), copy_ckpt=True),
+    "convert_out_is_the_source": Case(
+        ["convert", "--from-hf", "{tmp}/hf", "--out", "{tmp}/hf"],
+        ("--out {tmp}/hf", "is or contains the input"), {"hf/config.json": "{}"}),
+    "convert_experts_without_trim": Case(
+        ["convert", "--from-hf", "{tmp}/hf", "--out", "{tmp}/o", "--experts", "0,1"],
+        ("--experts", "--trim N"), {"hf/config.json": "{}"}),
     # routing-stats
     "routing_stats_out_holds_other_files": Case(routing(), ("--out", "{tmp}/stats", "refusing"),
                                                 {"stats/notes.txt": "mine\n"}),
@@ -309,6 +364,8 @@ CASES: dict[str, Case] = {
     "params_experts_not_divisible": Case(["params", "--config", CONFIG, "moe.num_experts=6",
                                           "moe.ep_size=4"], ("moe.num_experts", "moe.ep_size")),
     # pipeline
+    "pipeline_workdir_is_a_file": Case(pipeline(), ("moa.workdir", "{tmp}/moa",
+                                                    "not a directory"), {"moa": "x"}),
     "pipeline_stage_before_inputs": Case(pipeline("--stage", "distill"),
                                          ("stage distill", "--stage features")),
     "pipeline_unknown_stage": Case(pipeline("--stage", "finetune"),
@@ -424,4 +481,4 @@ def test_every_command_has_cases():
     commands = {case.args[0] for case in CASES.values()}
     assert len(CASES) >= 20
     assert commands == {"synth", "prepare", "train", "translate", "evaluate", "routing-stats",
-                        "params", "pipeline"}
+                        "params", "pipeline", "extract", "convert"}
