@@ -67,17 +67,20 @@ SIZES = {"full": {"D": 256, "heads": 4, "layers": 3, "F": 1024, "E": 16, "V": 80
                    "min_seconds": 0.0}}
 
 
-def sized(base: dict[str, Any], experts: int | None, batches: str | None) -> dict[str, Any]:
-    """`base` with the expert count and batch sweep the command line asks for; a bad value is
-    one `error:` line and exit status 2."""
+def sized(base: dict[str, Any], experts: int | None, batches: str | None, ep: bool
+          ) -> dict[str, Any]:
+    """`base` with the expert count and batch sweep the command line asks for (`ep`: the EP=2
+    run follows, which splits the experts over two ranks); a bad value is one `error:` line and
+    exit status 2, before anything runs."""
     def bad(message: str) -> None:
         print(f"error: {message}", file=sys.stderr)
         raise SystemExit(2)
 
     s = dict(base)
     if experts is not None:
-        if experts < 2:
-            bad(f"--experts: expected at least 2 (top-2 routing), got {experts}")
+        if experts < 2 or (ep and experts % 2):
+            even = ", and even (the EP=2 run splits them over two ranks)" if ep else ""
+            bad(f"--experts: expected at least 2 (top-2 routing){even}, got {experts}")
         s["E"] = experts
     if batches is not None:
         try:
@@ -357,9 +360,10 @@ def main(argv: list[str] | None = None) -> None:
                     help="only the decode sweep and encoder split: no training, MarianMT or EP")
     args = ap.parse_args(argv)
     prov = provenance(sys.argv if argv is None else ["benchmarks/decode_throughput.py", *argv])
-    s = sized(SIZES["quick" if args.quick else "full"], args.experts, args.batches)
+    s = sized(SIZES["quick" if args.quick else "full"], args.experts, args.batches,
+              ep=not (args.no_ep or args.sweep_only))
     name = "decode_throughput" + (f"_e{args.experts}" if args.experts else "") + \
-        ("_sweep" if args.sweep_only else "")
+        ("_sweep" if args.sweep_only else "_batches" if args.batches else "")
     out = Path(args.out or ROOT / "benchmarks" / "results" /
                f"{name}_cpu{'_quick' if args.quick else ''}.json")
 

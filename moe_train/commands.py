@@ -81,13 +81,14 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     return 0
 
 
-def check_dir_settings(cfg) -> None:
-    """The directories a run creates or fills can be made (before any training step)."""
+def check_dir_settings(cfg, recipe: bool = False) -> None:
+    """The directories a run (`recipe`: a stage-wise recipe) creates or fills can be made
+    (before any training step)."""
     from moe_train.utils.atomic import check_dir_setting
 
-    for field, path in (("checkpoint.dir", cfg.checkpoint.dir),
-                        ("logging.tensorboard_dir", cfg.logging.tensorboard_dir),
-                        ("moa.workdir", cfg.moa.workdir)):
+    fields = [("checkpoint.dir", cfg.checkpoint.dir),
+              ("logging.tensorboard_dir", cfg.logging.tensorboard_dir)]
+    for field, path in fields + ([("moa.workdir", cfg.moa.workdir)] if recipe else []):
         check_dir_setting(path, field)
 
 
@@ -234,7 +235,6 @@ def _warn(message: str) -> None:
 def cmd_translate(args: argparse.Namespace) -> int:
     """Read and check the whole input, translate it all, then write (nothing on any error)."""
     from moe_train.data.corpus import read_text_input
-
     from moe_train.utils.atomic import check_out_file, write_text
 
     source, lines = read_text_input(args.input)  # before the model: bad input fails fast
@@ -296,12 +296,12 @@ def cmd_params(args: argparse.Namespace) -> int:
 
 
 def cmd_extract(args: argparse.Namespace) -> int:
-    from moe_train.eval.extract import extract, extraction_report, format_report, \
-        write_extraction
-    from moe_train.train.export import EXPORT_MANIFEST, checkpoint_dir, load_for_inference
+    from moe_train.eval.extract import EXTRACT_REPORT, extract, extraction_report, \
+        format_report, write_extraction
+    from moe_train.train.export import checkpoint_dir, load_for_inference
     from moe_train.utils.atomic import check_out_dir
 
-    check_out_dir(args.out, "--out", EXPORT_MANIFEST, "export",
+    check_out_dir(args.out, "--out", EXTRACT_REPORT, "extract",
                   sources=[args.checkpoint, checkpoint_dir(args.checkpoint)])
     inf = load_for_inference(args.checkpoint, "cpu")
     ext = extract(inf.model, inf.cfg, inf.manifest, args.task)
@@ -323,12 +323,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    from moe_train.models.hf_io import convert_from_hf, convert_to_hf
-    from moe_train.train.export import EXPORT_MANIFEST
+    from moe_train.models.hf_io import CONVERT_REPORT, convert_from_hf, convert_to_hf
     from moe_train.utils.atomic import check_out_dir
 
     if args.from_hf:
-        check_out_dir(args.out, "--out", EXPORT_MANIFEST, "export", sources=[args.from_hf])
+        check_out_dir(args.out, "--out", CONVERT_REPORT, "convert", sources=[args.from_hf])
         if args.trim is None and (args.experts or args.calibration or args.k):
             raise ConfigError("--experts, --calibration and --k: expected --trim N with them "
                               "(they choose what the trimmed model keeps)")
@@ -337,8 +336,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
     else:
         if args.trim or args.experts or args.calibration or args.k:
             raise ConfigError("--trim, --experts, --calibration and --k go with --from-hf")
-        check_out_dir(args.out, "--out", "config.json", "Hugging Face directory",
-                      sources=[args.to_hf])
+        check_out_dir(args.out, "--out", CONVERT_REPORT, "convert", sources=[args.to_hf])
         summary = convert_to_hf(args.to_hf, args.out)
     print(f"| wrote {args.out}: {summary['tensors']} tensors, {summary['parameters']:,} "
           f"parameters, tokenizer files: {', '.join(summary['tokenizer']) or 'none'}")
@@ -421,7 +419,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def cmd_pipeline(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)  # before the stages' imports: fails fast
-    check_dir_settings(cfg)
+    check_dir_settings(cfg, recipe=True)
     from moe_train.parallel.runtime import init_runtime, shutdown
     from moe_train.stages.common import StageContext
     from moe_train.stages.pipeline import check_request, run_pipeline

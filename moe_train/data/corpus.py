@@ -108,13 +108,6 @@ def discover(data_dir: str | os.PathLike, pairs: Iterable[str] = (), domains: It
             if parsed is None or not path.is_file():
                 continue
             l1, l2, split, lang = parsed
-            if not valid_domain(folder.name):
-                raise DataError(f"{path}: domain {folder.name!r} (the folder name) must be "
-                                f"{DOMAIN_NAME}")
-            for code in (l1, l2):
-                if not valid_lang(code):
-                    raise DataError(f"{path}: language code {code!r} in the file name must be "
-                                    f"{LANG_CODE}")
             found.setdefault((folder.name, l1, l2, split), {})[lang] = path
 
     all_domains = sorted({key[0] for key in found})
@@ -141,6 +134,7 @@ def discover(data_dir: str | os.PathLike, pairs: Iterable[str] = (), domains: It
             (s, t) for s, _, t in (p.partition("-") for p in pairs) if {s, t} == {l1, l2}]
         if not directions:
             continue
+        _check_names(sides, domain, l1, l2)  # only of what is used: an odd folder aside is fine
         for lang, other in ((l1, l2), (l2, l1)):
             if lang not in sides:
                 present = sides[other]
@@ -153,6 +147,16 @@ def discover(data_dir: str | os.PathLike, pairs: Iterable[str] = (), domains: It
         raise DataError(f"{root}: no corpus matches data.pairs={pairs} data.domains={domains} "
                         f"splits={splits}")
     return sorted(result, key=_sort_key)
+
+
+def _check_names(sides: dict[str, Path], domain: str, l1: str, l2: str) -> None:
+    path = next(iter(sides.values()))
+    if not valid_domain(domain):
+        raise DataError(f"{path}: domain {domain!r} (the folder name) must be {DOMAIN_NAME}")
+    for code in (l1, l2):
+        if not valid_lang(code):
+            raise DataError(f"{path}: language code {code!r} in the file name must be "
+                            f"{LANG_CODE}")
 
 
 def plain_corpus(src: str | os.PathLike, tgt: str | os.PathLike, domain: str = "default",

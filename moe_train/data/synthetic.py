@@ -225,6 +225,24 @@ def tokenize(sentence: str) -> str:
     return _TOK_RE.sub(r" \1", sentence)
 
 
+def check_counts(num_domains: int, target_langs: Sequence[str], sizes: dict[str, int]
+                 ) -> list[str]:
+    """The domain count, target languages (returned without repeats) and sentences per domain
+    and split ({split: n}) of a corpus, checked."""
+    if not 1 <= num_domains <= len(DOMAINS):
+        raise ConfigError(f"synthetic num_domains: expected 1..{len(DOMAINS)}, got {num_domains}")
+    langs = list(dict.fromkeys(target_langs))
+    if not langs or any(lang not in TARGET_LANGS for lang in langs):
+        raise ConfigError(f"synthetic target_langs: expected some of {', '.join(TARGET_LANGS)}, "
+                          f"got {list(target_langs)!r}")
+    for split, n in sizes.items():
+        if n < 0 or (split == "train" and n == 0):
+            raise ConfigError(f"synthetic {split}_per_domain: expected a "
+                              f"{'positive' if split == 'train' else 'non-negative'} integer, "
+                              f"got {n}")
+    return langs
+
+
 def generate_synthetic(out_dir: str | os.PathLike, num_domains: int = 5,
                        target_langs: Sequence[str] = ("de",), train_per_domain: int = 3000,
                        dev_per_domain: int = 100, test_per_domain: int = 100,
@@ -237,18 +255,8 @@ def generate_synthetic(out_dir: str | os.PathLike, num_domains: int = 5,
     A domain's dev and test sentences never occur in its train split (a cue-less sentence may
     occur in another domain, translated by that domain).
     """
-    if not 1 <= num_domains <= len(DOMAINS):
-        raise ConfigError(f"synthetic num_domains: expected 1..{len(DOMAINS)}, got {num_domains}")
-    langs = list(dict.fromkeys(target_langs))
-    if not langs or any(lang not in TARGET_LANGS for lang in langs):
-        raise ConfigError(f"synthetic target_langs: expected some of {', '.join(TARGET_LANGS)}, "
-                          f"got {list(target_langs)!r}")
     sizes = {"train": train_per_domain, "dev": dev_per_domain, "test": test_per_domain}
-    for split, n in sizes.items():
-        if n < 0 or (split == "train" and n == 0):
-            raise ConfigError(f"synthetic {split}_per_domain: expected a "
-                              f"{'positive' if split == 'train' else 'non-negative'} integer, "
-                              f"got {n}")
+    langs = check_counts(num_domains, target_langs, sizes)
     out = Path(out_dir)
     g = _grammar()
     ambiguous = ambiguous_words(options.ambiguous)

@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from moe_train.data.synthetic import DOMAINS, TARGET_LANGS, generate_synthetic
+from moe_train.data.synthetic import check_counts, generate_synthetic
 from moe_train.errors import ConfigError
 from moe_train.utils.atomic import atomic_dir
 
@@ -16,24 +16,13 @@ _SIGNATURE = inspect.signature(generate_synthetic)
 
 
 def check_options(**options: Any) -> None:
-    """The checks `generate_synthetic` makes of its counts and languages (same messages), made
-    before anything is created: bad options must not leave even an empty parent directory."""
+    """`generate_synthetic`'s checks of its counts and languages, made before anything is
+    created: bad options must not leave even an empty parent directory."""
     bound = _SIGNATURE.bind(None, **options)
     bound.apply_defaults()
     args = bound.arguments
-    num_domains, target_langs = args["num_domains"], args["target_langs"]
-    if not 1 <= num_domains <= len(DOMAINS):
-        raise ConfigError(f"synthetic num_domains: expected 1..{len(DOMAINS)}, got {num_domains}")
-    langs = list(dict.fromkeys(target_langs))
-    if not langs or any(lang not in TARGET_LANGS for lang in langs):
-        raise ConfigError(f"synthetic target_langs: expected some of {', '.join(TARGET_LANGS)}, "
-                          f"got {list(target_langs)!r}")
-    for split in ("train", "dev", "test"):
-        n = args[f"{split}_per_domain"]
-        if n < 0 or (split == "train" and n == 0):
-            raise ConfigError(f"synthetic {split}_per_domain: expected a "
-                              f"{'positive' if split == 'train' else 'non-negative'} integer, "
-                              f"got {n}")
+    check_counts(args["num_domains"], args["target_langs"],
+                 {split: args[f"{split}_per_domain"] for split in ("train", "dev", "test")})
 
 
 def write_synthetic(out_dir: str | os.PathLike, overwrite: bool = False,

@@ -31,6 +31,7 @@ import torch
 from torch import Tensor
 
 from moe_train.config.loader import config_from_dict
+from moe_train.config.moe import MAX_LAYERS
 from moe_train.config.schema import ExperimentConfig
 from moe_train.errors import CheckpointError, ConfigError, MoeTrainError
 from moe_train.utils.atomic import atomic_dir
@@ -38,6 +39,9 @@ from moe_train.utils.safe_load import read_json_object, require_file, save_tenso
 from moe_train.utils.tensor_source import Shape, TensorSource, safetensors_source
 
 PREFIX = "hf."
+CONVERT_REPORT = "convert.json"
+"""What `convert` writes beside the weights (its source and counts): marks a directory as an
+earlier convert output, which a new convert into it may replace."""
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt",
                    "special_tokens_map.json", "added_tokens.json", "generation_config.json",
                    "tokenizer.model")
@@ -62,6 +66,8 @@ def config_from_hf(hf: dict[str, Any], source: Path) -> ExperimentConfig:
         return value
 
     n = integer("num_hidden_layers", 0)
+    if n > MAX_LAYERS:
+        raise ConfigError(f"{source}: num_hidden_layers is {n}; expected at most {MAX_LAYERS}")
     step = integer("decoder_sparse_step", 1) or 1
     dense = hf.get("mlp_only_layers") or []
     if not isinstance(dense, list) or not all(isinstance(i, int) for i in dense):
@@ -71,9 +77,10 @@ def config_from_hf(hf: dict[str, Any], source: Path) -> ExperimentConfig:
     if not sparse or not integer("num_experts", 0):
         raise ConfigError(f"{source}: no sparse MoE layer (num_experts "
                           f"{hf.get('num_experts')}); expected a Qwen2-MoE model")
-    if integer("num_experts_per_tok", 4) > hf["num_experts"]:
-        raise ConfigError(f"{source}: num_experts_per_tok is {hf['num_experts_per_tok']}; "
-                          f"expected at most num_experts ({hf['num_experts']})")
+    k = integer("num_experts_per_tok", 4)
+    if k > hf["num_experts"]:
+        raise ConfigError(f"{source}: num_experts_per_tok is {k}; expected at most "
+                          f"num_experts ({hf['num_experts']})")
     rope = hf.get("rope_parameters") or {}
     if not isinstance(rope, dict):
         raise ConfigError(f"{source}: rope_parameters is {rope!r}; expected an object")
@@ -86,7 +93,7 @@ def config_from_hf(hf: dict[str, Any], source: Path) -> ExperimentConfig:
         "rms_norm_eps", "tie_word_embeddings", "initializer_range", "qkv_bias") if key in hf}
     qwen["num_key_value_heads"] = hf.get("num_key_value_heads") or qwen["num_attention_heads"]
     qwen["rope_theta"] = float(theta)
-    moe = {"num_experts": hf["num_experts"], "k": hf.get("num_experts_per_tok", 4),
+    moe = {"num_experts": hf["num_experts"], "k": k,
            "expert_ffn_dim": hf.get("moe_intermediate_size", 1408),
            "renormalize": bool(hf.get("norm_topk_prob", False)),
            "layers": "all" if len(sparse) == n else ",".join(map(str, sparse)),
@@ -272,8 +279,10 @@ def convert_from_hf(model_dir: str | Path, out_dir: str | Path, trim_to: int | N
         copied = _copy_tokenizer(model_dir, tmp)
         if kept is not None:
             (tmp / "trim.json").write_text(json.dumps(kept, indent=1) + "\n")
-    summary = {"tensors": len(state), "parameters": _numel(state), "tokenizer": copied}
-    return summary if kept is None else {**summary, "kept_experts": kept}
+        summary = {"tensors": len(state), "parameters": _numel(state), "tokenizer": copied}
+        summary = summary if kept is None else {**summary, "kept_experts": kept}
+        _write_report(tmp, model_dir, summary)
+    return summary
 
 
 def _manifest(cfg: ExperimentConfig, hf: dict[str, Any], model_dir: Path) -> dict[str, Any]:
@@ -335,7 +344,14 @@ def convert_to_hf(checkpoint: str | Path, out_dir: str | Path) -> dict[str, Any]
         save_tensors(tmp / "model.safetensors", hf_state, metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(hf_config_dict(cfg), indent=2) + "\n")
         copied = _copy_tokenizer(where, tmp)
-    return {"tensors": len(hf_state), "parameters": _numel(hf_state), "tokenizer": copied}
+        summary = {"tensors": len(hf_state), "parameters": _numel(hf_state), "tokenizer": copied}
+        _write_report(tmp, Path(checkpoint), summary)
+    return summary
+
+
+def _write_report(out: Path, source: Path, summary: dict[str, Any]) -> None:
+    report = {"from": str(source), **summary}
+    (out / CONVERT_REPORT).write_text(json.dumps(report, indent=1, sort_keys=True) + "\n")
 
 
 def read_qwen(checkpoint: str | Path):

@@ -106,8 +106,8 @@ class StageContext:
             return record
         if self.upstream_of is not None:
             if self.rt.is_main:
-                print(f"| warning: stage {self.upstream_of} reads stage {stage}, whose {where} "
-                      f"was made from something else ({'; '.join(changed[:3])}); "
+                print(f"| warning: stage {stage} ({where}), before {self.upstream_of}, was made "
+                      f"from something else ({'; '.join(changed[:3])}); "
                       f"`moe-train pipeline {self.recipe}` without --stage would stop there",
                       flush=True)
             return record

@@ -101,8 +101,11 @@ def _remove(path: Path) -> None:
 def _writable_parent(path: Path, flag: str) -> None:
     """The nearest existing ancestor of `path` is a directory this process may write into."""
     parent = path.absolute().parent
-    while not parent.exists():
-        parent = parent.parent
+    try:
+        while not parent.exists():
+            parent = parent.parent
+    except OSError as exc:
+        raise DataError(f"{flag} {path}: cannot check {parent} ({exc.strerror})") from None
     if not parent.is_dir():
         raise DataError(f"{flag} {path}: {parent} is not a directory")
     if not os.access(parent, os.W_OK | os.X_OK):
@@ -125,8 +128,9 @@ def check_out_file(path: str | os.PathLike, flag: str) -> Path:
 def check_out_dir(out_dir: str | os.PathLike, flag: str, marker: str, what: str,
                   sources: Iterable[str | os.PathLike] = ()) -> Path:
     """`out_dir` if a command may replace it with its output directory: new, empty, or an
-    earlier output of the same kind (it holds `marker`), and neither one of the command's
-    `sources` nor a directory above one. Anything else is refused, never deleted."""
+    earlier output of the same command (it holds `marker`, a file only that command writes),
+    and neither one of the command's `sources` nor a directory above one. Anything else is
+    refused, never deleted."""
     out_dir = Path(out_dir)
     resolved = out_dir.resolve()
     for source in sources:
@@ -134,12 +138,16 @@ def check_out_dir(out_dir: str | os.PathLike, flag: str, marker: str, what: str,
         if resolved == src or resolved in src.parents:
             raise DataError(f"{flag} {out_dir}: is or contains the input {source}; "
                             "choose a new directory")
-    if out_dir.exists():
-        if not out_dir.is_dir():
-            raise DataError(f"{flag} {out_dir}: exists and is not a directory")
-        if not (out_dir / marker).is_file() and any(out_dir.iterdir()):
-            raise DataError(f"{flag} {out_dir}: exists and holds no {marker} of an earlier "
-                            f"{what}; refusing to replace it (choose a new directory)")
+    try:
+        if out_dir.exists():
+            if not out_dir.is_dir():
+                raise DataError(f"{flag} {out_dir}: exists and is not a directory")
+            if not (out_dir / marker).is_file() and any(out_dir.iterdir()):
+                raise DataError(f"{flag} {out_dir}: exists and holds no {marker} of an "
+                                f"earlier {what}; refusing to replace it (choose a new "
+                                "directory)")
+    except OSError as exc:
+        raise DataError(f"{flag} {out_dir}: cannot read it ({exc.strerror})") from None
     _writable_parent(out_dir, flag)
     return out_dir
 
@@ -150,6 +158,10 @@ def check_dir_setting(path: str | os.PathLike, field: str) -> None:
     if str(path) == "":
         return
     path = Path(path)
-    if path.exists() and not path.is_dir():
+    if path.is_dir():  # written into: it must be writable itself, whatever its parent is
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise DataError(f"{field}: cannot write into {path}")
+        return
+    if path.exists():
         raise DataError(f"{field}: {path} exists and is not a directory")
     _writable_parent(path, field)

@@ -328,7 +328,10 @@ CASES: dict[str, Case] = {
     # extract / convert never replace what is not their own earlier output, nor their input
     "extract_out_holds_other_files": Case(
         ["extract", "--checkpoint", "{model}", "--task", "en-de", "--out", "{tmp}/out"],
-        ("--out {tmp}/out", "manifest.json", "refusing"), {"out/notes.txt": "mine\n"}),
+        ("--out {tmp}/out", "extract.json", "refusing"), {"out/notes.txt": "mine\n"}),
+    "extract_out_is_prepared_data": Case(
+        ["extract", "--checkpoint", "{model}", "--task", "en-de", "--out", "{tmp}/p"],
+        ("--out {tmp}/p", "extract.json", "refusing"), {"p/manifest.json": "{}\n"}),
     "extract_out_is_the_checkpoint": Case(
         ["extract", "--checkpoint", "{ckpt}", "--task", "en-de", "--out", "{ckpt}"],
         ("--out {ckpt}", "is or contains the input"), copy_ckpt=True),

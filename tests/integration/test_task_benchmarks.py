@@ -64,11 +64,14 @@ def test_decode_throughput_sweep_only(tmp_path) -> None:
     assert r["sizes"]["E"] == 6 and r["decode_sweep"]["batch_sizes"] == [1, 3]
     assert r["training"] is None and r["marian"] is None and r["ep2"] is None
     assert set(r["acceptance"]["holds"]) == {"extracted_peak_at_least_2x_token_moe"}
-    bad = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "decode_throughput.py"),
-                          "--quick", "--batches", "8,x"], cwd=tmp_path, env=cli_env(),
-                         capture_output=True, text=True, timeout=120)
-    assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0
-    assert bad.stderr.startswith("error: --batches") and "'8,x'" in bad.stderr
+    for args, needle in ((["--batches", "8,x"], "error: --batches"),
+                         (["--experts", "5"], "error: --experts: expected at least 2 (top-2 "
+                                              "routing), and even (the EP=2 run")):
+        bad = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "decode_throughput.py"),
+                              "--quick", *args], cwd=tmp_path, env=cli_env(),
+                             capture_output=True, text=True, timeout=120)
+        assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0, bad.stderr
+        assert bad.stderr.startswith(needle) and args[1] in bad.stderr
 
 
 @pytest.mark.skipif(not SHARED_DATA.is_dir(), reason="../shared OPUS data absent")

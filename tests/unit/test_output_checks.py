@@ -20,12 +20,20 @@ HF = {"model_type": "qwen2_moe", "vocab_size": 64, "hidden_size": 16, "num_hidde
 
 
 def test_out_dir_new_empty_or_own_earlier_output(tmp_path) -> None:
-    assert check_out_dir(tmp_path / "new" / "out", "--out", "manifest.json", "export")
-    (tmp_path / "empty").mkdir()
-    assert check_out_dir(tmp_path / "empty", "--out", "manifest.json", "export")
-    (tmp_path / "old").mkdir()
-    (tmp_path / "old" / "manifest.json").write_text("{}")
-    assert check_out_dir(tmp_path / "old", "--out", "manifest.json", "export")
+    """Accepted (returned, nothing raised): a new path, an empty directory, and an earlier
+    output of the same command, known by the file only that command writes."""
+    new, empty, old = tmp_path / "new" / "out", tmp_path / "empty", tmp_path / "old"
+    empty.mkdir()
+    old.mkdir()
+    (old / "extract.json").write_text("{}")
+    (old / "manifest.json").write_text("{}")
+    for out in (new, empty, old):
+        assert check_out_dir(out, "--out", "extract.json", "extract") == out
+    assert not new.parent.exists()
+    # An export or prepared data also holds a manifest.json, but no extract.json: refused.
+    (old / "extract.json").unlink()
+    with pytest.raises(DataError, match="holds no extract.json of an earlier extract"):
+        check_out_dir(old, "--out", "extract.json", "extract")
 
 
 def test_out_dir_refuses_foreign_files_a_file_and_its_input(tmp_path) -> None:
@@ -34,6 +42,13 @@ def test_out_dir_refuses_foreign_files_a_file_and_its_input(tmp_path) -> None:
     (mine / "notes.txt").write_text("keep\n")
     with pytest.raises(DataError, match="holds no manifest.json of an earlier export"):
         check_out_dir(mine, "--out", "manifest.json", "export")
+    mine.chmod(0)  # unreadable (as root, readable anyway): one line either way, no traceback
+    try:
+        check_out_dir(mine, "--out", "manifest.json", "export")
+    except DataError as exc:
+        assert "\n" not in str(exc)
+    finally:
+        mine.chmod(0o755)
     (tmp_path / "f").write_text("x")
     with pytest.raises(DataError, match="exists and is not a directory"):
         check_out_dir(tmp_path / "f", "--out", "manifest.json", "export")
@@ -61,9 +76,21 @@ def test_out_file_checks(tmp_path) -> None:
     assert not (tmp_path / "a").exists()  # checking creates nothing
 
 
-def test_dir_setting_that_is_a_file(tmp_path) -> None:
+def test_dir_setting_that_is_a_file(tmp_path, monkeypatch) -> None:
     check_dir_setting("", "logging.tensorboard_dir")  # off
     check_dir_setting(tmp_path / "ck", "checkpoint.dir")
+    # An existing directory is written into: its own access counts, not its parent's.
+    import os
+
+    real = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode: real(p, mode) and p != tmp_path)
+    mount = tmp_path / "mount"
+    mount.mkdir()
+    check_dir_setting(mount, "checkpoint.dir")  # parent read-only, directory writable: fine
+    with pytest.raises(DataError, match="checkpoint.dir: cannot write into .*mount"):
+        monkeypatch.setattr(os, "access", lambda p, mode: p != mount)
+        check_dir_setting(mount, "checkpoint.dir")
+    monkeypatch.setattr(os, "access", real)
     (tmp_path / "ck").write_text("x")
     with pytest.raises(DataError, match="checkpoint.dir: .*ck exists and is not a directory"):
         check_dir_setting(tmp_path / "ck", "checkpoint.dir")

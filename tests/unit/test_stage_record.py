@@ -201,6 +201,6 @@ def test_one_stage_run_names_stale_inputs_and_runs(tmp_path, capsys, monkeypatch
     other = dataclasses.replace(_ctx(tmp_path, *gumbel, "moa.num_clusters=6"), rerun_stale=True)
     pipeline.run_pipeline(other, "moa", stage="distill")
     out = capsys.readouterr().out
-    assert out.count("warning") == 1 and "reads stage cluster" in out
+    assert out.count("warning") == 1 and "stage cluster (" in out and "before distill" in out
     assert "moa.num_clusters: 12 -> 6" in out and out.count("\n") == 1
     assert ran == [12, 12, 6] and (ctx.stage_dir("cluster") / DONE).is_file()
