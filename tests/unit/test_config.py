@@ -67,6 +67,8 @@ def test_yaml_errors_name_file_and_line(tmp_path):
         load_config(wrong)
     with pytest.raises(ConfigError, match="config file not found"):
         load_config(tmp_path / "missing.yaml")
+    with pytest.raises(ConfigError, match=r": a directory; expected a YAML config file$"):
+        load_config(tmp_path)
 
 
 def test_to_dict_round_trips():
