@@ -106,24 +106,15 @@ def test_discover_checks_the_names_in_folder_and_file_names(tmp_path: Path) -> N
     _opus_file(good, "JRC-Acquis", "JRC-Acquis.de-en.train.en")
     assert [c.name for c in discover(good)] == ["JRC-Acquis.de-en"]
 
-    spaced = tmp_path / "spaced"
-    bad = _opus_file(spaced, "a b", "a b.de-en.train.de")
-    _opus_file(spaced, "a b", "a b.de-en.train.en")
-    with pytest.raises(DataError, match="domain 'a b' \\(the folder name\\)") as info:
-        discover(spaced)
-    assert str(info.value).startswith(str(bad))
-
-    hidden = tmp_path / "hidden"
-    _opus_file(hidden, ".x", ".x.de-en.train.de")
-    with pytest.raises(DataError, match="domain '.x'"):
-        discover(hidden)
-
-    odd_lang = tmp_path / "odd_lang"
-    bad = _opus_file(odd_lang, "law", "law.d@e-en.train.d@e")
-    _opus_file(odd_lang, "law", "law.d@e-en.train.en")
-    with pytest.raises(DataError, match="language code 'd@e' in the file name") as info:
-        discover(odd_lang)
-    assert str(info.value).startswith(str(bad))
+    for case, domain, l1, needle in (
+            ("spaced", "a b", "de", "domain 'a b' \\(the folder name\\)"),
+            ("hidden", ".x", "de", "domain '.x'"),
+            ("odd_lang", "law", "d@e", "language code 'd@e' in the file name")):
+        bad = _opus_file(tmp_path / case, domain, f"{domain}.{l1}-en.train.{l1}")
+        _opus_file(tmp_path / case, domain, f"{domain}.{l1}-en.train.en")
+        with pytest.raises(DataError, match=needle) as info:
+            discover(tmp_path / case)
+        assert str(info.value).startswith(str(bad)), case
 
 
 # ----------------------------------------------- item 3: token ids of a shard vs vocab_size
