@@ -21,6 +21,7 @@ import numpy as np
 
 from moe_train.config.loader import load_config, merge, read_yaml
 from moe_train.errors import ConfigError
+from moe_train.utils.atomic import check_parent_writable
 
 CORPUS = {"num_domains": 3, "target_langs": ["de", "fr"], "train_per_domain": 2000,
           "dev_per_domain": 20, "test_per_domain": 25}
@@ -36,9 +37,7 @@ def check_workdir(workdir: Path) -> None:
         if not workdir.is_dir():
             raise ConfigError(f"demo --workdir {workdir}: exists and is not a directory")
         return
-    above = next(p for p in Path(workdir).absolute().parents if p.exists())
-    if not above.is_dir():
-        raise ConfigError(f"demo --workdir {workdir}: {above} is not a directory")
+    check_parent_writable(Path(workdir), "demo --workdir")
 
 
 def demo_config(workdir: Path, minutes: float | None, overrides: list[str]):

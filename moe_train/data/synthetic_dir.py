@@ -9,8 +9,7 @@ from typing import Any
 
 from moe_train.data.synthetic import check_counts, generate_synthetic
 from moe_train.errors import ConfigError
-from moe_train.utils.atomic import atomic_dir
-
+from moe_train.utils.atomic import atomic_dir, check_parent_writable
 
 _SIGNATURE = inspect.signature(generate_synthetic)
 
@@ -47,12 +46,9 @@ def write_synthetic(out_dir: str | os.PathLike, overwrite: bool = False,
                 raise ConfigError(f"synth --out {out}: already holds a synthetic corpus; use "
                                   "--overwrite to replace it")
             replace = True
-    parents = list(out.absolute().parents)
-    missing = [p for p in parents if not p.exists()]  # deepest first; the root exists
-    above = parents[len(missing)]
-    if not above.is_dir():
-        raise ConfigError(f"synth --out {out}: {above} is not a directory")
+    check_parent_writable(out, "synth --out")
     check_options(**options)
+    missing = [p for p in out.absolute().parents if not p.exists()]  # deepest first
     try:
         with atomic_dir(out, overwrite=replace) as tmp:
             return generate_synthetic(tmp, **options)

@@ -98,7 +98,7 @@ def _remove(path: Path) -> None:
             path.unlink()
 
 
-def _writable_parent(path: Path, flag: str) -> None:
+def check_parent_writable(path: Path, flag: str) -> None:
     """The nearest existing ancestor of `path` is a directory this process may write into."""
     parent = path.absolute().parent
     try:
@@ -121,7 +121,7 @@ def check_out_file(path: str | os.PathLike, flag: str) -> Path:
     path = Path(path)
     if path.is_dir():
         raise DataError(f"{flag} {path}: is a directory; expected a file path")
-    _writable_parent(path, flag)
+    check_parent_writable(path, flag)
     return path
 
 
@@ -148,7 +148,7 @@ def check_out_dir(out_dir: str | os.PathLike, flag: str, marker: str, what: str,
                                 "directory)")
     except OSError as exc:
         raise DataError(f"{flag} {out_dir}: cannot read it ({exc.strerror})") from None
-    _writable_parent(out_dir, flag)
+    check_parent_writable(out_dir, flag)
     return out_dir
 
 
@@ -164,4 +164,4 @@ def check_dir_setting(path: str | os.PathLike, field: str) -> None:
         return
     if path.exists():
         raise DataError(f"{field}: {path} exists and is not a directory")
-    _writable_parent(path, field)
+    check_parent_writable(path, field)
