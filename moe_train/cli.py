@@ -165,13 +165,17 @@ def _add_synth(sub: argparse._SubParsersAction) -> None:
                    help="probability that a noun, verb or adjective comes from the shared "
                    "vocabulary (default 0.15 / 0.2 / 0.25)")
     g.add_argument("--ambiguous", type=int, default=None,
-                   help="how many shared words translate by domain (0..24; default 4: the four "
-                   "ambiguous nouns, then shared nouns, verbs, adjectives)")
+                   help="how many shared words translate by domain (0..24 + --shared-words; "
+                   "default 4: the four ambiguous nouns, then shared nouns, verbs, adjectives, "
+                   "then the extra shared words)")
     g.add_argument("--ambiguous-rate", type=float, default=None,
                    help="probability that a noun is one of the four ambiguous nouns")
     g.add_argument("--cue-rate", type=float, default=None,
                    help="fraction of sentences with a word of their domain's own vocabulary; "
                    "the rest use shared words only (default 1.0)")
+    g.add_argument("--shared-words", type=int, default=None,
+                   help="extra shared nouns, verbs and adjectives beside the 24 built-in ones "
+                   "(0..96; default 0); with --ambiguous up to 24 + N they translate by domain")
 
 
 def _add_params(sub: argparse._SubParsersAction) -> None:

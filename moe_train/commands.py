@@ -36,7 +36,8 @@ def cmd_synth(args: argparse.Namespace) -> int:
 
     langs = [lang.strip() for lang in args.langs.split(",") if lang.strip()]
     given = {name: getattr(args, name) for name in ("shared_rate", "ambiguous", "ambiguous_rate",
-                                                    "cue_rate") if getattr(args, name) is not None}
+                                                    "cue_rate", "shared_words")
+             if getattr(args, name) is not None}
     options = dataclasses.replace(PRESETS[args.preset], **given)
     info = write_synthetic(args.out, overwrite=args.overwrite, num_domains=args.domains,
                            target_langs=langs, train_per_domain=args.train,

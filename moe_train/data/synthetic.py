@@ -21,17 +21,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from moe_train.data.synthetic_grammar import (AMBIGUITY_ORDER, AMBIGUOUS, DOMAINS, SOURCE_LANG,
-                                              TARGET_LANGS, _CORE, _RULES, _SHARED, _Grammar,
+from moe_train.data.synthetic_grammar import (AMBIGUITY_ORDER, AMBIGUOUS, BUILTIN_AMBIGUOUS,
+                                              DOMAINS, MAX_SHARED_WORDS, SOURCE_LANG,
+                                              TARGET_LANGS, _CORE, _RULES, _Grammar,
                                               _check_domain, _grammar, ambiguous_words, gloss,
-                                              translate, vocabulary)
+                                              shared_vocabulary, translate, vocabulary)
 from moe_train.errors import ConfigError
 from moe_train.utils.atomic import write_json, write_text
 
 __all__ = ["AMBIGUITY_ORDER", "AMBIGUOUS", "DOMAINS", "SOURCE_LANG", "SPLITS", "TARGET_LANGS",
            "PRESETS", "SynthOptions", "detokenize", "generate_sentences", "generate_synthetic",
-           "gloss",
-           "pair_name", "tokenize", "translate", "vocabulary"]
+           "gloss", "pair_name", "shared_vocabulary", "tokenize", "translate", "vocabulary"]
 
 SPLITS = ("train", "dev", "test")
 _SHARED_RATES = {"noun": .15, "verb": .2, "adj": .25}
@@ -47,12 +47,17 @@ class SynthOptions:
     the domain's own (None: 0.15 / 0.2 / 0.25 by part of speech)."""
     ambiguous: int = len(AMBIGUOUS)
     """How many shared words translate differently in every domain: the first n of
-    AMBIGUITY_ORDER (4 ambiguous nouns, then the shared nouns, verbs, adjectives; at most 24)."""
+    AMBIGUITY_ORDER (4 ambiguous nouns, then the shared nouns, verbs, adjectives, then the extra
+    shared words; at most 24 + shared_words)."""
     ambiguous_rate: float = 0.12
     """Probability that a noun slot holds one of the four ambiguous nouns of AMBIGUOUS."""
     cue_rate: float = 1.0
     """Fraction of sentences with at least one word of their domain's own vocabulary; the
     others use shared words only (their domain shows only in their shape)."""
+    shared_words: int = 0
+    """Extra shared content words (the first n of synthetic_grammar.EXTRA_SHARED: half nouns,
+    a quarter verbs, a quarter adjectives) beside the 24 built-in ones; with ``ambiguous`` up
+    to 24 + n, each a word whose translation a model must learn per domain."""
 
     def __post_init__(self) -> None:
         def expect(ok: bool, name: str, what: str, value: Any) -> None:
@@ -62,8 +67,11 @@ class SynthOptions:
         if self.shared_rate is not None:
             expect(0 <= self.shared_rate <= 1, "shared_rate", "a probability in [0, 1]",
                    self.shared_rate)
-        expect(0 <= self.ambiguous <= len(AMBIGUITY_ORDER), "ambiguous",
-               f"0..{len(AMBIGUITY_ORDER)} words", self.ambiguous)
+        expect(0 <= self.shared_words <= MAX_SHARED_WORDS, "shared_words",
+               f"0..{MAX_SHARED_WORDS} words", self.shared_words)
+        most = BUILTIN_AMBIGUOUS + max(0, min(self.shared_words, MAX_SHARED_WORDS))
+        expect(0 <= self.ambiguous <= most, "ambiguous",
+               f"0..{most} words (24 + shared_words)", self.ambiguous)
         expect(0 <= self.ambiguous_rate <= 1, "ambiguous_rate", "a probability in [0, 1]",
                self.ambiguous_rate)
         expect(0 < self.cue_rate <= 1, "cue_rate", "a fraction in (0, 1]", self.cue_rate)
@@ -136,10 +144,11 @@ def _sentence(rng: random.Random, domain: str, g: _Grammar, opts: SynthOptions,
     """One source sentence (tokens) in the domain's style; may violate its length range.
     An uncued sentence draws every content word from the shared vocabulary."""
     style, own = _STYLES[domain], g.domain_words[domain]
+    shared = shared_vocabulary(opts.shared_words)
 
     def pick(p: str) -> str:
         p_shared = opts.p_shared(p) if cued else 1.0
-        return rng.choice(_SHARED[p]) if rng.random() < p_shared else _zipf_choice(rng, own[p])
+        return rng.choice(shared[p]) if rng.random() < p_shared else _zipf_choice(rng, own[p])
 
     def noun_phrase() -> list[str]:
         words = [rng.choice(_CORE["det"])]

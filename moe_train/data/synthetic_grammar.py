@@ -5,7 +5,9 @@ verbs, adjectives) and per-domain pseudo-word vocabularies. The target side is a
 learnable function of the source (`translate`): a per-language word lexicon (a few words become
 two target words or vanish) plus per-language reordering rules. Some shared words translate
 differently in every domain (`AMBIGUITY_ORDER`, the first ``ambiguous`` of them; by default the
-four nouns of `AMBIGUOUS`), so only a sentence's context, its domain words, resolves them.
+four nouns of `AMBIGUOUS`), so only a sentence's context, its domain words, resolves them. A
+corpus may enlarge the shared vocabulary with up to `MAX_SHARED_WORDS` extra words
+(`EXTRA_SHARED`), which can be made ambiguous too: more lexicon for a model to learn per domain.
 
 Everything here is independent of any seed (`_LEXICON_SEED` fixes it), so `translate` is a pure
 function and a domain's data does not depend on which other domains are generated.
@@ -44,8 +46,53 @@ _SHARED: dict[str, tuple[str, ...]] = {
 }
 AMBIGUOUS = ("case", "record", "charge", "order")
 """Shared nouns whose translation depends on the domain (the default ambiguous words)."""
-AMBIGUITY_ORDER = AMBIGUOUS + _SHARED["noun"] + _SHARED["verb"] + _SHARED["adj"]
-"""Words made domain-dependent by a corpus with ``ambiguous = n``: the first n of these."""
+MAX_SHARED_WORDS = 96
+"""Size of the pool of extra shared content words (`extra_shared_words`)."""
+_EXTRA_POS = ("noun", "noun", "verb", "adj")
+"""Parts of speech of the extra shared words, in turn: half nouns, a quarter verbs, adjectives."""
+_EXTRA_SUFFIXES = {"noun": ("an", "in", "up", "ack"), "verb": ("ips", "ogs", "ams"),
+                   "adj": ("ish", "esk")}
+"""Suffixes no domain uses, so an extra shared word's spelling names no domain."""
+
+
+def _extra_shared() -> tuple[tuple[str, str], ...]:
+    """The fixed pool of extra shared content words, (word, part of speech) in pool order.
+
+    Drawn from their own random stream, so the default vocabulary and lexicons are the same
+    with or without them."""
+    rng = random.Random(f"{_LEXICON_SEED}/shared")
+    taken = {w for table in (_CORE, _SHARED) for words in table.values() for w in words}
+    taken.update(AMBIGUOUS)
+    out: list[tuple[str, str]] = []
+    while len(out) < MAX_SHARED_WORDS:
+        p = _EXTRA_POS[len(out) % len(_EXTRA_POS)]
+        word = "".join(rng.choice(s) for s in ("bdfgklmnprstvz", "aeiou", "bdfgklmnprstvz")) + \
+            rng.choice(_EXTRA_SUFFIXES[p])
+        if word not in taken:
+            taken.add(word)
+            out.append((word, p))
+    return tuple(out)
+
+
+EXTRA_SHARED = _extra_shared()
+"""Extra shared content words a corpus may add to the shared vocabulary: the first
+``shared_words`` of these (`SynthOptions.shared_words`)."""
+AMBIGUITY_ORDER = AMBIGUOUS + _SHARED["noun"] + _SHARED["verb"] + _SHARED["adj"] + \
+    tuple(w for w, _ in EXTRA_SHARED)
+"""Words made domain-dependent by a corpus with ``ambiguous = n``: the first n of these (the 24
+built-in shared words, then the extra ones)."""
+BUILTIN_AMBIGUOUS = len(AMBIGUITY_ORDER) - MAX_SHARED_WORDS
+"""How many words of AMBIGUITY_ORDER belong to the built-in shared vocabulary (24)."""
+
+
+@functools.cache
+def shared_vocabulary(shared_words: int = 0) -> dict[str, tuple[str, ...]]:
+    """Shared nouns, verbs and adjectives of a corpus with `shared_words` extra shared words."""
+    out = dict(_SHARED)
+    for word, p in EXTRA_SHARED[:shared_words]:
+        out[p] += (word,)
+    return out
+
 
 _DOMAIN_SIZES = {"noun": 28, "verb": 14, "adj": 12}
 _SUFFIXES = {
@@ -197,6 +244,13 @@ def _grammar() -> _Grammar:
                              for d in DOMAINS})
         for w in AMBIGUOUS:  # their translation when a corpus makes fewer words ambiguous
             lex[w] = senses[lang][(w, DOMAINS[0])]
+        # The extra shared words come last for the same reason.
+        for w, p in EXTRA_SHARED:
+            lex[w] = fresh(2 if lrng.random() < .08 else 1)
+        senses[lang].update({(w, d): fresh(1) for w, _ in EXTRA_SHARED for d in DOMAINS})
+    clash = pos.keys() & dict(EXTRA_SHARED).keys()
+    assert not clash, f"extra shared words that are already words: {sorted(clash)}"
+    pos.update(EXTRA_SHARED)
     return _Grammar(domain_words=domain_words, pos=pos, lexicon=lexicon, senses=senses)
 
 

@@ -266,6 +266,21 @@ def test_failed_synth_leaves_no_parent_directories(tmp_path: Path, capsys, langs
     assert list(tmp_path.iterdir()) == []
 
 
+def test_synth_shared_words_reach_the_corpus_and_are_bounded(tmp_path: Path, capsys) -> None:
+    _fails_cleanly(capsys, ["synth", "--out", str(tmp_path / "c"), "--shared-words", "200"],
+                   "synthetic shared_words: expected 0..96 words", "200")
+    _fails_cleanly(capsys, ["synth", "--out", str(tmp_path / "c"), "--shared-words", "8",
+                            "--ambiguous", "40"], "synthetic ambiguous: expected 0..32", "40")
+    assert list(tmp_path.iterdir()) == []
+    assert main(["synth", "--out", str(tmp_path / "c"), "--domains", "2", "--train", "20",
+                 "--dev", "0", "--test", "10", "--preset", "domain-matters", "--shared-words",
+                 "8", "--ambiguous", "32"]) == 0
+    info = json.loads((tmp_path / "c" / "domains.json").read_text())
+    assert info["options"] == {"shared_rate": 0.5, "ambiguous": 32, "ambiguous_rate": 0.12,
+                               "cue_rate": 0.95, "shared_words": 8}
+    assert len(info["domains"][0]["ambiguous_words"]) == 32
+
+
 def test_synth_under_a_file_fails_cleanly(tmp_path: Path, capsys) -> None:
     (tmp_path / "f").write_text("x\n")
     before = _snapshot(tmp_path)

@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 
 from moe_train.data.synthetic import (AMBIGUITY_ORDER, AMBIGUOUS, DOMAINS, SynthOptions,
-                                      generate_sentences, generate_synthetic, translate,
-                                      vocabulary)
+                                      generate_sentences, generate_synthetic, shared_vocabulary,
+                                      translate, vocabulary)
+from moe_train.data.synthetic_grammar import EXTRA_SHARED, MAX_SHARED_WORDS
 from moe_train.errors import ConfigError
 
 ORIGINAL_DIGEST = "50107428583f5bedb01576a38d366b6652e2a714ebde24f40c9770260f2a2ced"
@@ -70,10 +71,32 @@ def test_ambiguous_words_translate_by_domain_only_when_asked() -> None:
 
 
 @pytest.mark.parametrize("field,value", [("shared_rate", 1.5), ("ambiguous", 25),
-                                         ("ambiguous_rate", -0.1), ("cue_rate", 0.0)])
+                                         ("ambiguous_rate", -0.1), ("cue_rate", 0.0),
+                                         ("shared_words", -1), ("shared_words", 97)])
 def test_bad_options_name_the_field(field: str, value: float) -> None:
     with pytest.raises(ConfigError, match=f"synthetic {field}: expected"):
         SynthOptions(**{field: value})
+
+
+def test_extra_shared_words_join_every_domain_and_translate_by_domain() -> None:
+    n = 40
+    extra = {w for w, _ in EXTRA_SHARED[:n]}
+    assert len({w for w, _ in EXTRA_SHARED}) == MAX_SHARED_WORDS
+    assert not extra & set().union(*(_own(d) for d in DOMAINS))  # no domain's own words
+    assert extra <= {w for p in ("noun", "verb", "adj") for w in shared_vocabulary(n)[p]}
+    assert shared_vocabulary(0) == {p: vocabulary()[p] for p in ("noun", "verb", "adj")}
+    opts = SynthOptions(shared_rate=0.7, shared_words=n, ambiguous=24 + n)
+    used = {d: {w for s in generate_sentences(d, 300, seed=3, options=opts)
+                for w in s.split()} & extra for d in ("law", "it")}
+    assert len(used["law"]) > n // 2 and len(used["it"]) > n // 2  # shared across domains
+    assert not extra & {w for s in generate_sentences("law", 300, seed=3) for w in s.split()}
+    noun = next(w for w, p in EXTRA_SHARED if p == "noun")
+    sentence = f"the {noun} needs a plan ."
+    assert len({translate(sentence, d, "de", ambiguous=24 + n) for d in DOMAINS}) == len(DOMAINS)
+    assert len({translate(sentence, d, "de", ambiguous=4) for d in DOMAINS}) == 1
+    with pytest.raises(ConfigError, match=r"ambiguous: expected 0\.\.34 words"):
+        SynthOptions(shared_words=10, ambiguous=35)
+    assert AMBIGUITY_ORDER[24:24 + n] == tuple(w for w, _ in EXTRA_SHARED[:n])
 
 
 def test_difficulty_report_separates_easy_from_hard(tmp_path: Path) -> None:
