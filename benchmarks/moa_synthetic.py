@@ -71,14 +71,52 @@ GATED = ("moa", "top1", "di")
 """Runs whose adapters are routed by a clusterer-distilled gate."""
 
 
-def make_corpus(work: Path, seed: int, sizes: dict[str, int]) -> dict[str, Any]:
-    """Generate (unless done) and prepare the seed's corpus; its domains.json."""
+def synth_options(preset: str, pairs: list[str]) -> Any:
+    """`PRESETS[preset]` with ``KEY=VALUE`` fields replaced (`SynthOptions` field names); a bad
+    name or value is one `error:` line and exit status 2."""
+    from moe_train.data.synthetic import PRESETS, SynthOptions
+    from moe_train.errors import ConfigError
+
+    def bad(message: str) -> None:
+        print(f"error: {message}", file=sys.stderr)
+        raise SystemExit(2)
+
+    if preset not in PRESETS:
+        bad(f"--preset: expected one of {', '.join(PRESETS)}, got {preset!r}")
+    names = [f.name for f in dataclasses.fields(SynthOptions)]
+    changes: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or key not in names:
+            bad(f"--synth {pair!r}: expected KEY=VALUE with KEY one of {', '.join(names)}")
+        try:
+            changes[key] = int(value) if key in ("ambiguous", "shared_words") else float(value)
+        except ValueError:
+            bad(f"--synth {key}: expected a number, got {value!r}")
+    try:
+        return dataclasses.replace(PRESETS[preset], **changes)
+    except ConfigError as exc:
+        bad(f"--synth: {exc}")
+
+
+def make_corpus(work: Path, seed: int, sizes: dict[str, int], options: Any = None
+                ) -> dict[str, Any]:
+    """Generate (unless done) and prepare the seed's corpus (`options`: SynthOptions, default
+    the PRESET's); its domains.json. A corpus already there that was made with other options
+    stops the run instead of being reused."""
     from moe_train.data.synthetic import PRESETS
     from moe_train.data.synthetic_dir import write_synthetic
 
+    options = options or PRESETS[PRESET]
     corpus, prepared = work / "corpus", work / "prepared"
-    if not (corpus / "domains.json").is_file():
-        write_synthetic(corpus, overwrite=True, seed=seed, options=PRESETS[PRESET],
+    if (corpus / "domains.json").is_file():
+        made = json.loads((corpus / "domains.json").read_text()).get("options")
+        if made != dataclasses.asdict(options):
+            print(f"error: {corpus}: made with other synthetic options ({made}); use --fresh "
+                  "or another --work", file=sys.stderr)
+            raise SystemExit(2)
+    else:
+        write_synthetic(corpus, overwrite=True, seed=seed, options=options,
                         report=True, **sizes)
     if not (prepared / "manifest.json").is_file():
         cmd = [sys.executable, "-m", "moe_train", "prepare", "--data", str(corpus), "--out",
@@ -279,12 +317,16 @@ def main() -> None:
     ap.add_argument("--profile", choices=("claims", "test"), default="claims",
                     help="claims: every run below; test: the integration test's run on --seeds "
                     "(are its bars safe on seeds it does not use?)")
+    ap.add_argument("--preset", default=PRESET, help=f"synthetic corpus preset (default {PRESET})")
+    ap.add_argument("--synth", action="append", default=[], metavar="KEY=VALUE",
+                    help="a SynthOptions field over the preset, e.g. shared_words=96 (repeatable)")
     ap.add_argument("--work", default=None, help="default work/moa-synthetic-bench[-quick]")
     ap.add_argument("--out", default=None,
                     help="default benchmarks/results/moa_synthetic[_quick|_test_bars]_cpu.json")
     args = ap.parse_args()
     from moe_train.data.synthetic import PRESETS
 
+    options = synth_options(args.preset, args.synth)
     prov = provenance()
     suffix = "_quick" if args.quick else ""
     if args.profile == "test":
@@ -310,14 +352,15 @@ def main() -> None:
     t0 = time.time()
     for seed in seeds:
         sw = work / f"seed{seed}"
-        corpus = make_corpus(sw, seed, QUICK_SIZES if args.quick else SIZES)
+        corpus = make_corpus(sw, seed, QUICK_SIZES if args.quick else SIZES, options)
         common = [f"data.prepared_dir={sw / 'prepared'}", *(QUICK if args.quick else [])]
         results = run_seed(sw, common, 2 if args.quick else args.anchors, runs)
         per_seed[str(seed)] = seed_record(corpus, results)
         print(json.dumps({seed: per_seed[str(seed)]["checks"]}, indent=1), flush=True)
     record = {"benchmark": f"moa_synthetic{suffix}_cpu",
-              "config": {"configs": CONFIGS, "synth_preset": PRESET,
-                         "synth_options": dataclasses.asdict(PRESETS[PRESET]),
+              "config": {"configs": CONFIGS, "synth_preset": args.preset,
+                         "synth_overrides": args.synth,
+                         "synth_options": dataclasses.asdict(options),
                          "sizes": QUICK_SIZES if args.quick else SIZES, "seeds": seeds,
                          "runs": runs, "anchors_per_domain_di": args.anchors,
                          "quick_overrides": QUICK if args.quick else []},

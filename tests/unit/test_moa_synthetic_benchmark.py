@@ -56,3 +56,32 @@ def test_the_unf_d_control_is_checked_when_it_ran(bench) -> None:
     models["continued"] = {"bleu": 30.2}  # the extra training alone beats MoA
     out = bench.checks(models, routing)["moa_above_continued_training"]
     assert out == {"value": -0.2, "holds": False}
+
+
+def test_synth_options_replace_preset_fields_and_refuse_bad_ones(bench, capsys) -> None:
+    from moe_train.data.synthetic import PRESETS
+
+    opts = bench.synth_options("domain-matters", ["shared_words=96", "ambiguous=120",
+                                                  "cue_rate=0.9"])
+    assert (opts.shared_words, opts.ambiguous, opts.cue_rate) == (96, 120, 0.9)
+    assert opts.shared_rate == PRESETS["domain-matters"].shared_rate
+    for preset, pairs, says in [("nope", [], "--preset: expected one of"),
+                                ("domain-matters", ["colour=1"], "expected KEY=VALUE"),
+                                ("domain-matters", ["ambiguous=lots"], "expected a number"),
+                                ("domain-matters", ["ambiguous=200"], "synthetic ambiguous")]:
+        with pytest.raises(SystemExit) as exc:
+            bench.synth_options(preset, pairs)
+        assert exc.value.code == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and says in err and err.count("\n") == 1, err
+
+
+def test_a_corpus_made_with_other_options_is_not_reused(bench, tmp_path, capsys) -> None:
+    from moe_train.data.synthetic import SynthOptions
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "domains.json").write_text('{"options": {"ambiguous": 4}}')
+    with pytest.raises(SystemExit) as exc:
+        bench.make_corpus(tmp_path, 1, {}, SynthOptions(ambiguous=5))
+    assert exc.value.code == 2 and "made with other synthetic options" in capsys.readouterr().err
