@@ -2,6 +2,8 @@
 on corpus seeds that no test uses, per seed and mean / spread.
 
     .venv/bin/python benchmarks/moa_synthetic.py --fresh [--seeds 2101,2102,2103]
+    .venv/bin/python benchmarks/moa_synthetic.py --synth shared_words=96 --synth ambiguous=120 \
+        --work work/moa-synthetic-shared96 --out benchmarks/results/moa_synthetic_shared96_cpu.json
     .venv/bin/python benchmarks/moa_synthetic.py --quick --fresh --seeds 1   # checks the script
     .venv/bin/python benchmarks/moa_synthetic.py --profile test --seeds 2201,2202,2203
 
@@ -324,8 +326,6 @@ def main() -> None:
     ap.add_argument("--out", default=None,
                     help="default benchmarks/results/moa_synthetic[_quick|_test_bars]_cpu.json")
     args = ap.parse_args()
-    from moe_train.data.synthetic import PRESETS
-
     options = synth_options(args.preset, args.synth)
     prov = provenance()
     suffix = "_quick" if args.quick else ""
