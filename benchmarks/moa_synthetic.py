@@ -85,16 +85,18 @@ def synth_options(preset: str, pairs: list[str]) -> Any:
 
     if preset not in PRESETS:
         bad(f"--preset: expected one of {', '.join(PRESETS)}, got {preset!r}")
-    names = [f.name for f in dataclasses.fields(SynthOptions)]
+    types = {f.name: f.type for f in dataclasses.fields(SynthOptions)}  # "int", "float | None"
     changes: dict[str, Any] = {}
     for pair in pairs:
         key, sep, value = pair.partition("=")
-        if not sep or key not in names:
-            bad(f"--synth {pair!r}: expected KEY=VALUE with KEY one of {', '.join(names)}")
+        if not sep or key not in types:
+            bad(f"--synth {pair!r}: expected KEY=VALUE with KEY one of {', '.join(types)}")
+        whole = str(types[key]).startswith("int")
         try:
-            changes[key] = int(value) if key in ("ambiguous", "shared_words") else float(value)
+            changes[key] = int(value) if whole else float(value)
         except ValueError:
-            bad(f"--synth {key}: expected a number, got {value!r}")
+            bad(f"--synth {key}: expected {'an integer' if whole else 'a number'}, "
+                f"got {value!r}")
     try:
         return dataclasses.replace(PRESETS[preset], **changes)
     except ConfigError as exc:
@@ -327,6 +329,10 @@ def main() -> None:
                     help="default benchmarks/results/moa_synthetic[_quick|_test_bars]_cpu.json")
     args = ap.parse_args()
     options = synth_options(args.preset, args.synth)
+    if args.profile == "test" and (args.synth or args.preset != PRESET):
+        print("error: --preset/--synth: --profile test runs the integration test's own corpus",
+              file=sys.stderr)
+        raise SystemExit(2)
     prov = provenance()
     suffix = "_quick" if args.quick else ""
     if args.profile == "test":

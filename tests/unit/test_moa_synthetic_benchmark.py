@@ -67,7 +67,8 @@ def test_synth_options_replace_preset_fields_and_refuse_bad_ones(bench, capsys) 
     assert opts.shared_rate == PRESETS["domain-matters"].shared_rate
     for preset, pairs, says in [("nope", [], "--preset: expected one of"),
                                 ("domain-matters", ["colour=1"], "expected KEY=VALUE"),
-                                ("domain-matters", ["ambiguous=lots"], "expected a number"),
+                                ("domain-matters", ["ambiguous=lots"], "expected an integer"),
+                                ("domain-matters", ["cue_rate=most"], "expected a number"),
                                 ("domain-matters", ["ambiguous=200"], "synthetic ambiguous")]:
         with pytest.raises(SystemExit) as exc:
             bench.synth_options(preset, pairs)
