@@ -110,18 +110,21 @@ def build(s: dict[str, Any], kind: str, seed: int = 0):
     return cfg, build_model(cfg, {**MANIFEST_BASE, "vocab_size": s["V"]}).eval()
 
 
-def sources(s: dict[str, Any], n: int, seed: int = 1) -> tuple[torch.Tensor, ForwardContext]:
-    """n random sources of 10..30 tokens (ending in eos, padded), all en->de."""
+def sources(s: dict[str, Any], n: int, seed: int = 1, device: str = "cpu"
+            ) -> tuple[torch.Tensor, ForwardContext]:
+    """n random sources of 10..30 tokens (ending in eos, padded), all en->de, on `device`."""
     gen = torch.Generator().manual_seed(seed)
     lengths = torch.randint(10, 31, (n,), generator=gen)
     src_BS = torch.full((n, int(lengths.max())), PAD)
     for b, length in enumerate(lengths.tolist()):
         src_BS[b, :length - 1] = torch.randint(3, s["V"], (length - 1,), generator=gen)
         src_BS[b, length - 1] = EOS
+    src_BS = src_BS.to(device)
     src, tgt = LANGS.index("en"), LANGS.index("de")
     ctx = ForwardContext(src_pad_mask_BS=src_BS.eq(PAD),
-                         src_lang_B=torch.full((n,), src), tgt_lang_B=torch.full((n,), tgt),
-                         domain_ids_B=torch.zeros(n, dtype=torch.long),
+                         src_lang_B=torch.full((n,), src, device=device),
+                         tgt_lang_B=torch.full((n,), tgt, device=device),
+                         domain_ids_B=torch.zeros(n, dtype=torch.long, device=device),
                          extras={NUM_LANGS_KEY: len(LANGS)})
     return src_BS, ctx
 
@@ -137,12 +140,20 @@ def decode(model, src_BS: torch.Tensor, ctx: ForwardContext, L: int, beam: int =
     return len(out) * L
 
 
+def sync() -> None:
+    """Wait for queued GPU work, so that a timer stops after it (a no-op without CUDA)."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def timed(fn: Callable[[], int], min_seconds: float) -> float:
     """Units per second of `fn` (which returns its units), repeated for at least min_seconds."""
     fn()  # warm-up
+    sync()
     units, start = 0, time.perf_counter()
     while True:
         units += fn()
+        sync()
         elapsed = time.perf_counter() - start
         if elapsed >= min_seconds:
             return units / elapsed
@@ -158,10 +169,10 @@ def best_of_rounds(jobs: dict[str, Callable[[], float]], rounds: int) -> dict[st
     return best
 
 
-def decode_sweep(s: dict[str, Any], models: dict[str, Any]) -> dict[str, Any]:
+def decode_sweep(s: dict[str, Any], models: dict[str, Any], device: str) -> dict[str, Any]:
     out: dict[str, Any] = {"batch_sizes": s["batches"], "tokens_per_s": {}, "peak": {}}
     for B in s["batches"]:
-        src_BS, ctx = sources(s, B, seed=B)
+        src_BS, ctx = sources(s, B, seed=B, device=device)
         jobs = {name: (lambda m=m: timed(lambda: decode(m, src_BS, ctx, s["L"]),
                                          s["min_seconds"]))
                 for name, m in models.items()}
@@ -175,15 +186,16 @@ def decode_sweep(s: dict[str, Any], models: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def encoder_split(s: dict[str, Any], models: dict[str, Any]) -> dict[str, Any]:
+def encoder_split(s: dict[str, Any], models: dict[str, Any], device: str) -> dict[str, Any]:
     """Share of greedy decode time spent in the encoder, at the largest batch."""
     B = s["batches"][-1]
-    src_BS, ctx = sources(s, B, seed=B)
+    src_BS, ctx = sources(s, B, seed=B, device=device)
     split = {}
     for name, m in models.items():
         def encode(m=m) -> int:
             with torch.no_grad():
                 m.encode(src_BS, ctx)
+            sync()
             return 1
         enc_s = 1.0 / timed(encode, s["min_seconds"])
         total_s = 1.0 / timed(lambda m=m: decode(m, src_BS, ctx, s["L"]) and 1, s["min_seconds"])
@@ -193,14 +205,14 @@ def encoder_split(s: dict[str, Any], models: dict[str, Any]) -> dict[str, Any]:
     return {"batch": B, "models": split}
 
 
-def train_throughput(s: dict[str, Any], kinds: list[str]) -> dict[str, Any]:
+def train_throughput(s: dict[str, Any], kinds: list[str], device: str) -> dict[str, Any]:
     """Target tokens/s of forward + backward + AdamW on one token-budget batch per step."""
     B = max(1, s["train_tokens"] // 24)
-    src_BS, ctx = sources(s, B, seed=7)
+    src_BS, ctx = sources(s, B, seed=7, device=device)
     tgt_BT = torch.randint(3, s["V"], (B, 25), generator=torch.Generator().manual_seed(8))
     tgt_BT[:, 0] = BOS
-    rates = {}
-    models = {k: build(s, k)[1].train() for k in kinds}
+    tgt_BT = tgt_BT.to(device)
+    models = {k: build(s, k)[1].to(device).train() for k in kinds}
     opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-4) for k, m in models.items()}
 
     def step(kind: str) -> int:
@@ -215,8 +227,10 @@ def train_throughput(s: dict[str, Any], kinds: list[str]) -> dict[str, Any]:
 
     def job(kind: str) -> float:
         step(kind)  # warm-up
+        sync()
         start = time.perf_counter()
         tokens = sum(step(kind) for _ in range(s["train_steps"]))
+        sync()
         return tokens / (time.perf_counter() - start)
 
     rates = best_of_rounds({k: (lambda k=k: job(k)) for k in kinds}, s["rounds"])
@@ -259,10 +273,11 @@ def force_logits(logits_BV: torch.Tensor, made_B: torch.Tensor, lengths_B: torch
     logits_BV[at_end_B, EOS] = 0.0
 
 
-def realistic_batches(s: dict[str, Any], n: int, batch: int, seed: int = 11):
+def realistic_batches(s: dict[str, Any], n: int, batch: int, seed: int = 11,
+                      device: str = "cpu"):
     """n sentence pairs with source lengths 5..40 and target lengths 0.6..1.5 times those
     (2..80), sorted by source length as a translation server batches them; (src_BS, lengths_B)
-    per batch of `batch`."""
+    per batch of `batch`, on `device`."""
     gen = torch.Generator().manual_seed(seed)
     src_len = torch.randint(5, 41, (n,), generator=gen)
     ratio = 0.6 + 0.9 * torch.rand(n, generator=gen)
@@ -275,11 +290,11 @@ def realistic_batches(s: dict[str, Any], n: int, batch: int, seed: int = 11):
         for b, length in enumerate(src_len[idx].tolist()):
             src_BS[b, :length - 1] = torch.randint(3, s["V"], (length - 1,), generator=gen)
             src_BS[b, length - 1] = EOS
-        out.append((src_BS, tgt_len[idx]))
+        out.append((src_BS.to(device), tgt_len[idx].to(device)))
     return out
 
 
-def marian_comparison(s: dict[str, Any]) -> dict[str, Any] | None:
+def marian_comparison(s: dict[str, Any], device: str) -> dict[str, Any] | None:
     """Dense moe_train vs MarianMTModel of the same shape: sentences/s, greedy and beam 5, on
     the same sentences with the same output lengths (see `realistic_batches`)."""
     try:
@@ -304,10 +319,10 @@ def marian_comparison(s: dict[str, Any]) -> dict[str, Any] | None:
                         eos_token_id=EOS, decoder_start_token_id=BOS, dropout=0.0,
                         activation_function="relu")
     torch.manual_seed(0)
-    marian = MarianMTModel(mcfg).eval()
-    _, ours = build(s, "dense")
+    marian = MarianMTModel(mcfg).to(device).eval()
+    ours = build(s, "dense")[1].to(device)
     n, batch = s["marian_sentences"], min(64, s["marian_sentences"])
-    batches = realistic_batches(s, n, batch)
+    batches = realistic_batches(s, n, batch, device=device)
 
     def ours_run(beam: int) -> int:
         for src_BS, len_B in batches:
@@ -358,14 +373,21 @@ def main(argv: list[str] | None = None) -> None:
                     help="comma-separated decode batch sizes (default: the size's sweep)")
     ap.add_argument("--sweep-only", action="store_true",
                     help="only the decode sweep and encoder split: no training, MarianMT or EP")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="where the models run (cuda: one GPU, fp32, and no EP=2 run, which "
+                         "uses gloo CPU ranks)")
     args = ap.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("error: --device cuda: expected a CUDA GPU, found none", file=sys.stderr)
+        raise SystemExit(2)
+    device, args.no_ep = args.device, args.no_ep or args.device == "cuda"
     prov = provenance(sys.argv if argv is None else ["benchmarks/decode_throughput.py", *argv])
     s = sized(SIZES["quick" if args.quick else "full"], args.experts, args.batches,
               ep=not (args.no_ep or args.sweep_only))
     name = "decode_throughput" + (f"_e{args.experts}" if args.experts else "") + \
         ("_sweep" if args.sweep_only else "_batches" if args.batches else "")
     out = Path(args.out or ROOT / "benchmarks" / "results" /
-               f"{name}_cpu{'_quick' if args.quick else ''}.json")
+               f"{name}_{device}{'_quick' if args.quick else ''}.json")
 
     models: dict[str, Any] = {}
     params: dict[str, Any] = {}
@@ -375,19 +397,20 @@ def main(argv: list[str] | None = None) -> None:
             manifest = {**MANIFEST_BASE, "vocab_size": s["V"]}
             ext = extract(models[kind], cfg, manifest, TASK)
             models["task_extracted"] = load_extracted(ext, manifest)
+    models = {name: m.to(device) for name, m in models.items()}
     for name, m in models.items():
         r = count_model(m)
         params[name] = {"total": r["total"], "decoder": r["decoder"],
                         "active_per_token": r["active_all"]}
     print(f"parameters: {params}", flush=True)
 
-    sweep = decode_sweep(s, models)
-    split = encoder_split(s, models)
+    sweep = decode_sweep(s, models, device)
+    split = encoder_split(s, models, device)
     train = marian = ep = None
     if not args.sweep_only:
-        train = train_throughput(s, ["token_moe", "task_moe", "dense_active"])
+        train = train_throughput(s, ["token_moe", "task_moe", "dense_active"], device)
         print(f"training: {train}", flush=True)
-        marian = marian_comparison(s)
+        marian = marian_comparison(s, device)
     if not (args.no_ep or args.sweep_only):
         from decode_throughput_ep import ep_decode_share
 
@@ -411,7 +434,8 @@ def main(argv: list[str] | None = None) -> None:
         acceptance["holds"]["dense_decoding_at_least_1.5x_marian"] = (
             acceptance["dense_over_marian_greedy"] >= 1.5
             and acceptance["dense_over_marian_beam5"] >= 1.5)
-    record = {"benchmark": "decode_throughput", "sizes": s, "task": TASK, "params": params,
+    record = {"benchmark": "decode_throughput", "device": device, "sizes": s, "task": TASK,
+              "params": params,
               "decode_sweep": sweep, "encoder_decoder_split": split, "training": train,
               "marian": marian, "ep2": ep, "acceptance": acceptance}
     write_record(out, record, prov)

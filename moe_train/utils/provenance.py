@@ -25,6 +25,8 @@ LIBRARIES = ("torch", "deepspeed", "numpy", "scikit-learn", "sentencepiece", "sa
 """Distributions whose versions are recorded (None where not installed)."""
 
 MAX_DIRTY_PATHS = 20
+SOURCE_COMMIT_ENV = "MOE_TRAIN_SOURCE_COMMIT"
+"""Names the commit of a tree that is a copy without .git (checked only when git finds none)."""
 
 
 def _git(*args: str, repo: Path) -> str:
@@ -41,8 +43,12 @@ def git_state(repo: Path = REPO) -> dict[str, Any]:
         status = _git("status", "--porcelain", repo=repo).splitlines()
     except (OSError, subprocess.SubprocessError) as err:
         reason = getattr(err, "stderr", None) or str(err)
-        return {"commit": None, "dirty": None,
-                "note": f"not a git checkout: {repo} ({reason.strip().splitlines()[-1:]})"}
+        note = f"not a git checkout: {repo} ({reason.strip().splitlines()[-1:]})"
+        given = os.environ.get(SOURCE_COMMIT_ENV)
+        if given:  # a copied tree (e.g. shipped to a GPU machine): the sender names its commit
+            return {"commit": given, "dirty": None,
+                    "note": f"{note}; commit from {SOURCE_COMMIT_ENV}"}
+        return {"commit": None, "dirty": None, "note": note}
     paths = [line[3:] for line in status]
     return {"commit": commit, "dirty": bool(paths), "dirty_paths": paths[:MAX_DIRTY_PATHS],
             "dirty_paths_total": len(paths)}

@@ -1,11 +1,14 @@
-"""GPU checks (skipped without CUDA): bf16 training on the DeepSpeed engine, cached decoding."""
+"""GPU checks (skipped without CUDA): bf16 training on the DeepSpeed engine, cached decoding,
+the decode-throughput benchmark on the GPU."""
 
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
 
-from tests.conftest import ROOT, debug_overrides, run_cli
+from tests.conftest import ROOT, cli_env, debug_overrides, run_cli
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -35,3 +38,17 @@ def test_incremental_decoding_on_gpu():
         cache = model.new_decoder_cache()
         steps = [model.decode(tgt[:, t:t + 1], enc, cache=cache)[0] for t in range(tgt.size(1))]
     torch.testing.assert_close(torch.cat(steps, 1), full, atol=1e-4, rtol=1e-4)
+
+
+def test_decode_throughput_benchmark_on_gpu(tmp_path):
+    out = tmp_path / "d.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "decode_throughput.py"),
+                           "--quick", "--device", "cuda", "--out", str(out)], cwd=tmp_path,
+                          env=cli_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert r["device"] == "cuda" and r["provenance"]["machine"]["gpu"]["name"]
+    assert r["ep2"] is None  # the EP=2 run uses gloo CPU ranks: not a GPU figure
+    for rates in r["decode_sweep"]["tokens_per_s"].values():
+        assert min(rates) > 0
+    assert min(r["marian"]["greedy"]["sentences_per_s"].values()) > 0

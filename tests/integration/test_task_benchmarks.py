@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from tests.conftest import ROOT, SHARED_DATA, cli_env
 
@@ -64,9 +65,12 @@ def test_decode_throughput_sweep_only(tmp_path) -> None:
     assert r["sizes"]["E"] == 6 and r["decode_sweep"]["batch_sizes"] == [1, 3]
     assert r["training"] is None and r["marian"] is None and r["ep2"] is None
     assert set(r["acceptance"]["holds"]) == {"extracted_peak_at_least_2x_token_moe"}
-    for args, needle in ((["--batches", "8,x"], "error: --batches"),
-                         (["--experts", "5"], "error: --experts: expected at least 2 (top-2 "
-                                              "routing), and even (the EP=2 run")):
+    bad_args = [(["--batches", "8,x"], "error: --batches"),
+                (["--experts", "5"], "error: --experts: expected at least 2 (top-2 "
+                                     "routing), and even (the EP=2 run")]
+    if not torch.cuda.is_available():
+        bad_args.append((["--device", "cuda"], "error: --device cuda: expected a CUDA GPU"))
+    for args, needle in bad_args:
         bad = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "decode_throughput.py"),
                               "--quick", *args], cwd=tmp_path, env=cli_env(),
                              capture_output=True, text=True, timeout=120)

@@ -10,7 +10,8 @@ import subprocess
 import pytest
 import torch
 
-from moe_train.utils.provenance import REPO, finish, git_state, provenance
+from moe_train.utils.provenance import (REPO, SOURCE_COMMIT_ENV, finish, git_state,
+                                        provenance)
 
 needs_git = pytest.mark.skipif(shutil.which("git") is None, reason="git is not installed")
 
@@ -40,10 +41,18 @@ def test_git_state_follows_commits_and_edits(tmp_path):
     assert sorted(dirty["dirty_paths"]) == ["a.py", "new.py"]
 
 
-def test_not_a_checkout_gives_null_commit_and_says_why(tmp_path):
+def test_not_a_checkout_gives_null_commit_and_says_why(tmp_path, monkeypatch):
+    monkeypatch.delenv(SOURCE_COMMIT_ENV, raising=False)
     state = git_state(tmp_path)
     assert state["commit"] is None and state["dirty"] is None
     assert "not a git checkout" in state["note"]
+
+
+def test_a_copied_tree_takes_its_commit_from_the_sender(tmp_path, monkeypatch):
+    monkeypatch.setenv(SOURCE_COMMIT_ENV, "0123abcd")
+    state = git_state(tmp_path)
+    assert state["commit"] == "0123abcd" and state["dirty"] is None
+    assert "not a git checkout" in state["note"] and SOURCE_COMMIT_ENV in state["note"]
 
 
 def test_record_names_command_machine_and_libraries():
