@@ -83,9 +83,18 @@ def ep_bytes(build: Build, E: int, k: int, shape: Any) -> dict[str, Any]:
     """Bytes the all-to-alls of one EP=2 fwd+bwd step send between ranks, vs. the minimum;
     `build(E, k, shape)` makes our layer (with a fixed seed), `shape` has T_ep and D."""
     import torch.multiprocessing as mp
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(ep_worker, args=(free_port(), build, E, k, shape, tmp), nprocs=2, join=True)
-        ranks = [json.loads(Path(tmp, f"{r}.json").read_text()) for r in range(2)]
+    hidden = os.environ.get("CUDA_VISIBLE_DEVICES")
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""  # byte counts do not depend on the device: the
+    try:  # two ranks run on CPU (gloo), also where one GPU could not hold two NCCL ranks
+        with tempfile.TemporaryDirectory() as tmp:
+            mp.spawn(ep_worker, args=(free_port(), build, E, k, shape, tmp), nprocs=2,
+                     join=True)
+            ranks = [json.loads(Path(tmp, f"{r}.json").read_text()) for r in range(2)]
+    finally:
+        if hidden is None:
+            os.environ.pop("CUDA_VISIBLE_DEVICES")
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = hidden
     log = [entry for r in ranks for entry in r["log"]]
     sent = sum(e["bytes_remote"] for e in log)
     by_kind = {f"{p}_{kind}_bytes": sum(e["bytes_remote"] for e in log
@@ -93,7 +102,7 @@ def ep_bytes(build: Build, E: int, k: int, shape: Any) -> dict[str, Any]:
                for p in ("forward", "backward") for kind in ("tokens", "counts")}
     minimum = sum(4 * r["remote_rows"] * r["row_bytes"] for r in ranks)
     minimum_dedup = sum(4 * r["remote_tokens"] * r["row_bytes"] for r in ranks)
-    return {"tokens_per_rank": shape.T_ep, "element_bytes": ranks[0]["row_bytes"] // shape.D,
+    return {"ranks_on": "cpu (gloo)", "tokens_per_rank": shape.T_ep, "element_bytes": ranks[0]["row_bytes"] // shape.D,
             "calls": len(log),
             "bytes_sent_remote": sent, **by_kind,
             "bytes_incl_self": sum(e["bytes_total"] for e in log),

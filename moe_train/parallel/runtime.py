@@ -277,7 +277,13 @@ def init_runtime(backend: str | None = None, timeout_s: int = 1800,
     if "OMP_NUM_THREADS" not in os.environ:  # share the CPU cores among the ranks of a node
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(local_world, 1)))
     if torch.cuda.is_available():
-        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+        gpus = torch.cuda.device_count()
+        if local_world > gpus and (backend or "nccl") == "nccl":  # NCCL: one GPU per rank
+            raise ConfigError(f"launcher environment ({info.kind}): {local_world} ranks on this "
+                              f"node but {gpus} GPU(s); expected at most one rank per GPU "
+                              f"(launch fewer, or hide the GPUs with CUDA_VISIBLE_DEVICES= to run "
+                              f"the ranks on CPU)")
+        torch.cuda.set_device(local_rank % gpus)
         device = torch.device("cuda", torch.cuda.current_device())
         backend = backend or "nccl"
     else:

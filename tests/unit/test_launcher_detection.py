@@ -105,3 +105,21 @@ def test_parse_first_host(nodelist, first):
 def test_bad_launcher_env_is_one_config_error(env, needle):
     with pytest.raises(ConfigError, match=needle.replace("(", r"\(")):
         detect_launch(env, resolve_host=parse_first_host)
+
+
+def test_more_ranks_than_gpus_on_a_node_is_one_config_error(monkeypatch):
+    """NCCL takes one GPU per rank: two local ranks on a one-GPU node would crash inside
+    init_process_group; init_runtime says so first, naming the way out."""
+    import torch
+
+    from moe_train.parallel.runtime import init_runtime
+
+    for key, value in {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0",
+                       "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": "29500"}.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ConfigError, match=r"2 ranks on this node but 1 GPU\(s\).*"
+                                          r"CUDA_VISIBLE_DEVICES="):
+        init_runtime()
