@@ -503,26 +503,29 @@ def main() -> None:
     megatron = megatron_status()
     prov = provenance()  # after set_num_threads: records the threads every timing uses
     equivalence, rows = equivalence_check(), []
-    for E in shape.experts:
-        for k in shape.ks:
-            rows.append(row := bench_config(E, k, shape, args))
-            brief = {n: (v["ms"], v["vs_expert_gemms"]) for n, v in row["impls"].items()}
-            print(f"E={E} k={k} {brief} ep2={row['ep2']['ratio_to_min']}", flush=True)
     suffix = ("_quick" if args.quick else "") + \
         ("" if args.allocator == "tuned" else f"_alloc-{args.allocator}")
     out = Path(args.out or ROOT / "benchmarks" / "results" / f"moe_layer_{device}{suffix}.json")
-    write_json(out, {
-        "config": {"device": device, "threads": args.threads, "quick": args.quick},
-        "allocator": allocator, "megatron_core": megatron,
-        "shape": {"D": shape.D, "F": shape.F, "T": shape.T, "dtype": str(shape.dtype),
-                  "reps": shape.reps, "warmup": shape.warmup},
-        "method": METHOD, "equivalence_check": equivalence, "results": rows,
-        "acceptance": {**{key: all(r["acceptance"][key] for r in rows
-                                   if r["acceptance"][key] is not None)
-                          for key in rows[0]["acceptance"]},
-                       **memory_flat_in_E(rows)},
-        "provenance": finish(prov),
-    })
+    configs = [(E, k) for E in shape.experts for k in shape.ks]
+    for E, k in configs:
+        rows.append(row := bench_config(E, k, shape, args))
+        brief = {n: (v["ms"], v["vs_expert_gemms"]) for n, v in row["impls"].items()}
+        print(f"E={E} k={k} {brief} ep2={row['ep2']['ratio_to_min']}", flush=True)
+        # after every configuration, so a run stopped early leaves what it measured
+        write_json(out, {
+            "config": {"device": device, "threads": args.threads, "quick": args.quick},
+            "complete": len(rows) == len(configs),
+            "configurations_done": [[r["experts"], r["k"]] for r in rows],
+            "allocator": allocator, "megatron_core": megatron,
+            "shape": {"D": shape.D, "F": shape.F, "T": shape.T, "dtype": str(shape.dtype),
+                      "reps": shape.reps, "warmup": shape.warmup},
+            "method": METHOD, "equivalence_check": equivalence, "results": rows,
+            "acceptance": {**{key: all(r["acceptance"][key] for r in rows
+                                       if r["acceptance"][key] is not None)
+                              for key in rows[0]["acceptance"]},
+                           **memory_flat_in_E(rows)},
+            "provenance": finish(dict(prov)),
+        })
     print(f"wrote {out}")
 
 
