@@ -8,6 +8,10 @@ w through transposed strides. The weight-gradient kernel gives each (expert, D b
 one program that reduces over the expert's rows, writing straight into one E x D x F buffer;
 the bias gradient is the same reduction without the x factor.
 
+fp32 inputs follow torch's matmul precision (`torch.get_float32_matmul_precision`): full fp32
+products under "highest" (torch's default), TF32 tensor cores only where the user allowed them
+("high" / "medium"), as torch's own fp32 matmuls do. bf16 and fp16 inputs are unaffected.
+
 Shape legend: N rows (sorted by expert), E experts, D input dim, F output dim; in the kernels
 M rows, Kd the reduced dim, Nc the output columns.
 """
@@ -28,7 +32,8 @@ BLOCK_K = 32
 def _grouped_mm_kernel(a_ptr, b_ptr, bias_ptr, c_ptr, tile_expert_ptr, tile_row0_ptr,
                        tile_row1_ptr, Kd, Nc, stride_am, stride_ak, stride_be, stride_bk,
                        stride_bn, stride_bias_e, stride_cm, stride_cn, HAS_BIAS: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       PRECISION: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     e = tl.load(tile_expert_ptr + pid_m).to(tl.int64)
@@ -47,7 +52,7 @@ def _grouped_mm_kernel(a_ptr, b_ptr, bias_ptr, c_ptr, tile_expert_ptr, tile_row0
                     mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         b = tl.load(b_ptr + e * stride_be + ks[:, None] * stride_bk + cols[None, :] * stride_bn,
                     mask=k_mask[:, None] & col_mask[None, :], other=0.0)
-        acc = tl.dot(a, b, acc)
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
     if HAS_BIAS:
         bias = tl.load(bias_ptr + e * stride_bias_e + cols, mask=col_mask, other=0.0)
         acc += bias.to(tl.float32)[None, :]
@@ -59,7 +64,8 @@ def _grouped_mm_kernel(a_ptr, b_ptr, bias_ptr, c_ptr, tile_expert_ptr, tile_row0
 def _grouped_mm_dw_kernel(x_ptr, g_ptr, dw_ptr, row_start_ptr, counts_ptr, D, F,
                           stride_xm, stride_xd, stride_gm, stride_gf,
                           stride_we, stride_wd, stride_wf,
-                          BLOCK_D: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_M: tl.constexpr):
+                          BLOCK_D: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_M: tl.constexpr,
+                          PRECISION: tl.constexpr):
     e = tl.program_id(0).to(tl.int64)
     ds = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     fs = tl.program_id(2) * BLOCK_F + tl.arange(0, BLOCK_F)
@@ -75,7 +81,7 @@ def _grouped_mm_dw_kernel(x_ptr, g_ptr, dw_ptr, row_start_ptr, counts_ptr, D, F,
                       mask=r_mask[None, :] & d_mask[:, None], other=0.0)
         g = tl.load(g_ptr + rows[:, None] * stride_gm + fs[None, :] * stride_gf,
                     mask=r_mask[:, None] & f_mask[None, :], other=0.0)
-        acc = tl.dot(x_t, g, acc)
+        acc = tl.dot(x_t, g, acc, input_precision=PRECISION)
     tl.store(dw_ptr + e * stride_we + ds[:, None] * stride_wd + fs[None, :] * stride_wf,
              acc.to(dw_ptr.dtype.element_ty), mask=d_mask[:, None] & f_mask[None, :])
 
@@ -95,6 +101,15 @@ def _segment_sum_kernel(g_ptr, out_ptr, row_start_ptr, counts_ptr, F, stride_gm,
                     mask=(rows < end)[:, None] & f_mask[None, :], other=0.0)
         acc += tl.sum(g.to(tl.float32), axis=0)
     tl.store(out_ptr + e * stride_oe + fs, acc.to(out_ptr.dtype.element_ty), mask=f_mask)
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """`tl.dot`'s input precision for inputs of `dtype`: "ieee" (full fp32 products) for fp32
+    unless torch's float32 matmul precision allows TF32; "tf32" otherwise (ignored by Triton
+    for 16-bit inputs)."""
+    if dtype == torch.float32 and torch.get_float32_matmul_precision() == "highest":
+        return "ieee"
+    return "tf32"
 
 
 def _tile_map(counts_E: Tensor, num_rows: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -127,7 +142,8 @@ def grouped_mm_triton(a_MK: Tensor, b_EKN: Tensor, counts_E: Tensor,
         a_MK, b_EKN, bias_EN if bias_EN is not None else c, c, expert, row0, row1, Kd, Nc,
         a_MK.stride(0), a_MK.stride(1), b_EKN.stride(0), b_EKN.stride(1), b_EKN.stride(2),
         bias_EN.stride(0) if bias_EN is not None else 0, c.stride(0), c.stride(1),
-        HAS_BIAS=bias_EN is not None, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
+        HAS_BIAS=bias_EN is not None, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+        PRECISION=dot_precision(a_MK.dtype))
     return c
 
 
@@ -143,7 +159,7 @@ def grouped_mm_dw_triton(x_ND: Tensor, g_NF: Tensor, counts_E: Tensor, dtype: to
     _grouped_mm_dw_kernel[grid](
         x_ND, g_NF, dw, row_start_E, counts_E, D, F, x_ND.stride(0), x_ND.stride(1),
         g_NF.stride(0), g_NF.stride(1), dw.stride(0), dw.stride(1), dw.stride(2),
-        BLOCK_D=BLOCK_N, BLOCK_F=BLOCK_N, BLOCK_M=BLOCK_K)
+        BLOCK_D=BLOCK_N, BLOCK_F=BLOCK_N, BLOCK_M=BLOCK_K, PRECISION=dot_precision(x_ND.dtype))
     return dw
 
 

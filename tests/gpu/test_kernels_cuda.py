@@ -20,8 +20,9 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
     pytest.mark.filterwarnings("ignore::UserWarning"),
 ]
-# fp32 matmuls in Triton use TF32 (10-bit mantissa); bf16 rounds every output.
-TOL = {torch.float32: {"permute": 1e-6, "unpermute": 1e-5, "gemm": 3e-2},
+# fp32 products are full fp32 under torch's default matmul precision ("highest"), as on CPU;
+# bf16 rounds every output.
+TOL = {torch.float32: {"permute": 1e-6, "unpermute": 1e-5, "gemm": 1e-4},
        torch.bfloat16: {"permute": 2e-2, "unpermute": 5e-2, "gemm": 6e-2}}
 
 
@@ -33,6 +34,27 @@ def test_triton_kernels_match_reference(case, dtype):
     check_permute(case, "triton", "cuda", dtype=dtype, tol=tol["permute"])
     check_unpermute(case, "triton", "cuda", dtype=dtype, tol=tol["unpermute"])
     check_grouped_gemm(case, "triton", "cuda", dtype=dtype, tol=tol["gemm"])
+
+
+def test_fp32_grouped_gemm_follows_torch_matmul_precision():
+    """TF32 only where torch allows it: "high" changes the Triton result (10-bit mantissa
+    products), "highest" gives full fp32 products, close to float64."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(512, 256, generator=gen).cuda()
+    w = torch.randn(4, 256, 128, generator=gen).cuda()
+    counts = torch.tensor([100, 0, 300, 112], device="cuda")
+    want = grouped_gemm(x.double(), w.double(), counts, backend="torch")
+    before = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("highest")
+        ieee = grouped_gemm(x, w, counts, backend="triton")
+        torch.set_float32_matmul_precision("high")
+        tf32 = grouped_gemm(x, w, counts, backend="triton")
+    finally:
+        torch.set_float32_matmul_precision(before)
+    err_ieee = (ieee.double() - want).abs().max().item()
+    err_tf32 = (tf32.double() - want).abs().max().item()
+    assert err_ieee < 1e-3 < err_tf32 < 0.5, (err_ieee, err_tf32)
 
 
 def test_auto_backend_picks_triton_for_cuda_tensors():

@@ -377,3 +377,18 @@ if __name__ == "__main__" and sys.argv[1:] == ["--triton-interpret"]:
     os.environ["TRITON_INTERPRET"] = "1"  # before triton is first imported (lazily, below)
     assert "triton" not in sys.modules
     print(f"ok {run_all('triton', 'cpu')}")
+
+
+def test_triton_dot_precision_follows_torch():
+    """fp32: TF32 only where torch's float32 matmul precision allows it; 16-bit: unaffected."""
+    pytest.importorskip("triton")
+    from moe_train.kernels.triton_gemm import dot_precision
+
+    before = torch.get_float32_matmul_precision()
+    try:
+        for setting, fp32 in (("highest", "ieee"), ("high", "tf32"), ("medium", "tf32")):
+            torch.set_float32_matmul_precision(setting)
+            assert dot_precision(torch.float32) == fp32
+            assert dot_precision(torch.bfloat16) == "tf32"
+    finally:
+        torch.set_float32_matmul_precision(before)
