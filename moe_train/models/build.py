@@ -40,6 +40,15 @@ def router_config(cfg: ExperimentConfig, side: str, manifest: dict[str, Any] | N
     return rcfg
 
 
+def dispatcher(router: str, num_experts: int, k: int, capacity_factor: float):
+    """`DenseDispatcher` where every token uses all of the layer's experts: a task router
+    with k = E (an extracted sub-network keeps its task's k experts), dropless (with k = E a
+    capacity of at least 1 never drops); `LocalDispatcher` otherwise."""
+    if router == "task" and k == num_experts and (capacity_factor == 0 or capacity_factor >= 1):
+        return DenseDispatcher(num_experts, capacity_factor)
+    return LocalDispatcher(num_experts, capacity_factor)
+
+
 def moe_ffn_factory(cfg: ExperimentConfig, manifest: dict[str, Any] | None = None):
     """An ffn_factory placing MoE layers where `cfg.moe` says, dense FFNs elsewhere."""
     moe = cfg.moe
@@ -64,8 +73,8 @@ def moe_ffn_factory(cfg: ExperimentConfig, manifest: dict[str, Any] | None = Non
             router = build_router(name, mcfg.d_model, num_experts, rcfg, **settings)
         experts = Experts(num_experts, mcfg.d_model, moe.expert_ffn_dim or mcfg.ffn_dim,
                           mcfg.activation, mcfg.activation_dropout)
-        return MoELayer(router, LocalDispatcher(num_experts, moe.capacity_factor), experts,
-                        dropout=mcfg.dropout)
+        return MoELayer(router, dispatcher(name, num_experts, rcfg.k, moe.capacity_factor),
+                        experts, dropout=mcfg.dropout)
 
     return factory
 

@@ -2,8 +2,9 @@
 
 `LocalDispatcher` (expert parallelism 1) is the default and the reference the all-to-all
 dispatcher (moe_train.parallel.expert_parallel) is tested against. `DenseDispatcher` serves
-soft routers that weigh every expert for every token (Gated Adapters): nothing to sort, the
-experts get all rows at once. Dropless by default; with a
+layers whose every token uses every expert: soft routers over all experts (Gated Adapters) and
+task-routed layers that keep just the k experts of their task (an extracted sub-network).
+Nothing to sort, the experts get all rows at once. Dropless by default; with a
 capacity factor c, expert e keeps at most ceil(c * routed_slots / E) copies (first come, first
 served in token order) and the overflow is dropped and counted: a dropped copy contributes
 nothing to its token's output (the residual carries the token on). The limit applies while
@@ -106,31 +107,59 @@ class LocalDispatcher:
 class DenseMeta:
     """What `DenseDispatcher.combine` needs."""
 
-    weights_TE: Tensor
-    """Each token's weight for each expert (0 at padding)."""
+    weights_NE: Tensor
+    """Each dispatched row's weight for each expert (0 at padding)."""
     dropped: Tensor
     """Always 0: dense routing drops nothing."""
+    rows_N: Tensor | None = None
+    """The tokens the rows are (padding left out), None when the rows are all T tokens."""
+    num_tokens: int = 0
 
 
 class DenseDispatcher:
-    """Every token to every expert in order, e.g. a soft gate over all adapters: no sort, no
-    copy. `dispatch` hands the experts the T rows themselves with ``counts_E`` None, which
-    asks a `StackedExperts` module for all experts on all rows at once, (E, T, D) (see
-    `AdapterExperts.forward`); `combine` sums them with the weights. Local only (ep_size 1)."""
+    """Every token to every expert: no sort and, on an accelerator, no host sync. For routings
+    whose K slots name each of the E experts once per token, in any order (-1: padding).
 
-    def __init__(self, num_experts: int) -> None:
+    `dispatch` hands the experts the token rows themselves with ``counts_E`` None, which asks a
+    `StackedExperts` module for all experts on all rows at once, (E, N, D) (see
+    `Experts.all_experts`); `combine` sums them with the weights in expert order, the sum
+    `LocalDispatcher` computes. On CPU, where reading a count costs nothing, padding rows are
+    left out, so the GEMMs see exactly the rows `LocalDispatcher` gives them and the numbers
+    match it bit for bit where every token uses every expert (an extracted sub-network against
+    its full model); on an accelerator padding rows are computed with weight 0 instead.
+    Local only: expert parallelism swaps in the all-to-all dispatcher with `capacity_factor`.
+    """
+
+    def __init__(self, num_experts: int, capacity_factor: float = 0.0) -> None:
         self.num_experts = num_experts
+        self.capacity_factor = capacity_factor
+        """Never applied here (every expert takes every token); kept for expert parallelism."""
 
     def dispatch(self, x_TD: Tensor, routing: Routing, drop: bool = True
                  ) -> tuple[Tensor, None, DenseMeta]:
-        ids_TE = routing.expert_ids_TK
+        ids_TK = routing.expert_ids_TK
         if routing.top_k != self.num_experts:
             raise ValueError(f"DenseDispatcher: routing has {routing.top_k} slots per token, "
-                             f"expected one per expert ({self.num_experts}), in expert order")
-        weights_TE = torch.where(ids_TE >= 0, routing.weights_TK, 0.0)  # padding: -1
-        return x_TD, None, DenseMeta(weights_TE, torch.zeros((), dtype=torch.long,
-                                                             device=x_TD.device))
+                             f"expected one per expert ({self.num_experts})")
+        weights_TK = torch.where(ids_TK >= 0, routing.weights_TK, 0.0)  # padding: -1
+        weights_TE = torch.zeros_like(weights_TK).scatter_add_(1, ids_TK.clamp(min=0),
+                                                               weights_TK)
+        dropped = torch.zeros((), dtype=torch.long, device=x_TD.device)
+        T = x_TD.size(0)
+        if not x_TD.is_cuda:
+            rows_N = ids_TK.ge(0).any(1).nonzero().squeeze(1)
+            if rows_N.numel() < T:
+                return x_TD.index_select(0, rows_N), None, DenseMeta(
+                    weights_TE.index_select(0, rows_N), dropped, rows_N, T)
+        return x_TD, None, DenseMeta(weights_TE, dropped, None, T)
 
-    def combine(self, y_ETD: Tensor, meta: DenseMeta) -> Tensor:
-        """y_TD[t] = sum_e weights_TE[t, e] * y_ETD[e, t]."""
-        return torch.einsum("etd,te->td", y_ETD, meta.weights_TE.to(y_ETD.dtype))
+    def combine(self, y_END: Tensor, meta: DenseMeta) -> Tensor:
+        """y_TD[t] = sum_e weights[t, e] * y_END[e, row of t], summed in expert order (0 at
+        padding)."""
+        w_NE = meta.weights_NE.to(y_END.dtype)
+        y_ND = y_END.new_zeros(y_END.shape[1:])  # from +0, as the scatter-add starts
+        for e in range(y_END.size(0)):
+            y_ND = y_ND + y_END[e] * w_NE[:, e:e + 1]
+        if meta.rows_N is None:
+            return y_ND
+        return y_ND.new_zeros(meta.num_tokens, y_ND.size(1)).index_copy(0, meta.rows_N, y_ND)

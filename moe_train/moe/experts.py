@@ -2,7 +2,9 @@
 
 Every module takes ``forward(x_ND, counts_E) -> y_ND``: x_ND holds the rows routed to this
 module's experts, grouped by expert (expert 0's `counts_E[0]` rows first, as
-`moe_train.kernels.permute` leaves them), and y_ND is in the same order.
+`moe_train.kernels.permute` leaves them), and y_ND is in the same order. `Experts` and
+`AdapterExperts` also take ``counts_E=None``: every expert on every row, (E, N, D), for
+`DenseDispatcher`.
 
 Convention for parallel/ (no attributes are hung on tensors): every parameter of a
 `StackedExperts` module is an expert parameter, stacked along dim 0 over the module's local
@@ -95,7 +97,11 @@ class Experts(StackedExperts):
         nn.init.zeros_(self.b1_EF)
         nn.init.zeros_(self.b2_ED)
 
-    def forward(self, x_ND: Tensor, counts_E: Tensor) -> Tensor:
+    def forward(self, x_ND: Tensor, counts_E: Tensor | None) -> Tensor:
+        """Rows grouped by expert (`counts_E`) -> (N, D); with counts_E None every expert runs
+        on all rows (`DenseDispatcher`) -> (E, N, D)."""
+        if counts_E is None:
+            return self.all_experts(x_ND)
         self._check_rows(x_ND, counts_E)
         dropout = self.activation_dropout if self.training else 0.0
         bufs = self.grad_buffers
@@ -109,6 +115,27 @@ class Experts(StackedExperts):
             h_NF = F.dropout(h_NF, dropout, self.training)
         return grouped_gemm(h_NF, self.w2_EFD, counts_E, self.b2_ED, backend=self.backend,
                             grad_buffers=bufs, grad_names=("w2_EFD", "b2_ED"))
+
+    def all_experts(self, x_TD: Tensor) -> Tensor:
+        """Every expert on every row, (E, T, D), with no sort and no host sync.
+
+        On the torch backend (CPU) the very GEMMs the grouped path runs, expert by expert on
+        the same T rows (`expert_ffn` over the rows repeated once per expert), so a layer whose
+        tokens each use all its experts (an extracted task sub-network) gives the numbers of
+        the full model, bit for bit. On the GPU two batched GEMMs over the stacked weights.
+        """
+        E, T = self.num_experts, x_TD.size(0)
+        dropout = self.activation_dropout if self.training else 0.0
+        if not use_triton(x_TD, self.backend) and dropout == 0:
+            counts_E = torch.full((E,), T, dtype=torch.long)  # on the host: no device sync
+            return expert_ffn(x_TD.repeat(E, 1), self.w1_EDF, self.b1_EF, self.w2_EFD,
+                              self.b2_ED, counts_E, self.activation_name,
+                              self.grad_buffers).view(E, T, -1)
+        h_ETF = self.activation(torch.baddbmm(self.b1_EF[:, None], x_TD.expand(E, T, -1),
+                                              self.w1_EDF))
+        if dropout > 0:
+            h_ETF = F.dropout(h_ETF, dropout, self.training)
+        return torch.baddbmm(self.b2_ED[:, None], h_ETF, self.w2_EFD)
 
 
 class SwiGLUExperts(StackedExperts):

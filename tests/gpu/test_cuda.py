@@ -52,3 +52,32 @@ def test_decode_throughput_benchmark_on_gpu(tmp_path):
     for rates in r["decode_sweep"]["tokens_per_s"].values():
         assert min(rates) > 0
     assert min(r["marian"]["greedy"]["sentences_per_s"].values()) > 0
+
+
+@pytest.mark.parametrize("name", ["token/target", "LP/LP k=3"])
+@torch.no_grad()
+def test_extracted_sub_network_on_gpu(name):
+    """On the GPU the sub-network's task layers run every expert on every token (batched GEMMs,
+    no sort, no host sync) and the full model sorts and runs Triton grouped GEMMs: the same
+    function, so the same greedy and beam output and logits equal to rounding."""
+    from moe_train.eval.extract import extract, load_extracted
+    from moe_train.eval.search import beam_search, greedy_search
+    from tests.unit.test_extract import BOS, CONFIGS, EOS, MANIFEST, PAD, _inputs, _model
+
+    overrides, task = CONFIGS[name]
+    cfg, model = _model(overrides)
+    sub = load_extracted(extract(model, cfg, MANIFEST, task), MANIFEST).cuda()
+    model = model.cuda()
+    src_BS, ctx = _inputs(task)
+    src_BS = src_BS.cuda()
+    ctx = ctx.replace(**{f: getattr(ctx, f).cuda() for f in ("src_lang_B", "tgt_lang_B",
+                                                             "domain_ids_B")})
+    kwargs = dict(bos_id=BOS, eos_id=EOS, pad_id=PAD, max_len_a=0.0, max_len_b=12, ctx=ctx)
+    assert greedy_search(sub, src_BS, **kwargs) == greedy_search(model, src_BS, **kwargs)
+    assert beam_search(sub, src_BS, beam=4, **kwargs) == \
+        beam_search(model, src_BS, beam=4, **kwargs)
+    tgt_BT = torch.randint(3, 40, (src_BS.size(0), 5), device="cuda")
+    tgt_BT[:, 0] = BOS
+    got = sub.decode(tgt_BT, sub.encode(src_BS, ctx), ctx)[0]
+    want = model.decode(tgt_BT, model.encode(src_BS, ctx), ctx)[0]
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)

@@ -137,3 +137,29 @@ def test_two_steps_equal_reference_with_reused_gradient_storage(set_to_none):
     assert ptrs[0] == ptrs[1]
     if set_to_none:  # the hook's reference from step 1 still holds step 1's gradient
         assert torch.equal(hooked[0], first_w1) and not torch.equal(hooked[1], first_w1)
+
+
+@pytest.mark.parametrize("activation", ["relu", "gelu"])
+def test_all_experts_equals_the_grouped_rows(activation):
+    """counts_E None: every expert on every row, (E, T, D). The CPU path is the grouped path's
+    own arithmetic on the rows repeated per expert (bit for bit); the GPU formula (batched
+    GEMMs, run here through backend "triton", which all_experts takes for CUDA) agrees."""
+    torch.manual_seed(0)
+    E, T, D, F_ = 3, 7, 8, 16
+    m = Experts(E, D, F_, activation)
+    _randomize_(m, 1)
+    x = torch.randn(T, D)
+    grouped = m(x.repeat(E, 1), torch.full((E,), T)).view(E, T, D)
+    assert torch.equal(m(x, None), grouped)
+    pytest.importorskip("triton")
+    gpu_formula = Experts(E, D, F_, activation, backend="triton")
+    gpu_formula.load_state_dict(m.state_dict())
+    x1, x2 = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    y1, y2 = m(x1, None), gpu_formula(x2, None)
+    torch.testing.assert_close(y2, y1, atol=1e-5, rtol=1e-5)
+    g = torch.randn_like(y1)
+    y1.backward(g)
+    y2.backward(g)
+    torch.testing.assert_close(x2.grad, x1.grad, atol=1e-5, rtol=1e-5)
+    for (name, p), q in zip(m.named_parameters(), gpu_formula.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, atol=1e-5, rtol=1e-5, msg=name)

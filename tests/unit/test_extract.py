@@ -18,6 +18,7 @@ from moe_train.eval.params import count_parameters
 from moe_train.eval.search import beam_search, greedy_search
 from moe_train.models.build import build_model, moe_layers
 from moe_train.models.context import ForwardContext
+from moe_train.moe.dispatcher import DenseDispatcher
 from moe_train.moe.routing import NUM_LANGS_KEY
 
 V, PAD, BOS, EOS = 40, 0, 1, 2
@@ -96,6 +97,10 @@ def test_extracted_sub_network_decodes_identically(name: str, one_thread) -> Non
     tgt_BT = torch.randint(3, V, (src_BS.size(0), 5), generator=torch.Generator().manual_seed(5))
     tgt_BT[:, 0] = BOS
     assert torch.equal(sub.decode(tgt_BT, sub_enc, ctx)[0], model.decode(tgt_BT, enc, ctx)[0])
+    tgt_BT[::2, 3:] = PAD  # teacher forcing over padded targets (what `evaluate` scores)
+    real_BT = tgt_BT.ne(PAD)
+    assert torch.equal(sub.decode(tgt_BT, sub_enc, ctx)[0][real_BT],
+                       model.decode(tgt_BT, enc, ctx)[0][real_BT])
 
     # Only k experts per task-routed layer remain; token-routed layers keep theirs.
     k = cfg.moe.k
@@ -104,6 +109,8 @@ def test_extracted_sub_network_decodes_identically(name: str, one_thread) -> Non
         task_routed = full_layer.router.name == "task"
         assert sub_layer.experts.num_experts == (k if task_routed else
                                                  full_layer.experts.num_experts)
+        # every token of the sub-network uses all k experts of a task-routed layer: no sort
+        assert isinstance(sub_layer.dispatcher, DenseDispatcher) == task_routed
         assert list(sub_layer.router.parameters()) == [] or not task_routed
     total = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
     assert total(sub) < total(model)

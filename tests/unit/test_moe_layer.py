@@ -7,7 +7,7 @@ from moe_train.config import RouterConfig, load_config
 from moe_train.errors import ConfigError
 from moe_train.models.build import build_model, moe_layers
 from moe_train.models.context import ForwardContext
-from moe_train.moe.dispatcher import LocalDispatcher, apply_capacity
+from moe_train.moe.dispatcher import DenseDispatcher, LocalDispatcher, apply_capacity
 from moe_train.moe.experts import Experts
 from moe_train.moe.layer import MoELayer
 from moe_train.moe.registry import build_router
@@ -173,3 +173,46 @@ def test_task_routing_needs_task_ids_in_the_data(override, message):
     assert message in str(err.value) and "\n" not in str(err.value)
     check_moe_against_data(load_config(overrides=["moe.num_experts=4", "moe.decoder_router=task",
                                                   "moe.k=1", "moe.num_tasks=3"]), manifest)
+
+
+@pytest.mark.parametrize("ids", [
+    [[0, 1], [1, 0], [1, 0], [0, 1], [1, 0]],        # each token uses both experts, any order
+    [[1, 0], [-1, -1], [0, 1], [1, 0], [-1, -1]],    # and padding
+])
+def test_dense_dispatch_equals_local_dispatch_bit_for_bit(ids):
+    """Where every token uses all E experts, `DenseDispatcher` (no sort) computes the numbers
+    `LocalDispatcher` does, bit for bit on CPU, and the same gradients."""
+    torch.manual_seed(0)
+    E, D = 2, 8
+    experts = Experts(E, D, 16)
+    x = torch.randn(5, D)
+    routing = _routing(ids, torch.rand(5, 2).tolist(), E)
+    out = {}
+    for disp in (LocalDispatcher(E), DenseDispatcher(E)):
+        experts.zero_grad(set_to_none=True)
+        x_in = x.clone().requires_grad_(True)
+        x_ND, counts_E, meta = disp.dispatch(x_in, routing)
+        y = disp.combine(experts(x_ND, counts_E), meta)
+        y.square().sum().backward()
+        out[type(disp).__name__] = (y.detach(), x_in.grad, experts.w1_EDF.grad.clone(),
+                                    experts.b2_ED.grad.clone())
+    local, dense = out["LocalDispatcher"], out["DenseDispatcher"]
+    assert torch.equal(dense[0], local[0])
+    pad = torch.tensor([row[0] < 0 for row in ids])
+    assert torch.all(dense[0][pad] == 0)
+    for got, want in zip(dense[1:], local[1:]):
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+
+
+def test_builder_gives_task_layers_keeping_k_experts_the_dense_dispatcher():
+    """A task-routed side with k = E (an extracted sub-network) runs without a sort; token
+    routers and task sides with more experts keep the local dispatcher."""
+    cfg = load_config(None, ["model.d_model=16", "model.ffn_dim=32", "model.n_heads=2",
+                             "model.encoder_layers=1", "model.decoder_layers=1",
+                             "moe.num_experts=4", "moe.decoder_num_experts=2", "moe.k=2",
+                             "moe.layers=all", "moe.decoder_router=task",
+                             "moe.decoder_task_source=tgt_lang"])
+    model = build_model(cfg, {"vocab_size": 30, "pad_id": 0, "langs": ["de", "en"],
+                              "domains": ["news"]})
+    kinds = {name.split("_layers.")[0]: type(layer.dispatcher) for name, layer in moe_layers(model)}
+    assert kinds == {"encoder": LocalDispatcher, "decoder": DenseDispatcher}
