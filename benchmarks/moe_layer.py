@@ -1,6 +1,7 @@
 """MoE layer benchmark: our layer vs DeepSpeed's stock MoE, Megatron-core permute, and two floors.
 
-    .venv/bin/python benchmarks/moe_layer.py [--device cpu|cuda] [--quick]
+    .venv/bin/python benchmarks/moe_layer.py [--device cpu|cuda] [--quick] [--experts 8 32 128]
+                                             [--ks 1 2]
 
 Forward + backward of one MoE layer over T tokens at E in {8, 32, 128}, k in {1, 2} (CPU: D=256,
 F=1024, T=4096 fp32; CUDA: D=1024, F=4096, T=16384 bf16), every implementation on the same x_TD
@@ -483,11 +484,23 @@ def main() -> None:
                          "init_runtime applies) or default (glibc's)")
     ap.add_argument("--out", default=None,
                     help="default benchmarks/results/moe_layer_<device>[_quick]"
-                         "[_alloc-<allocator>].json")
+                         "[_alloc-<allocator>][_e<E...>][_k<k...>].json")
+    ap.add_argument("--experts", type=int, nargs="+", default=None,
+                    help="expert counts to run (default: the shape's, 8 32 128)")
+    ap.add_argument("--ks", type=int, nargs="+", default=None,
+                    help="experts per token to run (default: 1 2)")
     ap.add_argument("--peak-child", nargs=3, metavar=("IMPL", "E", "K"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     device = args.device
     shape = QUICK if args.quick else SHAPES[device]
+    for name, values in (("experts", args.experts), ("ks", args.ks)):
+        if values is not None:
+            if min(values) < 1 or (name == "ks" and max(values) > min(args.experts or
+                                                                     shape.experts)):
+                print(f"error: --{name}: expected positive values (k at most the fewest "
+                      f"experts), got {values}", file=sys.stderr)
+                raise SystemExit(2)
+            shape = dataclasses.replace(shape, **{name: tuple(values)})
     if args.peak_child:  # RSS measurement: glibc as the parent's environment set it
         init_runtime(tune_allocator=False)
         torch.set_num_threads(args.threads)
@@ -504,7 +517,9 @@ def main() -> None:
     prov = provenance()  # after set_num_threads: records the threads every timing uses
     equivalence, rows = equivalence_check(), []
     suffix = ("_quick" if args.quick else "") + \
-        ("" if args.allocator == "tuned" else f"_alloc-{args.allocator}")
+        ("" if args.allocator == "tuned" else f"_alloc-{args.allocator}") + \
+        (f"_e{'-'.join(map(str, shape.experts))}" if args.experts else "") + \
+        (f"_k{'-'.join(map(str, shape.ks))}" if args.ks else "")
     out = Path(args.out or ROOT / "benchmarks" / "results" / f"moe_layer_{device}{suffix}.json")
     configs = [(E, k) for E in shape.experts for k in shape.ks]
     for E, k in configs:
@@ -513,7 +528,8 @@ def main() -> None:
         print(f"E={E} k={k} {brief} ep2={row['ep2']['ratio_to_min']}", flush=True)
         # after every configuration, so a run stopped early leaves what it measured
         write_json(out, {
-            "config": {"device": device, "threads": args.threads, "quick": args.quick},
+            "config": {"device": device, "threads": args.threads, "quick": args.quick,
+                       "experts": list(shape.experts), "ks": list(shape.ks)},
             "complete": len(rows) == len(configs),
             "configurations_done": [[r["experts"], r["k"]] for r in rows],
             "allocator": allocator, "megatron_core": megatron,
