@@ -30,8 +30,9 @@ whether its bars hold (moa_synthetic_test_bars_cpu.json). Writes
 benchmarks/results/moa_synthetic_cpu.json: per seed the corpus difficulty (bag-of-words
 domain accuracy, BLEU of a right translation in the wrong domain, backbone -> ADPT gap), PUR/NMI
 of clusterer, distilled gate and learned gates on the test split, BLEU/chrF per domain of every
-model, the acceptance checks of issue 13, minutes per stage; then mean / std / min / max over
-seeds. A benchmark, not a test: about 45 minutes per seed on two cores.
+model, a paired bootstrap of MoA against every other model on the same test sentences (from the
+hypotheses the evaluate stages write), the acceptance checks of issue 13, minutes per stage;
+then mean / std / min / max over seeds. A benchmark, not a test: about 45 minutes per seed on two cores.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ sys.path.insert(0, str(ROOT))
 
 from moa_real_data import _pur_nmi as _pn, run_stage, stage_record  # noqa: E402
 
+from moe_train.eval.significance import paired_bootstrap  # noqa: E402
 from moe_train.utils.atomic import write_json  # noqa: E402
 from moe_train.utils.provenance import finish, provenance  # noqa: E402
 
@@ -181,14 +183,42 @@ def _model(entry: dict[str, Any]) -> dict[str, Any]:
     return rec
 
 
-def seed_record(corpus: dict[str, Any], runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """One seed's figures and acceptance checks."""
+def _evaluated_model(ev: dict[str, Any]) -> str:
+    """Which model of an evaluate stage is the run's own: its adapter model, else its backbone
+    (the baselines trained from scratch)."""
+    return "adapters" if "adapters" in ev else "backbone"
+
+
+def significance(work: Path, runs: dict[str, dict[str, Any]], samples: int = 1000
+                 ) -> dict[str, Any]:
+    """Paired bootstrap (1000 resamples of the test sentences) of MoA against the backbone and
+    every other run, from the hypotheses the evaluate stages wrote: {model: {bleu, chrf}} with
+    A = MoA, B = that model."""
+    def lines(run: str, name: str) -> list[str]:
+        return (work / run / "evaluate" / "hypotheses" / f"{name}.txt").read_text().splitlines()
+
+    refs = lines("moa", "references")
+    moa = lines("moa", "adapters")
+    others = {"backbone": lines("moa", "backbone")}
+    for name, stages in runs.items():
+        if name != "moa" and "evaluate" in stages:
+            if lines(name, "references") != refs:
+                print(f"error: {work / name}: evaluated on other test sentences than "
+                      f"{work / 'moa'}", file=sys.stderr)
+                raise SystemExit(2)
+            others[name] = lines(name, _evaluated_model(stages["evaluate"]["done"]))
+    return {name: paired_bootstrap(moa, hyps, refs, samples=samples)
+            for name, hyps in others.items()}
+
+
+def seed_record(corpus: dict[str, Any], runs: dict[str, dict[str, Any]],
+                sig: dict[str, Any]) -> dict[str, Any]:
+    """One seed's figures and acceptance checks; `sig` is `significance` of its runs."""
     evals = {name: st["evaluate"]["done"] for name, st in runs.items() if "evaluate" in st}
     moa = evals["moa"]
     models: dict[str, Any] = {"backbone": _model(moa["backbone"])}
     for name, ev in evals.items():
-        models[name if name != "mixed_nat" else "mixed_nat"] = _model(
-            ev["adapters"] if "adapters" in ev else ev["backbone"])
+        models[name] = _model(ev[_evaluated_model(ev)])
     routing: dict[str, Any] = {}
     for name, ev in evals.items():
         for key, rep in ev["routing"].items():
@@ -210,15 +240,19 @@ def seed_record(corpus: dict[str, Any], runs: dict[str, dict[str, Any]]) -> dict
             models["adpt"]["bleu"] - models["backbone"]["bleu"], 2)
     minutes = {name: {s: v["minutes"] for s, v in stages.items()} for name, stages in runs.items()}
     return {"difficulty": diff, "routing_test": routing, "translation": models,
-            "training": training, "checks": checks(models, routing),
+            "training": training, "checks": checks(models, routing, sig),
+            "paired_bootstrap_moa_vs": sig,
             "minutes": minutes,
             "moa_recipe_minutes": round(sum(m or 0.0 for m in minutes["moa"].values()), 2),
             "stages": {name: {s: stage_record(v) for s, v in stages.items()}
                        for name, stages in runs.items()}}
 
 
-def checks(models: dict[str, Any], routing: dict[str, Any]) -> dict[str, Any]:
-    """Issue 13's acceptance items on one seed (and the Unf-D control): value, bar, holds."""
+def checks(models: dict[str, Any], routing: dict[str, Any], sig: dict[str, Any]
+           ) -> dict[str, Any]:
+    """Issue 13's acceptance items on one seed (and the Unf-D control): value, bar, holds.
+    Beside the literal Gumbel-Max item, whether top-1 is significantly better (paired
+    bootstrap, p < 0.05): a difference inside the test set's own noise is not "worse"."""
     gate, clus = routing["distilled_gate"], routing["clusterer"]
     moa, bb = models["moa"], models["backbone"]
     out: dict[str, Any] = {
@@ -246,6 +280,11 @@ def checks(models: dict[str, Any], routing: dict[str, Any]) -> dict[str, Any]:
     if "top1" in models:
         out["gumbel_k4_ge_top1"] = {"value": round(moa["bleu"] - models["top1"]["bleu"], 2),
                                     "holds": moa["bleu"] >= models["top1"]["bleu"]}
+        bs = sig["top1"]["bleu"]
+        out["gumbel_k4_not_significantly_below_top1"] = {
+            "value": {"delta": bs["delta"], "ci95": bs["ci95"],
+                      "p_top1_not_better": bs["p_b_not_better"]},
+            "bar": "p_top1_not_better >= 0.05", "holds": bs["p_b_not_better"] >= 0.05}
     return out
 
 
@@ -361,7 +400,7 @@ def main() -> None:
         corpus = make_corpus(sw, seed, QUICK_SIZES if args.quick else SIZES, options)
         common = [f"data.prepared_dir={sw / 'prepared'}", *(QUICK if args.quick else [])]
         results = run_seed(sw, common, 2 if args.quick else args.anchors, runs)
-        per_seed[str(seed)] = seed_record(corpus, results)
+        per_seed[str(seed)] = seed_record(corpus, results, significance(sw, results))
         print(json.dumps({seed: per_seed[str(seed)]["checks"]}, indent=1), flush=True)
     record = {"benchmark": f"moa_synthetic{suffix}_cpu",
               "config": {"configs": CONFIGS, "synth_preset": args.preset,

@@ -14,9 +14,13 @@
 - Random routing (``random_routing``): a model decoded again with its sentence router (gate or
   learned) replaced by a fixed arbitrary expert per sentence: what routing is worth.
 - Extra parameters of the adapter model over the backbone.
-The backbone's scores are cached beside it (recipes sharing a backbone decode it once), keyed on
-the content of its export, of the test data and on the decode settings, and reported with
-``"cached": true`` when reused. Artifact: ``eval.json``, ``routing/<name>.csv`` and ``.png``.
+- The test hypotheses of each model, one per line in test-index order, beside the references
+  (``hypotheses/<model>.txt``, ``hypotheses/references.txt``): what a paired significance test
+  between two runs (`moe_train.eval.significance`) reads.
+The backbone's scores and hypotheses are cached beside it (recipes sharing a backbone decode it
+once), keyed on the content of its export, of the test data and on the decode settings, and
+reported with ``"cached": true`` when reused. Artifact: ``eval.json``, ``routing/<name>.csv``
+and ``.png``, ``hypotheses/``.
 """
 
 from __future__ import annotations
@@ -51,6 +55,9 @@ from moe_train.utils.provenance import digest_files, digest_tree
 
 STAGE = "evaluate"
 CACHE_DIR = "eval_cache"
+CACHE_FORMAT = 2
+"""Version of what a cache entry holds (2: scores and test hypotheses); older entries miss."""
+HYP_DIR = "hypotheses"
 
 
 def test_indices(test: ShardedDataset, per_domain: int) -> np.ndarray:
@@ -128,7 +135,7 @@ def backbone_cache_key(export: Path, prepared: Path, split: str, ecfg: EvalConfi
     prepared = Path(prepared)
     data_files = [prepared / MANIFEST, *(p for p in (prepared / split).rglob("*")
                                           if p.is_file() and not p.name.startswith("."))]
-    return {"checkpoint_sha256": digest_tree(Path(export)),
+    return {"format": CACHE_FORMAT, "checkpoint_sha256": digest_tree(Path(export)),
             "test_data_sha256": digest_files(data_files, prepared), "split": split,
             "decode": {"beam": ecfg.beam, "lenpen": ecfg.lenpen, "max_len_a": ecfg.max_len_a,
                        "max_len_b": ecfg.max_len_b, "max_sentences": ecfg.max_sentences,
@@ -153,6 +160,11 @@ def cached_scores(cache_dir: Path, key: dict[str, Any], compute: Callable[[], di
     if write:
         write_json(path, {"key": key, "scores": scores})
     return dict(scores, cached=False)
+
+
+def _write_lines(path: Path, lines: list[str]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_text(path, "".join(" ".join(line.splitlines()) + "\n" for line in lines))
 
 
 def _write_table(out: Path, name: str, report: dict[str, Any]) -> None:
@@ -182,9 +194,10 @@ def run(ctx: StageContext) -> dict[str, Any]:
     result: dict[str, Any] = {"test_sentences": int(len(idx)), "beam": moa.eval_beam}
 
     def scores(inf: InferenceModel) -> dict[str, Any]:
-        metrics, _ = evaluate_dataset(inf.model, test, inf.vocab, inf.manifest, rt, ecfg,
-                                      cfg.data.max_tokens, indices=idx)
+        metrics, hyps = evaluate_dataset(inf.model, test, inf.vocab, inf.manifest, rt, ecfg,
+                                         cfg.data.max_tokens, indices=idx)
         entry = _scores(metrics)
+        entry["hypotheses"] = [hyps[int(i)] for i in idx]
         entry["rnd"] = entry["all"]
         if _uses_domain_labels(inf):
             shuffled = test.domain_ids.copy()
@@ -209,6 +222,12 @@ def run(ctx: StageContext) -> dict[str, Any]:
         result[name] = cached_scores(ctx.stage_dir("backbone") / CACHE_DIR, key,
                                      lambda inf=inf: scores(inf), write=rt.is_main)
         result["backbone_cache_key"] = key
+    out = ctx.stage_dir(STAGE)
+    hypotheses = {name: result[name].pop("hypotheses") for name in models}
+    if rt.is_main:
+        _write_lines(out / HYP_DIR / "references.txt", [test.raw_tgt(int(i)) for i in idx])
+        for name, lines in hypotheses.items():
+            _write_lines(out / HYP_DIR / f"{name}.txt", lines)
     if "adapters" in result:
         result["extra_parameters"] = result["adapters"]["parameters"] - \
             result["backbone"]["parameters"]
@@ -226,7 +245,6 @@ def run(ctx: StageContext) -> dict[str, Any]:
     learned = sentence_router_labels(routed, features_ND)
     if learned is not None:
         assignments[f"router_{sentence_routers(routed.model)[0].name}"] = learned
-    out = ctx.stage_dir(STAGE)
     routing: dict[str, Any] = {}
     for name, labels_N in assignments.items():
         report = cluster_report(labels_N, true_N, domains, max(int(labels_N.max()) + 1, 1))

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from moe_train.config.schema import EvalConfig
-from moe_train.stages.evaluate import backbone_cache_key, cached_scores
+from moe_train.stages.evaluate import CACHE_FORMAT, backbone_cache_key, cached_scores
 
 
 @pytest.fixture
@@ -96,6 +96,16 @@ def test_unreadable_or_foreign_entry_is_recomputed(fake_run):
     entry.write_text(json.dumps(stored))
     assert cached_scores(tmp / "cache", key, decode)["cached"] is False
     assert decode.calls == 3
+
+
+def test_entry_of_an_older_format_is_recomputed(fake_run):
+    """Entries written before hypotheses were cached (no "format" in their key) miss."""
+    tmp, export, prepared = fake_run
+    decode, key = Decoder(), _key(export, prepared, beam=4)
+    assert key["format"] == CACHE_FORMAT
+    cached_scores(tmp / "cache", {k: v for k, v in key.items() if k != "format"}, decode)
+    assert cached_scores(tmp / "cache", key, decode)["cached"] is False
+    assert decode.calls == 2
 
 
 def test_non_main_rank_does_not_write(fake_run):

@@ -24,17 +24,60 @@ def _routing(gate: tuple, clus: tuple, switch_nmi: float) -> dict:
             "switch_sl/router_sentence": {"pur": 0.3, "nmi": switch_nmi}}
 
 
+def _sig(delta: float, p_top1_not_better: float) -> dict:
+    return {"top1": {"bleu": {"delta": delta, "ci95": [delta - 1, delta + 1],
+                              "p_b_not_better": p_top1_not_better}}}
+
+
 def test_checks_pass_and_fail_on_the_issue_bars(bench) -> None:
     good = bench.checks(_models(30.0, 28.9, 20.0, 29.5), _routing((0.95, 0.85), (0.96, 0.86),
-                                                                   0.4))
+                                                                   0.4), _sig(0.5, 0.9))
     assert all(c["holds"] for c in good.values()), good
     assert good["moa_bleu_ge_backbone_plus_1"]["value"] == 1.1
     bad = bench.checks(_models(29.5, 28.9, 29.6, 29.6), _routing((0.89, 0.85), (0.93, 0.86),
-                                                                  0.43))
+                                                                  0.43), _sig(-0.1, 0.04))
     failed = {name for name, c in bad.items() if not c["holds"]}
     assert failed == {"gate_pur_ge_0.9", "gate_within_0.02_of_clusterer",
                       "moa_bleu_ge_backbone_plus_1", "moa_above_random_routing",
-                      "switch_sl_gate_nmi_le_half_moa", "gumbel_k4_ge_top1"}
+                      "switch_sl_gate_nmi_le_half_moa", "gumbel_k4_ge_top1",
+                      "gumbel_k4_not_significantly_below_top1"}
+
+
+def test_a_gumbel_deficit_inside_the_noise_is_reported_apart(bench) -> None:
+    """-0.2 BLEU that the paired bootstrap cannot tell from noise: the literal item fails,
+    the significance item holds, and both carry their figures."""
+    out = bench.checks(_models(29.3, 28.0, 20.0, 29.5), _routing((0.95, 0.85), (0.96, 0.86),
+                                                                  0.4), _sig(-0.2, 0.31))
+    assert out["gumbel_k4_ge_top1"] == {"value": -0.2, "holds": False}
+    assert out["gumbel_k4_not_significantly_below_top1"]["holds"] is True
+    assert out["gumbel_k4_not_significantly_below_top1"]["value"]["ci95"] == [-1.2, 0.8]
+
+
+def _write_eval(work, run: str, model: str, hyps: list[str], refs: list[str]) -> dict:
+    d = work / run / "evaluate" / "hypotheses"
+    d.mkdir(parents=True)
+    (d / "references.txt").write_text("".join(r + "\n" for r in refs))
+    (d / f"{model}.txt").write_text("".join(h + "\n" for h in hyps))
+    return {"evaluate": {"done": {model: {}}}}
+
+
+def test_significance_pairs_moa_with_each_run_own_model(bench, tmp_path, capsys) -> None:
+    refs = [f"word {i} and word {i + 1} in a sentence" for i in range(40)]
+    worse = [r.replace("and", "or") if i % 2 else r for i, r in enumerate(refs)]
+    runs = {"moa": _write_eval(tmp_path, "moa", "adapters", refs, refs),
+            "top1": _write_eval(tmp_path, "top1", "adapters", worse, refs),
+            "switch_sl": _write_eval(tmp_path, "switch_sl", "backbone", refs, refs)}
+    (tmp_path / "moa" / "evaluate" / "hypotheses" / "backbone.txt").write_text(
+        "".join(w + "\n" for w in worse))
+    runs["moa"]["evaluate"]["done"]["backbone"] = {}
+    sig = bench.significance(tmp_path, runs, samples=100)
+    assert set(sig) == {"backbone", "top1", "switch_sl"}
+    assert sig["top1"]["bleu"]["delta"] > 0 and sig["top1"]["bleu"]["p_a_not_better"] < 0.05
+    assert sig["switch_sl"]["bleu"]["delta"] == 0
+    (tmp_path / "top1" / "evaluate" / "hypotheses" / "references.txt").write_text("other\n")
+    with pytest.raises(SystemExit) as exc:
+        bench.significance(tmp_path, runs, samples=10)
+    assert exc.value.code == 2 and "other test sentences" in capsys.readouterr().err
 
 
 def test_summary_is_mean_and_spread_of_shared_leaves(bench) -> None:
@@ -52,9 +95,9 @@ def test_summary_is_mean_and_spread_of_shared_leaves(bench) -> None:
 def test_the_unf_d_control_is_checked_when_it_ran(bench) -> None:
     models = _models(30.0, 28.9, 20.0, 29.5)
     routing = _routing((0.95, 0.85), (0.96, 0.86), 0.4)
-    assert "moa_above_continued_training" not in bench.checks(models, routing)
+    assert "moa_above_continued_training" not in bench.checks(models, routing, _sig(0.5, 0.9))
     models["continued"] = {"bleu": 30.2}  # the extra training alone beats MoA
-    out = bench.checks(models, routing)["moa_above_continued_training"]
+    out = bench.checks(models, routing, _sig(0.5, 0.9))["moa_above_continued_training"]
     assert out == {"value": -0.2, "holds": False}
 
 

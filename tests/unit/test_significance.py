@@ -1,0 +1,57 @@
+"""Paired bootstrap between two systems: exact corpus scores, a deterministic interval, and
+p-values that tell a clearly better system from an identical one."""
+
+from __future__ import annotations
+
+import pytest
+from sacrebleu.metrics import BLEU, CHRF
+
+from moe_train.eval.significance import paired_bootstrap
+
+REFS = [f"the cat number {i} sat on the mat near door {i % 7}" for i in range(60)]
+GOOD = list(REFS)
+BAD = [r.replace("sat", "stood").replace("mat", "rug") if i % 2 else r
+       for i, r in enumerate(REFS)]
+
+
+def test_corpus_scores_are_sacrebleus():
+    out = paired_bootstrap(BAD, GOOD, REFS, samples=50)
+    assert out["bleu"]["a"] == round(BLEU().corpus_score(BAD, [REFS]).score, 2)
+    assert out["chrf"]["b"] == round(CHRF().corpus_score(GOOD, [REFS]).score, 2)
+    assert out["bleu"]["delta"] == round(out["bleu"]["a"] - out["bleu"]["b"], 2)
+
+
+def test_better_system_is_significant_and_interval_excludes_zero():
+    out = paired_bootstrap(GOOD, BAD, REFS, samples=300)
+    bleu = out["bleu"]
+    assert bleu["delta"] > 0
+    assert 0 < bleu["ci95"][0] <= bleu["delta"] <= bleu["ci95"][1]
+    assert bleu["p_a_not_better"] < 0.01 and bleu["p_b_not_better"] > 0.99
+    reverse = paired_bootstrap(BAD, GOOD, REFS, samples=300)["bleu"]
+    assert reverse["ci95"][1] < 0 and reverse["p_a_not_better"] > 0.99
+
+
+def test_identical_systems_never_differ():
+    out = paired_bootstrap(BAD, BAD, REFS, samples=100)
+    for metric in ("bleu", "chrf"):
+        assert out[metric]["delta"] == 0 and out[metric]["ci95"] == [0.0, 0.0]
+        assert out[metric]["p_a_not_better"] == 1.0 == out[metric]["p_b_not_better"]
+
+
+def test_deterministic_for_a_seed_and_seed_matters():
+    mixed = [g if i % 3 else b for i, (g, b) in enumerate(zip(GOOD, BAD))]
+    one = paired_bootstrap(mixed, BAD, REFS, samples=200, seed=1)
+    assert one == paired_bootstrap(mixed, BAD, REFS, samples=200, seed=1)
+    assert one["bleu"]["ci95"] != paired_bootstrap(mixed, BAD, REFS, samples=200,
+                                                   seed=2)["bleu"]["ci95"]
+
+
+@pytest.mark.parametrize("args, match", [
+    ((GOOD[:-1], BAD, REFS), "one hypothesis of each system per reference"),
+    (([], [], []), "at least one sentence"),
+])
+def test_bad_input(args, match):
+    with pytest.raises(ValueError, match=match):
+        paired_bootstrap(*args)
+    with pytest.raises(ValueError, match="samples"):
+        paired_bootstrap(GOOD, BAD, REFS, samples=0)
