@@ -363,11 +363,19 @@ def main() -> None:
     ap.add_argument("--preset", default=PRESET, help=f"synthetic corpus preset (default {PRESET})")
     ap.add_argument("--synth", action="append", default=[], metavar="KEY=VALUE",
                     help="a SynthOptions field over the preset, e.g. shared_words=96 (repeatable)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides",
+                    help="a config override for every run and stage, e.g. "
+                    "optim.warmup_steps=1000 (repeatable; recorded in config.overrides)")
     ap.add_argument("--work", default=None, help="default work/moa-synthetic-bench[-quick]")
     ap.add_argument("--out", default=None,
                     help="default benchmarks/results/moa_synthetic[_quick|_test_bars]_cpu.json")
     args = ap.parse_args()
     options = synth_options(args.preset, args.synth)
+    for item in args.overrides:
+        if "=" not in item or not item.split("=", 1)[0]:
+            print(f"error: --set {item!r}: expected KEY=VALUE, e.g. optim.warmup_steps=1000",
+                  file=sys.stderr)
+            raise SystemExit(2)
     if args.profile == "test" and (args.synth or args.preset != PRESET):
         print("error: --preset/--synth: --profile test runs the integration test's own corpus",
               file=sys.stderr)
@@ -398,7 +406,8 @@ def main() -> None:
     for seed in seeds:
         sw = work / f"seed{seed}"
         corpus = make_corpus(sw, seed, QUICK_SIZES if args.quick else SIZES, options)
-        common = [f"data.prepared_dir={sw / 'prepared'}", *(QUICK if args.quick else [])]
+        common = [f"data.prepared_dir={sw / 'prepared'}", *(QUICK if args.quick else []),
+                  *args.overrides]
         results = run_seed(sw, common, 2 if args.quick else args.anchors, runs)
         per_seed[str(seed)] = seed_record(corpus, results, significance(sw, results))
         print(json.dumps({seed: per_seed[str(seed)]["checks"]}, indent=1), flush=True)
@@ -408,6 +417,7 @@ def main() -> None:
                          "synth_options": dataclasses.asdict(options),
                          "sizes": QUICK_SIZES if args.quick else SIZES, "seeds": seeds,
                          "runs": runs, "anchors_per_domain_di": args.anchors,
+                         "overrides": args.overrides,
                          "quick_overrides": QUICK if args.quick else []},
               "per_seed": per_seed, "across_seeds": summary(per_seed),
               "wall_minutes": round((time.time() - t0) / 60, 2)}

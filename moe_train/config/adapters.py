@@ -116,6 +116,10 @@ class MoAConfig:
     """Adapter-stage updates."""
     adapter_lr: float = 5e-4
     """Peak learning rate of the adapter stage."""
+    adapter_warmup_steps: int | None = None
+    """Warm-up steps of the adapter stage's schedule (None: ``optim.warmup_steps``, the
+    backbone's). Lets a backbone schedule sized for training from scratch leave the short
+    adapter stage's schedule as it is."""
     unfreeze_decoder: bool = False
     """Train the decoder with the adapters (MoA's "Unf-D"); the encoder stays frozen."""
     eval_sentences: int = 500
@@ -143,6 +147,9 @@ class MoAConfig:
         for name in ("whiten", "unit_norm"):
             if getattr(self, name) is None:
                 setattr(self, name, self.clusterer == "gmm")
+        _expect(self.adapter_warmup_steps is None or self.adapter_warmup_steps >= 0,
+                "moa.adapter_warmup_steps", "a non-negative integer or null",
+                self.adapter_warmup_steps)
         _expect(self.distill_lr > 0 and self.adapter_lr > 0, "moa.distill_lr",
                 "positive learning rates (distill_lr, adapter_lr)",
                 (self.distill_lr, self.adapter_lr))

@@ -38,7 +38,9 @@ def adapters_config(ctx: StageContext) -> ExperimentConfig:
     adapters: dict[str, Any] = {}
     if cfg.adapters.router == "gumbel":
         adapters["num_experts"] = cfg.moa.num_clusters
-    optim = {"lr": cfg.moa.adapter_lr}
+    optim: dict[str, Any] = {"lr": cfg.moa.adapter_lr}
+    if cfg.moa.adapter_warmup_steps is not None:
+        optim["warmup_steps"] = cfg.moa.adapter_warmup_steps
     return stage_config(cfg, ctx.stage_dir(STAGE), adapters=adapters, optim=optim,
                         train={"max_steps": cfg.moa.adapter_steps})
 

@@ -63,7 +63,7 @@ MOA_READS: dict[str, frozenset[str]] = {
     "distill": frozenset({"num_clusters", "seed", "distill_steps", "distill_batch_sentences",
                           "distill_lr"}),
     "adapters": frozenset({"num_clusters", "pre_inject", "adapter_steps", "adapter_lr",
-                           "unfreeze_decoder"}),
+                           "adapter_warmup_steps", "unfreeze_decoder"}),
     "evaluate": frozenset({"num_clusters", "seed", "eval_sentences", "eval_beam"}),
 }
 """The ``moa`` fields each MoA stage reads (what it reads of the stages before it, their

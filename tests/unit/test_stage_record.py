@@ -204,3 +204,21 @@ def test_one_stage_run_names_stale_inputs_and_runs(tmp_path, capsys, monkeypatch
     assert out.count("warning") == 1 and "stage cluster (" in out and "before distill" in out
     assert "moa.num_clusters: 12 -> 6" in out and out.count("\n") == 1
     assert ran == [12, 12, 6] and (ctx.stage_dir("cluster") / DONE).is_file()
+
+
+def test_adapter_warmup_is_the_adapter_stages_own(tmp_path) -> None:
+    """moa.adapter_warmup_steps sets the adapter stage's warm-up (None: optim.warmup_steps),
+    so a backbone schedule can change without changing the adapter stage's; it is part of
+    what the adapter stage is made from, not the backbone."""
+    from moe_train.stages.adapters import adapters_config
+
+    ctx = _ctx(tmp_path, "optim.warmup_steps=1000", "moa.adapter_lr=2e-3")
+    assert adapters_config(ctx).optim.warmup_steps == 1000
+    assert adapters_config(ctx).optim.lr == 2e-3
+    ctx = _ctx(tmp_path, "optim.warmup_steps=1000", "moa.adapter_warmup_steps=150")
+    assert adapters_config(ctx).optim.warmup_steps == 150
+    assert ctx.cfg.optim.warmup_steps == 1000  # the backbone's own schedule is untouched
+    assert "moa.adapter_warmup_steps" in config_fields("adapters", ctx.cfg)
+    assert "moa.adapter_warmup_steps" not in config_fields("backbone", ctx.cfg)
+    with pytest.raises(ConfigError, match="moa.adapter_warmup_steps"):
+        _ctx(tmp_path, "moa.adapter_warmup_steps=-1")
