@@ -27,7 +27,7 @@ from moe_train.parallel.collectives import barrier
 from moe_train.parallel.runtime import ParallelRuntime
 from moe_train.stages.record import differences, made_from, stale_error
 from moe_train.utils.atomic import write_json
-from moe_train.utils.provenance import provenance
+from moe_train.utils.provenance import finish as finish_provenance, now_iso, provenance
 
 DONE = "done.json"
 
@@ -54,6 +54,11 @@ class StageContext:
     read: dict[str, Path] = field(default_factory=dict)
     """The finished stages whose output the running stage has read ({stage: its done.json}),
     recorded in its `made_from`."""
+    process_provenance: dict[str, Any] = field(default_factory=provenance)
+    """The commit, command, machine and libraries of this process, taken when it built the
+    context (before any stage ran): the code a stage runs is what was loaded then, whatever
+    is committed while it trains."""
+    _stage_started: str | None = field(default=None, repr=False)
 
     @property
     def workdir(self) -> Path:
@@ -89,6 +94,7 @@ class StageContext:
         has to run. A record made from another config, data or inputs is a ConfigError naming
         what changed."""
         self.read = {}  # a new stage starts: what it reads from here on
+        self._stage_started = now_iso()
         record = self._record(stage)
         if record is None:
             if self.upstream_of is not None:
@@ -130,6 +136,11 @@ class StageContext:
                               f"`moe-train pipeline {self.recipe} --stage {stage}` first")
         return self.stage_dir(stage)
 
+    def _stage_provenance(self) -> dict[str, Any]:
+        """The process's provenance with the running stage's start, end and wall time."""
+        started = self._stage_started or self.process_provenance["started_at"]
+        return finish_provenance(dict(self.process_provenance, started_at=started))
+
     def finish(self, stage: str, summary: dict[str, Any], cfg: ExperimentConfig
                ) -> dict[str, Any]:
         """Record `stage` as finished (rank 0 writes, everyone waits), with what it was made
@@ -140,7 +151,7 @@ class StageContext:
         # equal, so the stages that read the old output see that it changed.
         summary = summary | {"record_id": uuid.uuid4().hex,
                              "made_from": made_from(stage, cfg, inputs, self.recipe),
-                             "provenance": provenance()}
+                             "provenance": self._stage_provenance()}
         if self.rt.is_main:
             write_json(self.stage_dir(stage) / DONE, summary)
         barrier(self.rt)

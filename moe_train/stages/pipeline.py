@@ -61,7 +61,8 @@ def recipe_context(ctx: StageContext, recipe: str) -> StageContext:
     if recipe == "gad":
         moa = dataclasses.replace(cfg.moa, pre_inject=False, unfreeze_decoder=False)
         cfg = dataclasses.replace(cfg, moa=moa)
-    return StageContext(cfg, ctx.rt, recipe, rerun_stale=ctx.rerun_stale)
+    return StageContext(cfg, ctx.rt, recipe, rerun_stale=ctx.rerun_stale,
+                        process_provenance=ctx.process_provenance)
 
 
 def run_pipeline(ctx: StageContext, recipe: str = "moa", stage: str | None = None

@@ -94,12 +94,17 @@ def _now() -> datetime.datetime:
     return datetime.datetime.now(datetime.timezone.utc)
 
 
+def now_iso() -> str:
+    """The current UTC time as provenance writes it."""
+    return _now().isoformat(timespec="seconds")
+
+
 def provenance(argv: list[str] | None = None, repo: Path = REPO) -> dict[str, Any]:
     """The provenance record of a run started with `argv` (default: sys.argv)."""
     return {"git": git_state(repo), "command": [sys.executable, *(argv if argv is not None
                                                                      else sys.argv)],
             "cwd": os.getcwd(), "machine": machine(), "libraries": library_versions(),
-            "started_at": _now().isoformat(timespec="seconds")}
+            "started_at": now_iso()}
 
 
 def finish(prov: dict[str, Any]) -> dict[str, Any]:

@@ -222,3 +222,18 @@ def test_adapter_warmup_is_the_adapter_stages_own(tmp_path) -> None:
     assert "moa.adapter_warmup_steps" not in config_fields("backbone", ctx.cfg)
     with pytest.raises(ConfigError, match="moa.adapter_warmup_steps"):
         _ctx(tmp_path, "moa.adapter_warmup_steps=-1")
+
+
+def test_provenance_names_the_code_the_process_loaded(tmp_path, monkeypatch) -> None:
+    """A stage record's commit is the one taken when the process built its context, not
+    whatever HEAD is when a long stage finishes; its times are the stage's own."""
+    import moe_train.utils.provenance as prov
+
+    ctx = _ctx(tmp_path)
+    loaded = ctx.process_provenance["git"]
+    monkeypatch.setattr(prov, "git_state", lambda *a, **k: {"commit": "f" * 40, "dirty": False})
+    record = _finish(ctx, "features")
+    assert record["provenance"]["git"] == loaded
+    p = record["provenance"]
+    assert p["started_at"] <= p["finished_at"] and p["wall_seconds"] >= 0
+    assert "loadavg_1_5_15min_end" in p["machine"]
