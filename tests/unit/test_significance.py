@@ -50,7 +50,7 @@ def test_deterministic_for_a_seed_and_seed_matters():
     ((GOOD[:-1], BAD, REFS), "one hypothesis of each system per reference"),
     (([], [], []), "at least one sentence"),
 ])
-def test_bad_input(args, match):
+def test_mismatched_or_empty_input_is_refused(args, match):
     with pytest.raises(ValueError, match=match):
         paired_bootstrap(*args)
     with pytest.raises(ValueError, match="samples"):
