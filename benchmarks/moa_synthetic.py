@@ -105,6 +105,21 @@ def synth_options(preset: str, pairs: list[str]) -> Any:
         bad(f"--synth: {exc}")
 
 
+def check_overrides(overrides: list[str]) -> None:
+    """`--set` overrides, checked up front by loading every run's config with them: a bad key
+    or value is the config loader's one `error:` line and exit status 2, not a failed stage
+    after the corpus and earlier runs were made."""
+    from moe_train.config import load_config
+    from moe_train.errors import ConfigError
+
+    for config in dict.fromkeys(CONFIGS.values()):
+        try:
+            load_config(ROOT / config, overrides)
+        except ConfigError as exc:
+            print(f"error: --set: {exc}", file=sys.stderr)
+            raise SystemExit(2) from None
+
+
 def make_corpus(work: Path, seed: int, sizes: dict[str, int], options: Any = None
                 ) -> dict[str, Any]:
     """Generate (unless done) and prepare the seed's corpus (`options`: SynthOptions, default
@@ -371,11 +386,7 @@ def main() -> None:
                     help="default benchmarks/results/moa_synthetic[_quick|_test_bars]_cpu.json")
     args = ap.parse_args()
     options = synth_options(args.preset, args.synth)
-    for item in args.overrides:
-        if "=" not in item or not item.split("=", 1)[0]:
-            print(f"error: --set {item!r}: expected KEY=VALUE, e.g. optim.warmup_steps=1000",
-                  file=sys.stderr)
-            raise SystemExit(2)
+    check_overrides(args.overrides)
     if args.profile == "test" and (args.synth or args.preset != PRESET):
         print("error: --preset/--synth: --profile test runs the integration test's own corpus",
               file=sys.stderr)

@@ -163,7 +163,6 @@ def cached_scores(cache_dir: Path, key: dict[str, Any], compute: Callable[[], di
 
 
 def _write_lines(path: Path, lines: list[str]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
     write_text(path, "".join(" ".join(line.splitlines()) + "\n" for line in lines))
 
 

@@ -129,3 +129,15 @@ def test_a_corpus_made_with_other_options_is_not_reused(bench, tmp_path, capsys)
     with pytest.raises(SystemExit) as exc:
         bench.make_corpus(tmp_path, 1, {}, SynthOptions(ambiguous=5))
     assert exc.value.code == 2 and "made with other synthetic options" in capsys.readouterr().err
+
+
+def test_set_overrides_are_checked_by_the_config_loader_first(bench, capsys) -> None:
+    bench.check_overrides(["optim.warmup_steps=1000", "moa.adapter_warmup_steps=150"])
+    for bad, says in [("foo", "expected key.sub=value"),
+                      ("optim.warmup_stepz=5", "unknown field"),
+                      ("optim.warmup_steps=-1", "non-negative integer")]:
+        with pytest.raises(SystemExit) as exc:
+            bench.check_overrides([bad])
+        err = capsys.readouterr().err
+        assert exc.value.code == 2 and err.startswith("error: --set: ") and says in err, err
+        assert err.count("\n") == 1
