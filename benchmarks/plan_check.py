@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/plan_check.py [--out PATH]
 
-For each case, `moe_train.eval.plan.measured_vs_planned`: the peak live tensor bytes of a real
+For each case, `moe_train.eval.plan_measure.measured_vs_planned`: the peak live tensor bytes of a real
 fp32 training step (forward, label-smoothed loss, backward, AdamW step; gradients and Adam's
 state alive; recorded by torch.profiler's memory events, see `measure_peak`) next to
 `plan_memory` for the same shape (1 process, ZeRO 0, ep 1, fp32, CPU kernels). Cases: the two
@@ -26,7 +26,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from moe_train.config import load_config  # noqa: E402
-from moe_train.eval.plan import MEASURED_CHECKS, measured_vs_planned  # noqa: E402
+from moe_train.eval.plan_measure import MEASURED_CHECKS, measured_vs_planned  # noqa: E402
 from moe_train.utils.atomic import write_json  # noqa: E402
 from moe_train.utils.provenance import finish, provenance  # noqa: E402
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from moe_train.config import load_config
-from moe_train.eval.plan import MEASURED_CHECKS, measured_vs_planned
+from moe_train.eval.plan_measure import MEASURED_CHECKS, measured_vs_planned
 
 ROOT = Path(__file__).resolve().parents[2]
 TOLERANCE = 0.15
