@@ -19,7 +19,9 @@ Finished stages (their done.json) of an interrupted invocation are reused and ma
 (`stages.<run>.<stage>.reused`, with the commit that stage ran on); `--fresh` starts empty.
 Writes benchmarks/results/moa_real_data_de_en_cpu.json: PUR/NMI of clusterer, distilled gate and
 Switch-SL gate against the true domains (training sample and test set), per-domain BLEU/chrF of
-backbone, MoA and Switch-SL, RND, extra parameters, minutes per stage, provenance. A benchmark,
+backbone, MoA and Switch-SL, RND, a paired bootstrap of MoA against the backbone and Switch-SL
+(1000 resamples of the test sentences: delta, 95% interval, p-values), extra parameters,
+minutes per stage, provenance. A benchmark,
 not a test: about an hour on two cores (30 minutes of it the backbone).
 """
 
@@ -39,6 +41,7 @@ sys.path.insert(0, str(ROOT))
 
 from real_data import DEFAULT_DATA, QUICK_DATA, QUICK_MODEL  # noqa: E402  (benchmarks/)
 
+from moe_train.eval.significance import paired_bootstrap  # noqa: E402
 from moe_train.utils.atomic import write_json  # noqa: E402
 from moe_train.utils.provenance import finish, provenance  # noqa: E402
 
@@ -158,6 +161,34 @@ def _scores(entry: dict[str, Any]) -> dict[str, Any]:
                 {"cached": entry["cached"]} if "cached" in entry else {})
 
 
+def hypotheses(workdir: Path, model: str) -> list[str]:
+    """The lines a run's evaluate stage wrote for `model` ("references" for the test targets);
+    exit 2 where the stage predates those files."""
+    path = workdir / "evaluate" / "hypotheses" / f"{model}.txt"
+    if not path.is_file():
+        print(f"error: {path}: missing (an evaluate stage from before hypotheses were written: "
+              f"delete {workdir / 'evaluate'} to run it again)", file=sys.stderr)
+        raise SystemExit(2)
+    return path.read_text().splitlines()
+
+
+def paired_bootstrap_runs(base: tuple[Path, str], others: dict[str, tuple[Path, str]],
+                          samples: int = 1000) -> dict[str, Any]:
+    """Paired bootstrap (Koehn 2004) of one evaluated model, A = (workdir, model), against each
+    of `others` (B), on the hypotheses their evaluate stages wrote: {name: {bleu, chrf}}. Every
+    run must have scored the same test sentences (exit 2 otherwise)."""
+    refs = hypotheses(base[0], "references")
+    a = hypotheses(*base)
+    out: dict[str, Any] = {}
+    for name, (workdir, model) in others.items():
+        if hypotheses(workdir, "references") != refs:
+            print(f"error: {workdir}: evaluated on other test sentences than {base[0]}",
+                  file=sys.stderr)
+            raise SystemExit(2)
+        out[name] = paired_bootstrap(a, hypotheses(workdir, model), refs, samples=samples)
+    return out
+
+
 def routing_record(stages: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """PUR/NMI against the true domains: on the clustered sample and on the test set."""
     out: dict[str, Any] = {}
@@ -261,6 +292,12 @@ def main() -> None:
             translation[model] = _scores(ev["adapters"]) | {
                 "extra_parameters": ev["extra_parameters"]}
     record["translation"] = translation
+    if "evaluate" in runs.get("rs", {}):
+        others = {"backbone": (work / "rs", "backbone")}
+        if "evaluate" in runs.get("switch_sl", {}):
+            others["switch_sl"] = (work / "switch-sl", "adapters")
+        record["paired_bootstrap_moa_rs_vs"] = paired_bootstrap_runs((work / "rs", "adapters"),
+                                                                     others)
     keep = ("step", "train_seconds", "train_tokens_per_s", "dev_loss", "dev_bleu", "dev_chrf",
             "router", "num_adapters", "trainable_parameters_local")
     record["adapter_training"] = {

@@ -51,9 +51,13 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from moa_real_data import _pur_nmi as _pn, run_stage, stage_record  # noqa: E402
+from moa_real_data import (  # noqa: E402
+    _pur_nmi as _pn,
+    paired_bootstrap_runs,
+    run_stage,
+    stage_record,
+)
 
-from moe_train.eval.significance import paired_bootstrap  # noqa: E402
 from moe_train.utils.atomic import write_json  # noqa: E402
 from moe_train.utils.provenance import finish, provenance  # noqa: E402
 
@@ -207,23 +211,12 @@ def _evaluated_model(ev: dict[str, Any]) -> str:
 def significance(work: Path, runs: dict[str, dict[str, Any]], samples: int = 1000
                  ) -> dict[str, Any]:
     """Paired bootstrap (1000 resamples of the test sentences) of MoA against the backbone and
-    every other run, from the hypotheses the evaluate stages wrote: {model: {bleu, chrf}} with
-    A = MoA, B = that model."""
-    def lines(run: str, name: str) -> list[str]:
-        return (work / run / "evaluate" / "hypotheses" / f"{name}.txt").read_text().splitlines()
-
-    refs = lines("moa", "references")
-    moa = lines("moa", "adapters")
-    others = {"backbone": lines("moa", "backbone")}
-    for name, stages in runs.items():
-        if name != "moa" and "evaluate" in stages:
-            if lines(name, "references") != refs:
-                print(f"error: {work / name}: evaluated on other test sentences than "
-                      f"{work / 'moa'}", file=sys.stderr)
-                raise SystemExit(2)
-            others[name] = lines(name, _evaluated_model(stages["evaluate"]["done"]))
-    return {name: paired_bootstrap(moa, hyps, refs, samples=samples)
-            for name, hyps in others.items()}
+    every other run's own model, from the hypotheses the evaluate stages wrote: {model: {bleu,
+    chrf}} with A = MoA, B = that model."""
+    others = {"backbone": (work / "moa", "backbone")}
+    others |= {name: (work / name, _evaluated_model(stages["evaluate"]["done"]))
+               for name, stages in runs.items() if name != "moa" and "evaluate" in stages}
+    return paired_bootstrap_runs((work / "moa", "adapters"), others, samples=samples)
 
 
 def seed_record(corpus: dict[str, Any], runs: dict[str, dict[str, Any]],

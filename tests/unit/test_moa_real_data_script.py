@@ -65,3 +65,33 @@ def test_run_stage_goes_through_the_pipeline_reuse_check(script, tmp_path: Path,
     assert again["minutes"] == first["minutes"] and rerun["done"] == {"id": 2}
     assert all(c[c.index("--stage") + 1] == "cluster" and "--rerun-stale" in c for c in calls)
     assert calls[-1][-1] == "moa.pca_dim=5"
+
+
+def _hyps(workdir: Path, model: str, lines: list[str]) -> None:
+    d = workdir / "evaluate" / "hypotheses"
+    d.mkdir(parents=True, exist_ok=True)
+    (d / f"{model}.txt").write_text("".join(line + "\n" for line in lines))
+
+
+def test_paired_bootstrap_runs_reads_each_run_hypotheses(script, tmp_path: Path, capsys) -> None:
+    """MoA against the backbone and Switch-SL from the files their evaluate stages wrote; an
+    evaluate stage without them (written before hypotheses were kept) is a one-line exit 2."""
+    refs = [f"the {i} cat sat on the {i + 1} mat today" for i in range(40)]
+    worse = [r.replace("sat", "stood") if i % 2 else r for i, r in enumerate(refs)]
+    rs, sw = tmp_path / "rs", tmp_path / "switch-sl"
+    for workdir in (rs, sw):
+        _hyps(workdir, "references", refs)
+    _hyps(rs, "adapters", refs)
+    _hyps(rs, "backbone", worse)
+    _hyps(sw, "adapters", refs)
+    sig = script.paired_bootstrap_runs((rs, "adapters"), {"backbone": (rs, "backbone"),
+                                                          "switch_sl": (sw, "adapters")},
+                                       samples=100)
+    assert sig["backbone"]["bleu"]["delta"] > 0
+    assert sig["backbone"]["bleu"]["p_a_not_better"] < 0.05
+    assert sig["switch_sl"]["bleu"]["delta"] == 0 == sig["switch_sl"]["chrf"]["delta"]
+    (sw / "evaluate" / "hypotheses" / "adapters.txt").unlink()
+    with pytest.raises(SystemExit) as exc:
+        script.paired_bootstrap_runs((rs, "adapters"), {"switch_sl": (sw, "adapters")})
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "adapters.txt: missing" in err and len(err.splitlines()) == 1
