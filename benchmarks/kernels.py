@@ -33,6 +33,8 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from measure import sync  # noqa: E402  (benchmarks/ is sys.path[0])
+
 from moe_train.kernels import expert_histogram, grouped_gemm, permute, unpermute  # noqa: E402
 from moe_train.kernels.backend import triton_available  # noqa: E402
 from moe_train.kernels.grad_buffers import GradBuffers  # noqa: E402
@@ -54,12 +56,10 @@ def timed(fns: dict[str, Callable[[], object]], device: str, reps: int
         fn()
     for _ in range(reps):
         for name, fn in fns.items():
-            if device == "cuda":
-                torch.cuda.synchronize()
+            sync(device)
             start = time.perf_counter()
             fn()
-            if device == "cuda":
-                torch.cuda.synchronize()
+            sync(device)
             times[name].append((time.perf_counter() - start) * 1e3)
     return {name: (statistics.median(t), min(t)) for name, t in times.items()}
 

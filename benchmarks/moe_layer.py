@@ -25,12 +25,9 @@ import dataclasses
 import gc
 import json
 import os
-import re
-import resource
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -41,6 +38,7 @@ from torch import Tensor, nn
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from measure import Step, measure_peak, profile_top_ops, time_interleaved  # noqa: E402
 from moe_layer_ep import ep_bytes  # noqa: E402  (benchmarks/ is sys.path[0])
 
 from moe_train.config import RouterConfig  # noqa: E402
@@ -76,7 +74,6 @@ SHAPES = {
 QUICK = Shape(D=64, F=256, T=512, T_ep=64, dtype=torch.float32, experts=(8, 32), reps=2,
               warmup=1)
 AUX_COEF, Z_COEF = 0.01, 0.001
-Step = Callable[[], dict[str, Any]]
 
 
 # --- the implementations -------------------------------------------------------------------
@@ -249,69 +246,6 @@ def build_steps(E: int, k: int, shape: Shape, device: str, only: str | None = No
 
 # --- measuring -----------------------------------------------------------------------------
 
-def sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
-def time_interleaved(steps: dict[str, Step], device: str, warmup: int, reps: int
-                     ) -> tuple[dict[str, list[float]], dict[str, dict[str, Any]]]:
-    """Milliseconds of each step over `reps` rounds that run every step once (order rotated
-    each round, so drift hits all alike), after `warmup` runs; and what each step reported,
-    with its median minor page faults (fresh pages the kernel had to map and zero)."""
-    info = {}
-    for name, fn in steps.items():
-        for _ in range(warmup):
-            info[name] = fn()
-    names = list(steps)
-    times: dict[str, list[float]] = {n: [] for n in names}
-    faults: dict[str, list[int]] = {n: [] for n in names}
-    for r in range(reps):
-        for name in names[r % len(names):] + names[:r % len(names)]:
-            sync(device)
-            f0, t0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt, time.perf_counter()
-            steps[name]()
-            sync(device)
-            times[name].append((time.perf_counter() - t0) * 1e3)
-            faults[name].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
-    for name in names:
-        info[name]["minor_faults_per_step"] = int(statistics.median(faults[name]))
-    return times, info
-
-
-def _proc_kib(field: str) -> int:
-    return int(re.search(rf"{field}:\s+(\d+) kB", Path("/proc/self/status").read_text())[1])
-
-
-def measure_peak(step: Step, device: str) -> dict[str, int]:
-    """Bytes one step (after a warm-up step) adds at its peak above what is resident before it
-    (weights and inputs), and the bytes of the gradients it leaves behind. Gradient storage
-    kept for reuse between steps (our `Experts.grad_buffers`) is let go before the step, so
-    the step allocates its gradients like every other implementation."""
-    step()
-    leaves = getattr(step, "leaves", [])
-    for t in leaves:
-        t.grad = None
-    step.release()  # type: ignore[attr-defined]
-    gc.collect()
-    if device == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        before = torch.cuda.memory_allocated()
-        step()
-        torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated() - before
-    else:
-        before = _proc_kib("VmRSS")
-        Path("/proc/self/clear_refs").write_text("5")  # VmHWM := current RSS
-        step()
-        peak = (_proc_kib("VmHWM") - before) * 1024
-    grad_bytes = sum(t.grad.numel() * t.grad.element_size() for t in leaves
-                     if t.grad is not None)
-    return {"peak_bytes": peak, "grad_bytes": grad_bytes,
-            "peak_minus_grad_bytes": peak - grad_bytes}
-
-
 def peak_in_subprocess(impl: str, E: int, k: int, args: argparse.Namespace) -> dict[str, Any]:
     """CPU: `measure_peak` in a fresh interpreter whose malloc gives every block of 64 KiB or
     more back to the OS when freed, so that RSS follows the live tensors (whatever --allocator
@@ -356,20 +290,6 @@ def stage_breakdown(inp: Inputs, device: str, warmup: int, reps: int) -> dict[st
     }
     times, _ = time_interleaved(steps, device, warmup, reps)
     return {f"{n}_ms": round(statistics.median(t), 3) for n, t in times.items()}
-
-
-def profile_top_ops(step: Step, device: str, top: int = 12) -> list[dict[str, Any]]:
-    """The ops of one step with the most self time (CPU; device time on CUDA)."""
-    from torch.profiler import ProfilerActivity, profile
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
-    step()
-    with profile(activities=acts) as prof:
-        step()
-        sync(device)
-    key = "self_device_time_total" if device == "cuda" else "self_cpu_time_total"
-    rows = sorted(prof.key_averages(), key=lambda e: getattr(e, key), reverse=True)[:top]
-    return [{"op": e.key, "calls": e.count, "self_ms": round(getattr(e, key) / 1e3, 3)}
-            for e in rows]
 
 
 def equivalence_check() -> dict[str, Any]:
