@@ -172,21 +172,28 @@ def hypotheses(workdir: Path, model: str) -> list[str]:
     return path.read_text().splitlines()
 
 
-def paired_bootstrap_runs(base: tuple[Path, str], others: dict[str, tuple[Path, str]],
-                          samples: int = 1000) -> dict[str, Any]:
-    """Paired bootstrap (Koehn 2004) of one evaluated model, A = (workdir, model), against each
-    of `others` (B), on the hypotheses their evaluate stages wrote: {name: {bleu, chrf}}. Every
-    run must have scored the same test sentences (exit 2 otherwise)."""
+def paired_hypotheses(base: tuple[Path, str], others: dict[str, tuple[Path, str]]
+                      ) -> tuple[list[str], dict[str, list[str]], list[str]]:
+    """A's hypotheses (A = (workdir, model)), each of `others`' and the references, from the
+    files their evaluate stages wrote; every run must have scored the same test sentences (exit
+    2 otherwise)."""
     refs = hypotheses(base[0], "references")
-    a = hypotheses(*base)
-    out: dict[str, Any] = {}
+    b: dict[str, list[str]] = {}
     for name, (workdir, model) in others.items():
         if hypotheses(workdir, "references") != refs:
             print(f"error: {workdir}: evaluated on other test sentences than {base[0]}",
                   file=sys.stderr)
             raise SystemExit(2)
-        out[name] = paired_bootstrap(a, hypotheses(workdir, model), refs, samples=samples)
-    return out
+        b[name] = hypotheses(workdir, model)
+    return hypotheses(*base), b, refs
+
+
+def paired_bootstrap_runs(base: tuple[Path, str], others: dict[str, tuple[Path, str]],
+                          samples: int = 1000) -> dict[str, Any]:
+    """Paired bootstrap (Koehn 2004) of one evaluated model, A = (workdir, model), against each
+    of `others` (B), on the hypotheses their evaluate stages wrote: {name: {bleu, chrf}}."""
+    a, b, refs = paired_hypotheses(base, others)
+    return {name: paired_bootstrap(a, hyps, refs, samples=samples) for name, hyps in b.items()}
 
 
 def routing_record(stages: dict[str, dict[str, Any]]) -> dict[str, Any]:

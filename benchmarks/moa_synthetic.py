@@ -32,7 +32,7 @@ domain accuracy, BLEU of a right translation in the wrong domain, backbone -> AD
 of clusterer, distilled gate and learned gates on the test split, BLEU/chrF per domain of every
 model, a paired bootstrap of MoA against every other model on the same test sentences (from the
 hypotheses the evaluate stages write), the acceptance checks of issue 13, minutes per stage;
-then mean / std / min / max over seeds. A benchmark, not a test: about 45 minutes per seed on two cores.
+then mean / std / min / max over seeds and the bootstrap on all seeds' test sentences pooled. A benchmark, not a test: about 45 minutes per seed on two cores.
 """
 
 from __future__ import annotations
@@ -54,10 +54,12 @@ sys.path.insert(0, str(ROOT))
 from moa_real_data import (  # noqa: E402
     _pur_nmi as _pn,
     paired_bootstrap_runs,
+    paired_hypotheses,
     run_stage,
     stage_record,
 )
 
+from moe_train.eval.significance import paired_bootstrap  # noqa: E402
 from moe_train.utils.atomic import write_json  # noqa: E402
 from moe_train.utils.provenance import finish, provenance  # noqa: E402
 
@@ -208,15 +210,57 @@ def _evaluated_model(ev: dict[str, Any]) -> str:
     return "adapters" if "adapters" in ev else "backbone"
 
 
+def _compared(work: Path, runs: dict[str, dict[str, Any]]) -> dict[str, tuple[Path, str]]:
+    """What MoA is compared with on one seed: the backbone and every other evaluated run's own
+    model, as (workdir, model)."""
+    others = {"backbone": (work / "moa", "backbone")}
+    return others | {name: (work / name, _evaluated_model(stages["evaluate"]["done"]))
+                     for name, stages in runs.items() if name != "moa" and "evaluate" in stages}
+
+
 def significance(work: Path, runs: dict[str, dict[str, Any]], samples: int = 1000
                  ) -> dict[str, Any]:
     """Paired bootstrap (1000 resamples of the test sentences) of MoA against the backbone and
     every other run's own model, from the hypotheses the evaluate stages wrote: {model: {bleu,
     chrf}} with A = MoA, B = that model."""
-    others = {"backbone": (work / "moa", "backbone")}
-    others |= {name: (work / name, _evaluated_model(stages["evaluate"]["done"]))
-               for name, stages in runs.items() if name != "moa" and "evaluate" in stages}
-    return paired_bootstrap_runs((work / "moa", "adapters"), others, samples=samples)
+    return paired_bootstrap_runs((work / "moa", "adapters"), _compared(work, runs),
+                                 samples=samples)
+
+
+def pooled_significance(seeds: list[tuple[Path, dict[str, dict[str, Any]]]],
+                        samples: int = 1000) -> dict[str, Any]:
+    """The paired bootstrap on the union of every seed's test sentences (each paired with its
+    own seed's models), for each model every seed has: whether MoA's lead over seeds is larger
+    than the test sentences' noise. It resamples sentences only, so it does not measure how
+    training and corpus seeds move the delta; the per-seed deltas show that."""
+    a: list[str] = []
+    refs: list[str] = []
+    b: dict[str, list[str]] = {}
+    for work, runs in seeds:
+        a_s, b_s, refs_s = paired_hypotheses((work / "moa", "adapters"), _compared(work, runs))
+        a += a_s
+        refs += refs_s
+        for name, hyps in b_s.items():
+            b.setdefault(name, []).extend(hyps)
+    return {name: paired_bootstrap(a, hyps, refs, samples=samples)
+            for name, hyps in b.items() if len(hyps) == len(a)}
+
+
+def pooled_checks(per_seed: dict[str, dict[str, Any]], pooled: dict[str, Any]
+                  ) -> dict[str, Any]:
+    """The Gumbel-Max item over the seeds together: the mean of the per-seed BLEU deltas, and
+    the pooled paired bootstrap (top-1 not significantly better, p >= 0.05)."""
+    if "top1" not in pooled:
+        return {}
+    deltas = [rec["checks"]["gumbel_k4_ge_top1"]["value"] for rec in per_seed.values()]
+    bs = pooled["top1"]["bleu"]
+    return {"gumbel_k4_mean_delta_over_seeds_ge_0": {
+                "value": round(statistics.fmean(deltas), 2), "per_seed": deltas,
+                "holds": statistics.fmean(deltas) >= 0},
+            "gumbel_k4_not_significantly_below_top1_pooled": {
+                "value": {"delta": bs["delta"], "ci95": bs["ci95"],
+                          "p_top1_not_better": bs["p_b_not_better"]},
+                "bar": "p_top1_not_better >= 0.05", "holds": bs["p_b_not_better"] >= 0.05}}
 
 
 def seed_record(corpus: dict[str, Any], runs: dict[str, dict[str, Any]],
@@ -406,6 +450,7 @@ def main() -> None:
         raise SystemExit("--runs: must start with moa (the others use its backbone and gate)")
     seeds = [int(s) for s in args.seeds.split(",") if s]
     per_seed: dict[str, Any] = {}
+    done: list[tuple[Path, dict[str, Any]]] = []
     t0 = time.time()
     for seed in seeds:
         sw = work / f"seed{seed}"
@@ -414,6 +459,7 @@ def main() -> None:
                   *args.overrides]
         results = run_seed(sw, common, 2 if args.quick else args.anchors, runs)
         per_seed[str(seed)] = seed_record(corpus, results, significance(sw, results))
+        done.append((sw, results))
         print(json.dumps({seed: per_seed[str(seed)]["checks"]}, indent=1), flush=True)
     record = {"benchmark": f"moa_synthetic{suffix}_cpu",
               "config": {"configs": CONFIGS, "synth_preset": args.preset,
@@ -425,6 +471,9 @@ def main() -> None:
                          "quick_overrides": QUICK if args.quick else []},
               "per_seed": per_seed, "across_seeds": summary(per_seed),
               "wall_minutes": round((time.time() - t0) / 60, 2)}
+    pooled = pooled_significance(done)
+    record["across_seeds"]["paired_bootstrap_moa_vs_pooled"] = pooled
+    record["across_seeds"]["checks_pooled"] = pooled_checks(per_seed, pooled)
     record["provenance"] = finish(prov)
     write_json(out, record)
     print(json.dumps(record["across_seeds"]["checks_hold_on_every_seed"], indent=1))

@@ -80,6 +80,34 @@ def test_significance_pairs_moa_with_each_run_own_model(bench, tmp_path, capsys)
     assert exc.value.code == 2 and "other test sentences" in capsys.readouterr().err
 
 
+def test_pooled_significance_joins_the_seeds_test_sentences(bench, tmp_path) -> None:
+    """Two seeds whose MoA - top-1 deltas have opposite signs: the pooled bootstrap pairs each
+    seed's sentences with its own models (MoA equal to top-1 overall here), leaves out a model
+    that only one seed has, and the across-seed Gumbel items carry the mean and the interval."""
+    refs = [f"word {i} and word {i + 1} in a sentence" for i in range(40)]
+    worse = [r.replace("and", "or") if i % 2 else r for i, r in enumerate(refs)]
+    seeds = []
+    for name, (moa, top1) in {"s1": (refs, worse), "s2": (worse, refs)}.items():
+        work = tmp_path / name
+        runs = {"moa": _write_eval(work, "moa", "adapters", moa, refs),
+                "top1": _write_eval(work, "top1", "adapters", top1, refs)}
+        (work / "moa" / "evaluate" / "hypotheses" / "backbone.txt").write_text(
+            "".join(w + "\n" for w in worse))
+        if name == "s1":
+            runs["adpt"] = _write_eval(work, "adpt", "adapters", refs, refs)
+        seeds.append((work, runs))
+    pooled = bench.pooled_significance(seeds, samples=200)
+    assert set(pooled) == {"backbone", "top1"}
+    assert pooled["top1"]["bleu"]["delta"] == 0.0 < pooled["backbone"]["bleu"]["delta"]
+    per_seed = {s: {"checks": {"gumbel_k4_ge_top1": {"value": v}}}
+                for s, v in (("s1", 2.5), ("s2", -2.5))}
+    out = bench.pooled_checks(per_seed, pooled)
+    assert out["gumbel_k4_mean_delta_over_seeds_ge_0"] == {
+        "value": 0.0, "per_seed": [2.5, -2.5], "holds": True}
+    assert out["gumbel_k4_not_significantly_below_top1_pooled"]["holds"] is True
+    assert bench.pooled_checks(per_seed, {"backbone": pooled["backbone"]}) == {}
+
+
 def test_summary_is_mean_and_spread_of_shared_leaves(bench) -> None:
     def rec(bleu: float, holds: bool) -> dict:
         return {"translation": {"moa": {"bleu": bleu, "flag": True}},
