@@ -169,7 +169,7 @@ def hypotheses(workdir: Path, model: str) -> list[str]:
         print(f"error: {path}: missing (an evaluate stage from before hypotheses were written: "
               f"delete {workdir / 'evaluate'} to run it again)", file=sys.stderr)
         raise SystemExit(2)
-    return path.read_text().splitlines()
+    return path.read_text(encoding="utf-8").split("\n")[:-1]  # one line per "\n", as written
 
 
 def paired_hypotheses(base: tuple[Path, str], others: dict[str, tuple[Path, str]]
@@ -185,7 +185,14 @@ def paired_hypotheses(base: tuple[Path, str], others: dict[str, tuple[Path, str]
                   file=sys.stderr)
             raise SystemExit(2)
         b[name] = hypotheses(workdir, model)
-    return hypotheses(*base), b, refs
+    a = hypotheses(*base)
+    for (workdir, model), hyps in [(base, a), *((others[n], h) for n, h in b.items())]:
+        if len(hyps) != len(refs):
+            print(f"error: {workdir / 'evaluate' / 'hypotheses' / (model + '.txt')}: "
+                  f"{len(hyps)} lines, expected one per reference ({len(refs)})",
+                  file=sys.stderr)
+            raise SystemExit(2)
+    return a, b, refs
 
 
 def paired_bootstrap_runs(base: tuple[Path, str], others: dict[str, tuple[Path, str]],
@@ -243,7 +250,8 @@ def main() -> None:
     data = args.data
     if args.test_dir:
         if not Path(args.test_dir).is_dir():
-            raise SystemExit(f"--test-dir {args.test_dir}: not a directory")
+            print(f"error: --test-dir {args.test_dir}: not a directory", file=sys.stderr)
+            raise SystemExit(2)
         data = with_test_dir(args.data, args.test_dir, work / "corpus-with-test")
     reused_prepared = prepare(data, work / "prepared", args.quick)
     common = [f"data.prepared_dir={work / 'prepared'}", *(QUICK_STAGES if args.quick else [])]
@@ -263,7 +271,9 @@ def main() -> None:
     wanted = [r for r in args.runs.split(",") if r]
     unknown = sorted(set(wanted) - set(plan))
     if unknown:
-        raise SystemExit(f"--runs: unknown {', '.join(unknown)} (known: {', '.join(plan)})")
+        print(f"error: --runs: unknown {', '.join(unknown)} (known: {', '.join(plan)})",
+              file=sys.stderr)
+        raise SystemExit(2)
     runs: dict[str, dict[str, dict[str, Any]]] = {}
     for name in wanted:
         config, workdir, overrides, stages = plan[name]

@@ -32,7 +32,8 @@ domain accuracy, BLEU of a right translation in the wrong domain, backbone -> AD
 of clusterer, distilled gate and learned gates on the test split, BLEU/chrF per domain of every
 model, a paired bootstrap of MoA against every other model on the same test sentences (from the
 hypotheses the evaluate stages write), the acceptance checks of issue 13, minutes per stage;
-then mean / std / min / max over seeds and the bootstrap on all seeds' test sentences pooled. A benchmark, not a test: about 45 minutes per seed on two cores.
+then mean / std / min / max over seeds and the bootstrap on all seeds' test sentences pooled.
+A benchmark, not a test: about 45 minutes per seed on two cores.
 """
 
 from __future__ import annotations
@@ -77,6 +78,8 @@ QUICK = ["model.d_model=32", "model.ffn_dim=64", "train.max_steps=6", "train.val
          "train.bleu_sentences=5", "moa.sample_size=50", "moa.pca_dim=4", "moa.distill_steps=3",
          "moa.adapter_steps=4", "moa.eval_sentences=3", "moa.eval_beam=1", "adapters.dim=4"]
 """--quick: a tiny model and a few steps of every stage (checks the script, not the claims)."""
+RUNS = ("moa", "top1", "continued", "di", "switch_sl", "sgmoe_sl", "adpt", "mixed_nat")
+"""Every run `run_seed` knows, in the default order (moa first: the others use its stages)."""
 GATED = ("moa", "top1", "di")
 """Runs whose adapters are routed by a clusterer-distilled gate."""
 
@@ -109,6 +112,31 @@ def synth_options(preset: str, pairs: list[str]) -> Any:
         return dataclasses.replace(PRESETS[preset], **changes)
     except ConfigError as exc:
         bad(f"--synth: {exc}")
+
+
+def parse_seeds(text: str) -> list[int]:
+    """--seeds: distinct integers, comma-separated (a repeated seed would pool the same
+    sentences twice); anything else is one `error:` line and exit status 2."""
+    try:
+        seeds = [int(s) for s in text.split(",") if s.strip()]
+    except ValueError:
+        seeds = []
+    if not seeds or len(set(seeds)) != len(seeds):
+        print(f"error: --seeds: expected distinct comma-separated integers, got {text!r}",
+              file=sys.stderr)
+        raise SystemExit(2)
+    return seeds
+
+
+def parse_runs(text: str) -> list[str]:
+    """--runs: moa first (the others use its backbone and gate), then any of `RUNS`; anything
+    else is one `error:` line and exit status 2."""
+    runs = [r.strip() for r in text.split(",") if r.strip()]
+    if runs[:1] != ["moa"] or set(runs) - set(RUNS) or len(set(runs)) != len(runs):
+        print(f"error: --runs: expected moa first, then any of {', '.join(RUNS[1:])} once; "
+              f"got {text!r}", file=sys.stderr)
+        raise SystemExit(2)
+    return runs
 
 
 def check_overrides(overrides: list[str]) -> None:
@@ -230,20 +258,25 @@ def significance(work: Path, runs: dict[str, dict[str, Any]], samples: int = 100
 def pooled_significance(seeds: list[tuple[Path, dict[str, dict[str, Any]]]],
                         samples: int = 1000) -> dict[str, Any]:
     """The paired bootstrap on the union of every seed's test sentences (each paired with its
-    own seed's models), for each model every seed has: whether MoA's lead over seeds is larger
-    than the test sentences' noise. It resamples sentences only, so it does not measure how
-    training and corpus seeds move the delta; the per-seed deltas show that."""
+    own seed's models; each resample draws every seed's sentences apart, so the seeds keep
+    their share), for each model every seed has: whether MoA's lead over seeds is larger than
+    the test sentences' noise. It resamples sentences only, so it does not measure how training
+    and corpus seeds move the delta; the per-seed deltas show that."""
     a: list[str] = []
     refs: list[str] = []
+    strata: list[int] = []
     b: dict[str, list[str]] = {}
+    has: dict[str, int] = {}
     for work, runs in seeds:
         a_s, b_s, refs_s = paired_hypotheses((work / "moa", "adapters"), _compared(work, runs))
         a += a_s
         refs += refs_s
+        strata.append(len(refs_s))
         for name, hyps in b_s.items():
             b.setdefault(name, []).extend(hyps)
-    return {name: paired_bootstrap(a, hyps, refs, samples=samples)
-            for name, hyps in b.items() if len(hyps) == len(a)}
+            has[name] = has.get(name, 0) + 1
+    return {name: paired_bootstrap(a, hyps, refs, samples=samples, strata=strata)
+            for name, hyps in b.items() if has[name] == len(seeds)}
 
 
 def pooled_checks(per_seed: dict[str, dict[str, Any]], pooled: dict[str, Any]
@@ -253,10 +286,10 @@ def pooled_checks(per_seed: dict[str, dict[str, Any]], pooled: dict[str, Any]
     if "top1" not in pooled:
         return {}
     deltas = [rec["checks"]["gumbel_k4_ge_top1"]["value"] for rec in per_seed.values()]
+    mean = round(statistics.fmean(deltas), 2)
     bs = pooled["top1"]["bleu"]
     return {"gumbel_k4_mean_delta_over_seeds_ge_0": {
-                "value": round(statistics.fmean(deltas), 2), "per_seed": deltas,
-                "holds": statistics.fmean(deltas) >= 0},
+                "value": mean, "per_seed": deltas, "holds": mean >= 0},
             "gumbel_k4_not_significantly_below_top1_pooled": {
                 "value": {"delta": bs["delta"], "ci95": bs["ci95"],
                           "p_top1_not_better": bs["p_b_not_better"]},
@@ -405,7 +438,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seeds", default="2101,2102,2103",
                     help="corpus seeds (tests use 0-99; keep these out of that range)")
-    ap.add_argument("--runs", default="moa,top1,continued,di,switch_sl,sgmoe_sl,adpt,mixed_nat")
+    ap.add_argument("--runs", default=",".join(RUNS))
     ap.add_argument("--anchors", type=int, default=20, help="dev anchors per domain for di")
     ap.add_argument("--fresh", action="store_true", help="delete the work directory first")
     ap.add_argument("--quick", action="store_true", help="tiny corpus, model and stages")
@@ -439,16 +472,14 @@ def main() -> None:
     if args.profile == "test":
         t0 = time.time()
         record = {"benchmark": "moa_synthetic_test_bars_cpu",
-                  **test_bars(work, [int(s) for s in args.seeds.split(",") if s]),
+                  **test_bars(work, parse_seeds(args.seeds)),
                   "wall_minutes": round((time.time() - t0) / 60, 2)}
         record["provenance"] = finish(prov)
         write_json(out, record)
         print(f"bars hold on every seed: {record['bars_hold_on_every_seed']}; wrote {out}")
         return
-    runs = [r for r in args.runs.split(",") if r]
-    if runs[:1] != ["moa"]:
-        raise SystemExit("--runs: must start with moa (the others use its backbone and gate)")
-    seeds = [int(s) for s in args.seeds.split(",") if s]
+    runs = parse_runs(args.runs)
+    seeds = parse_seeds(args.seeds)
     per_seed: dict[str, Any] = {}
     done: list[tuple[Path, dict[str, Any]]] = []
     t0 = time.time()

@@ -2,8 +2,8 @@
 
     .venv/bin/python benchmarks/plan_check.py [--out PATH]
 
-For each case, `moe_train.eval.plan_measure.measured_vs_planned`: the peak live tensor bytes of a real
-fp32 training step (forward, label-smoothed loss, backward, AdamW step; gradients and Adam's
+For each case, `moe_train.eval.plan_measure.measured_vs_planned`: the peak live tensor bytes of
+a real fp32 training step (forward, label-smoothed loss, backward, AdamW step; gradients and Adam's
 state alive; recorded by torch.profiler's memory events, see `measure_peak`) next to
 `plan_memory` for the same shape (1 process, ZeRO 0, ep 1, fp32, CPU kernels). Cases: the two
 `MEASURED_CHECKS` (a 24M-parameter seq2seq MoE and a 13M-parameter Qwen2-MoE), variants of

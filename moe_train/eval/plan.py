@@ -66,7 +66,6 @@ Shape legend: B sequences, S / T source / target tokens.
 
 from __future__ import annotations
 
-
 import functools
 import json
 import math

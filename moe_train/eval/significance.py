@@ -27,12 +27,15 @@ def _resampled(metric: Any, stats_NS: np.ndarray, idx_RN: np.ndarray) -> np.ndar
 
 
 def paired_bootstrap(hyps_a: Sequence[str], hyps_b: Sequence[str], refs: Sequence[str],
-                     samples: int = 1000, seed: int = 12345) -> dict[str, Any]:
+                     samples: int = 1000, seed: int = 12345,
+                     strata: Sequence[int] | None = None) -> dict[str, Any]:
     """System A against system B on the same sentences: per metric (``bleu``, ``chrf``) the
     corpus scores, ``delta`` = A - B, the 95% percentile interval of the resampled deltas
     (``ci95``), and the share of resamples in which A does not beat B (``p_a_not_better``,
     the one-sided p-value of "A is better") and in which B does not beat A
-    (``p_b_not_better``). Deterministic for a given `seed`."""
+    (``p_b_not_better``). `strata`: sizes of consecutive blocks of the sentences (test sets
+    joined end to end) that each resample draws from separately, so that every resample keeps
+    each block's share. Deterministic for a given `seed`."""
     if not (len(hyps_a) == len(hyps_b) == len(refs)):
         raise ValueError(f"paired bootstrap needs one hypothesis of each system per reference: "
                          f"{len(hyps_a)} / {len(hyps_b)} hypotheses, {len(refs)} references")
@@ -40,8 +43,17 @@ def paired_bootstrap(hyps_a: Sequence[str], hyps_b: Sequence[str], refs: Sequenc
         raise ValueError("paired bootstrap needs at least one sentence")
     if samples < 1:
         raise ValueError(f"samples must be >= 1, got {samples}")
-    idx_RN = np.random.default_rng(seed).integers(0, len(refs), size=(samples, len(refs)))
+    blocks = list(strata) if strata is not None else [len(refs)]
+    if sum(blocks) != len(refs) or min(blocks) < 1:
+        raise ValueError(f"strata must be positive block sizes summing to the {len(refs)} "
+                         f"sentences, got {blocks}")
+    rng = np.random.default_rng(seed)
+    starts = np.cumsum([0, *blocks[:-1]])
+    idx_RN = np.concatenate([start + rng.integers(0, n, size=(samples, n))
+                             for start, n in zip(starts, blocks)], axis=1)
     out: dict[str, Any] = {"sentences": len(refs), "samples": samples, "seed": seed}
+    if strata is not None:
+        out["strata"] = blocks
     for name, metric in (("bleu", BLEU()), ("chrf", CHRF())):
         stats_a, stats_b = _stats(metric, hyps_a, refs), _stats(metric, hyps_b, refs)
         a = metric._compute_score_from_stats(list(stats_a.sum(axis=0))).score

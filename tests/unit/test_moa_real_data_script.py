@@ -90,6 +90,11 @@ def test_paired_bootstrap_runs_reads_each_run_hypotheses(script, tmp_path: Path,
     assert sig["backbone"]["bleu"]["delta"] > 0
     assert sig["backbone"]["bleu"]["p_a_not_better"] < 0.05
     assert sig["switch_sl"]["bleu"]["delta"] == 0 == sig["switch_sl"]["chrf"]["delta"]
+    _hyps(sw, "adapters", refs[:-1])
+    with pytest.raises(SystemExit) as exc:
+        script.paired_bootstrap_runs((rs, "adapters"), {"switch_sl": (sw, "adapters")})
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "adapters.txt: 39 lines, expected one per reference (40)" in err
     (sw / "evaluate" / "hypotheses" / "adapters.txt").unlink()
     with pytest.raises(SystemExit) as exc:
         script.paired_bootstrap_runs((rs, "adapters"), {"switch_sl": (sw, "adapters")})

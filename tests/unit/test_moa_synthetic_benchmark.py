@@ -81,13 +81,15 @@ def test_significance_pairs_moa_with_each_run_own_model(bench, tmp_path, capsys)
 
 
 def test_pooled_significance_joins_the_seeds_test_sentences(bench, tmp_path) -> None:
-    """Two seeds whose MoA - top-1 deltas have opposite signs: the pooled bootstrap pairs each
-    seed's sentences with its own models (MoA equal to top-1 overall here), leaves out a model
+    """Two seeds with their own test sentences and opposite MoA - top-1 deltas: the pooled
+    bootstrap pairs each seed's sentences with that seed's models (any cross-seed pairing would
+    score hypotheses against other sentences), resamples the seeds apart, leaves out a model
     that only one seed has, and the across-seed Gumbel items carry the mean and the interval."""
-    refs = [f"word {i} and word {i + 1} in a sentence" for i in range(40)]
-    worse = [r.replace("and", "or") if i % 2 else r for i, r in enumerate(refs)]
     seeds = []
-    for name, (moa, top1) in {"s1": (refs, worse), "s2": (worse, refs)}.items():
+    for name, moa_better in (("s1", True), ("s2", False)):
+        refs = [f"{name} word {i} and word {i + 1} in a sentence" for i in range(40)]
+        worse = [r.replace("and", "or") if i % 2 else r for i, r in enumerate(refs)]
+        moa, top1 = (refs, worse) if moa_better else (worse, refs)
         work = tmp_path / name
         runs = {"moa": _write_eval(work, "moa", "adapters", moa, refs),
                 "top1": _write_eval(work, "top1", "adapters", top1, refs)}
@@ -97,8 +99,11 @@ def test_pooled_significance_joins_the_seeds_test_sentences(bench, tmp_path) -> 
             runs["adpt"] = _write_eval(work, "adpt", "adapters", refs, refs)
         seeds.append((work, runs))
     pooled = bench.pooled_significance(seeds, samples=200)
-    assert set(pooled) == {"backbone", "top1"}
-    assert pooled["top1"]["bleu"]["delta"] == 0.0 < pooled["backbone"]["bleu"]["delta"]
+    assert set(pooled) == {"backbone", "top1"} and pooled["top1"]["strata"] == [40, 40]
+    top1 = pooled["top1"]["bleu"]
+    assert top1["delta"] == 0.0 and top1["ci95"][0] < 0 < top1["ci95"][1]
+    assert top1["a"] == top1["b"] > 85  # hypotheses scored against their own seed's sentences
+    assert pooled["backbone"]["bleu"]["delta"] > 0
     per_seed = {s: {"checks": {"gumbel_k4_ge_top1": {"value": v}}}
                 for s, v in (("s1", 2.5), ("s2", -2.5))}
     out = bench.pooled_checks(per_seed, pooled)
@@ -106,6 +111,18 @@ def test_pooled_significance_joins_the_seeds_test_sentences(bench, tmp_path) -> 
         "value": 0.0, "per_seed": [2.5, -2.5], "holds": True}
     assert out["gumbel_k4_not_significantly_below_top1_pooled"]["holds"] is True
     assert bench.pooled_checks(per_seed, {"backbone": pooled["backbone"]}) == {}
+
+
+@pytest.mark.parametrize("flag, text", [("seeds", "2101,x"), ("seeds", "2101,2101"),
+                                        ("seeds", ""), ("runs", "top1,moa"),
+                                        ("runs", "moa,top2"), ("runs", "moa,adpt,adpt")])
+def test_bad_seeds_and_runs_are_one_error_line(bench, capsys, flag, text) -> None:
+    with pytest.raises(SystemExit) as exc:
+        getattr(bench, f"parse_{flag}")(text)
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and err.startswith(f"error: --{flag}:") and err.count("\n") == 1
+    assert bench.parse_seeds("3, 1,2") == [3, 1, 2]
+    assert bench.parse_runs("moa, adpt") == ["moa", "adpt"]
 
 
 def test_summary_is_mean_and_spread_of_shared_leaves(bench) -> None:

@@ -55,3 +55,20 @@ def test_mismatched_or_empty_input_is_refused(args, match):
         paired_bootstrap(*args)
     with pytest.raises(ValueError, match="samples"):
         paired_bootstrap(GOOD, BAD, REFS, samples=0)
+
+
+def test_strata_resample_each_test_set_apart():
+    """Two test sets joined end to end, A better on the first and B on the second: drawing
+    each set's sentences apart keeps the mix fixed, so the interval is narrower than when the
+    mix itself is resampled; one stratum is the plain bootstrap."""
+    a, b = GOOD + BAD, BAD + GOOD
+    plain = paired_bootstrap(a, b, REFS + REFS, samples=400)["bleu"]
+    split = paired_bootstrap(a, b, REFS + REFS, samples=400, strata=[60, 60])
+    assert split["strata"] == [60, 60] and split["bleu"]["delta"] == plain["delta"] == 0
+    width = split["bleu"]["ci95"][1] - split["bleu"]["ci95"][0]
+    assert 0 < width < plain["ci95"][1] - plain["ci95"][0]
+    one = paired_bootstrap(GOOD, BAD, REFS, samples=50, strata=[60])
+    assert one.pop("strata") == [60] and one == paired_bootstrap(GOOD, BAD, REFS, samples=50)
+    for bad in ([60, 1], [61, -1], [0, 60]):
+        with pytest.raises(ValueError, match="strata"):
+            paired_bootstrap(GOOD, BAD, REFS, strata=bad)
