@@ -42,6 +42,7 @@ sys.path.insert(0, str(ROOT))
 from real_data import DEFAULT_DATA, QUICK_DATA, QUICK_MODEL  # noqa: E402  (benchmarks/)
 
 from moe_train.eval.significance import paired_bootstrap  # noqa: E402
+from moe_train.stages.evaluate import hypotheses_file, read_lines  # noqa: E402
 from moe_train.utils.atomic import write_json  # noqa: E402
 from moe_train.utils.provenance import finish, provenance  # noqa: E402
 
@@ -164,12 +165,12 @@ def _scores(entry: dict[str, Any]) -> dict[str, Any]:
 def hypotheses(workdir: Path, model: str) -> list[str]:
     """The lines a run's evaluate stage wrote for `model` ("references" for the test targets);
     exit 2 where the stage predates those files."""
-    path = workdir / "evaluate" / "hypotheses" / f"{model}.txt"
+    path = hypotheses_file(workdir / "evaluate", model)
     if not path.is_file():
         print(f"error: {path}: missing (an evaluate stage from before hypotheses were written: "
               f"delete {workdir / 'evaluate'} to run it again)", file=sys.stderr)
         raise SystemExit(2)
-    return path.read_text(encoding="utf-8").split("\n")[:-1]  # one line per "\n", as written
+    return read_lines(path)
 
 
 def paired_hypotheses(base: tuple[Path, str], others: dict[str, tuple[Path, str]]
@@ -188,7 +189,7 @@ def paired_hypotheses(base: tuple[Path, str], others: dict[str, tuple[Path, str]
     a = hypotheses(*base)
     for (workdir, model), hyps in [(base, a), *((others[n], h) for n, h in b.items())]:
         if len(hyps) != len(refs):
-            print(f"error: {workdir / 'evaluate' / 'hypotheses' / (model + '.txt')}: "
+            print(f"error: {hypotheses_file(workdir / 'evaluate', model)}: "
                   f"{len(hyps)} lines, expected one per reference ({len(refs)})",
                   file=sys.stderr)
             raise SystemExit(2)

@@ -162,8 +162,19 @@ def cached_scores(cache_dir: Path, key: dict[str, Any], compute: Callable[[], di
     return dict(scores, cached=False)
 
 
+def hypotheses_file(stage_dir: Path, model: str) -> Path:
+    """Where an evaluate stage's directory holds `model`'s test hypotheses ("references": the
+    test targets), one per line in test-index order."""
+    return stage_dir / HYP_DIR / f"{model}.txt"
+
+
 def _write_lines(path: Path, lines: list[str]) -> None:
     write_text(path, "".join(" ".join(line.splitlines()) + "\n" for line in lines))
+
+
+def read_lines(path: Path) -> list[str]:
+    """What `_write_lines` wrote: one line per "\\n" (a line holds no other line break)."""
+    return path.read_text(encoding="utf-8").split("\n")[:-1]
 
 
 def _write_table(out: Path, name: str, report: dict[str, Any]) -> None:
@@ -224,9 +235,9 @@ def run(ctx: StageContext) -> dict[str, Any]:
     out = ctx.stage_dir(STAGE)
     hypotheses = {name: result[name].pop("hypotheses") for name in models}
     if rt.is_main:
-        _write_lines(out / HYP_DIR / "references.txt", [test.raw_tgt(int(i)) for i in idx])
+        _write_lines(hypotheses_file(out, "references"), [test.raw_tgt(int(i)) for i in idx])
         for name, lines in hypotheses.items():
-            _write_lines(out / HYP_DIR / f"{name}.txt", lines)
+            _write_lines(hypotheses_file(out, name), lines)
     if "adapters" in result:
         result["extra_parameters"] = result["adapters"]["parameters"] - \
             result["backbone"]["parameters"]
