@@ -100,3 +100,32 @@ def test_paired_bootstrap_runs_reads_each_run_hypotheses(script, tmp_path: Path,
         script.paired_bootstrap_runs((rs, "adapters"), {"switch_sl": (sw, "adapters")})
     err = capsys.readouterr().err
     assert exc.value.code == 2 and "adapters.txt: missing" in err and len(err.splitlines()) == 1
+
+
+def test_checks_apply_issue_13_items_that_hold_on_real_data(script) -> None:
+    """The learned gate is scored against half the distilled gate's NMI, MoA against the
+    backbone + 1 BLEU and against Switch-SL, the gate against its clusterer; a check whose
+    inputs the run lacks is absent rather than passing."""
+    record = {
+        "routing_vs_domains": {
+            "rs": {"distilled_gate_test": {"pur": 0.62, "nmi": 0.46},
+                   "clusterer_test": {"pur": 0.61, "nmi": 0.44}},
+            "switch_sl": {"router_sentence_test": {"pur": 0.42, "nmi": 0.233}}},
+        "translation": {"backbone": {"bleu": {"all": 8.28}},
+                        "moa_rs": {"bleu": {"all": 8.73}},
+                        "switch_sl": {"bleu": {"all": 8.90}}}}
+    got = script.checks(record)
+    assert got["switch_sl_gate_nmi_le_half_moa"] == {
+        "value": 0.233, "bar": 0.23, "ratio": 0.507, "holds": False}
+    assert got["moa_bleu_ge_backbone_plus_1"] == {"value": 0.45, "holds": False}
+    assert got["moa_above_switch_sl"] == {"value": -0.17, "holds": False}
+    assert got["gate_within_0.02_of_clusterer"]["holds"] is True
+    record["routing_vs_domains"]["switch_sl"]["router_sentence_test"]["nmi"] = 0.2
+    record["translation"]["moa_rs"]["bleu"]["all"] = 9.5
+    got = script.checks(record)
+    assert got["switch_sl_gate_nmi_le_half_moa"]["holds"] is True
+    assert got["moa_bleu_ge_backbone_plus_1"]["holds"] is True
+    assert got["moa_above_switch_sl"]["holds"] is True
+    del record["routing_vs_domains"]["switch_sl"], record["translation"]["switch_sl"]
+    assert set(script.checks(record)) == {"gate_within_0.02_of_clusterer",
+                                          "moa_bleu_ge_backbone_plus_1"}
