@@ -14,8 +14,12 @@ Every stage runs here, from the data preparation and the backbone stage on, each
   workdir, rs's backbone): features, cluster, distill, and evaluate (no adapter stage, so
   evaluate decodes the backbone and reports the test-set routing of clusterer and distilled
   gate);
-- switch_sl: the learned sentence-gate baseline (configs/moa-opus-de-en-switch-sl.yaml, rs's
-  backbone): adapters, evaluate.
+- switch_sl: a learned sentence gate over adapters (configs/moa-opus-de-en-switch-sl.yaml, rs's
+  backbone, MoA's adapter budget): adapters, evaluate;
+- switch_sl_moe (not in the default --runs: it doubles the time): Switch-SL as seed 000 trains
+  it (configs/moa-opus-de-en-switch-sl-moe.yaml: 12 FFN experts in every decoder layer, one
+  learned top-1 decision per sentence, from scratch with the backbone's settings and
+  `--minutes`): backbone, evaluate.
 Finished stages (their done.json) of an interrupted invocation are reused and marked so
 (`stages.<run>.<stage>.reused`, with the commit that stage ran on); `--fresh` starts empty.
 Writes benchmarks/results/moa_real_data_de_en_cpu.json: PUR/NMI of clusterer, distilled gate and
@@ -26,7 +30,10 @@ apply to real data, extra parameters, minutes per stage, provenance. `--seed S` 
 training seed (``train.seed``) and the sampling / clustering seed (``moa.seed``) of every stage,
 the backbone's included, in work/moa-opus-de-en-sS/, and writes
 moa_real_data_de_en_sS_cpu.json: the same test sentences, so runs on several seeds compare
-directly. A benchmark,
+directly. `--adapter-steps N` trains the adapters of rs and switch_sl for N steps instead of
+the configs' 150, in the same workdir (backbone, features, clusters and gate are reused; the
+adapter and evaluate stages run again) and writes ..._aN_cpu.json: whether the gates and
+adapters change with training. A benchmark,
 not a test: about an hour on two cores (30 minutes of it the backbone).
 """
 
@@ -54,6 +61,7 @@ from moe_train.utils.provenance import finish, provenance  # noqa: E402
 DATA_CONFIG = "configs/opus-de-en-cpu.yaml"
 MOA_CONFIG = "configs/moa-opus-de-en.yaml"
 SWITCH_CONFIG = "configs/moa-opus-de-en-switch-sl.yaml"
+SWITCH_MOE_CONFIG = "configs/moa-opus-de-en-switch-sl-moe.yaml"
 TIMINGS = "timings.json"
 BACKBONE_TRAIN = ["optim.lr=1e-3", "optim.warmup_steps=800", "train.validate_every=500",
                   "train.log_every=50", "train.bleu_sentences=350", "checkpoint.save_every=500",
@@ -226,6 +234,13 @@ def routing_record(stages: dict[str, dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+FROM_SCRATCH = ("switch_sl_moe",)
+"""Runs that train their own model (evaluated as their evaluate stage's "backbone")."""
+BASELINES = {"switch_sl": "adapters", "switch_sl_moe": "backbone"}
+"""Learned sentence-gate baselines -> the model of their evaluate stage that is theirs (the
+adapter gate over rs's backbone; the FFN-expert MoE trained from scratch)."""
+
+
 def checks(record: dict[str, Any]) -> dict[str, Any]:
     """Issue 13's acceptance items that apply to a real-data run: value, bar, holds. The
     synthetic PUR / NMI bars (0.9 / 0.8) are not among them: OPUS domains overlap."""
@@ -238,19 +253,21 @@ def checks(record: dict[str, Any]) -> dict[str, Any]:
             "value": {"pur": round(gate["pur"] - clus["pur"], 4),
                       "nmi": round(gate["nmi"] - clus["nmi"], 4)},
             "holds": gate["pur"] >= clus["pur"] - 0.02 and gate["nmi"] >= clus["nmi"] - 0.02}
-        learned = routing.get("switch_sl", {}).get("router_sentence_test")
-        if learned is not None:
-            out["switch_sl_gate_nmi_le_half_moa"] = {
-                "value": learned["nmi"], "bar": round(gate["nmi"] / 2, 4),
-                "ratio": round(learned["nmi"] / gate["nmi"], 3) if gate["nmi"] else None,
-                "holds": learned["nmi"] <= gate["nmi"] / 2}
+        for name in BASELINES:
+            learned = routing.get(name, {}).get("router_sentence_test")
+            if learned is not None:
+                out[f"{name}_gate_nmi_le_half_moa"] = {
+                    "value": learned["nmi"], "bar": round(gate["nmi"] / 2, 4),
+                    "ratio": round(learned["nmi"] / gate["nmi"], 3) if gate["nmi"] else None,
+                    "holds": learned["nmi"] <= gate["nmi"] / 2}
     if "moa_rs" in tr:
         moa, bb = tr["moa_rs"]["bleu"]["all"], tr["backbone"]["bleu"]["all"]
         out["moa_bleu_ge_backbone_plus_1"] = {"value": round(moa - bb, 2),
                                               "holds": moa >= bb + 1.0}
-        if "switch_sl" in tr:
-            sl = tr["switch_sl"]["bleu"]["all"]
-            out["moa_above_switch_sl"] = {"value": round(moa - sl, 2), "holds": moa > sl}
+        for name in BASELINES:
+            if name in tr:
+                sl = tr[name]["bleu"]["all"]
+                out[f"moa_above_{name}"] = {"value": round(moa - sl, 2), "holds": moa > sl}
     return out
 
 
@@ -259,26 +276,34 @@ def main() -> None:
     ap.add_argument("--data", default=str(DEFAULT_DATA))
     ap.add_argument("--minutes", type=float, default=30.0, help="backbone training budget")
     ap.add_argument("--anchors", type=int, default=50, help="dev anchors per domain for di")
-    ap.add_argument("--runs", default="rs,di,switch_sl", help="comma-separated subset (di and "
-                    "switch_sl use rs's backbone stage, which runs first)")
+    ap.add_argument("--runs", default="rs,di,switch_sl", help="comma-separated, of rs, di, "
+                    "switch_sl, switch_sl_moe (di and switch_sl use rs's backbone stage, which "
+                    "runs first)")
     ap.add_argument("--test-dir", default=None,
                     help="score on DIR's test files (OPUS layout: DOMAIN/DOMAIN.l1-l2.test.LANG) "
                     "instead of test sentences carved from the training data")
     ap.add_argument("--seed", type=int, default=None,
                     help="training and sampling seed of every stage (default: the configs')")
+    ap.add_argument("--adapter-steps", type=int, default=None,
+                    help="adapter-stage steps of rs and switch_sl (default: the configs' 150)")
     ap.add_argument("--fresh", action="store_true", help="delete the work directory first")
     ap.add_argument("--quick", action="store_true",
                     help="tiny model, a few steps per stage, small splits: checks the script")
-    ap.add_argument("--out", default=None,
-                    help="default benchmarks/results/moa_real_data_de_en[_sS]_cpu[_quick].json")
+    ap.add_argument("--out", default=None, help="default benchmarks/results/"
+                    "moa_real_data_de_en[_sS][_aN]_cpu[_quick].json")
     args = ap.parse_args()
     if not Path(args.data).is_dir():
         print(f"skipped: {args.data} not found (the OPUS multi-domain data lives in ../shared)")
         return
     prov = provenance()
+    if args.adapter_steps is not None and args.adapter_steps < 1:
+        print(f"error: --adapter-steps: expected a positive integer, got {args.adapter_steps}",
+              file=sys.stderr)
+        raise SystemExit(2)
     seed_tag = "" if args.seed is None else f"_s{args.seed}"
+    steps_tag = "" if args.adapter_steps is None else f"_a{args.adapter_steps}"
     suffix = "_quick" if args.quick else ""
-    bench = f"moa_real_data_de_en{seed_tag}_cpu{suffix}"
+    bench = f"moa_real_data_de_en{seed_tag}{steps_tag}_cpu{suffix}"
     work = ROOT / "work" / f"moa-opus-de-en{seed_tag}{suffix}".replace("_", "-")
     out = Path(args.out or ROOT / "benchmarks" / "results" / f"{bench}.json")
     if args.fresh and work.exists():
@@ -295,17 +320,23 @@ def main() -> None:
     common = [f"data.prepared_dir={work / 'prepared'}", *seeded,
               *(QUICK_STAGES if args.quick else [])]
     shared_backbone = [f"moa.backbone_dir={work / 'rs' / 'backbone'}"]
+    steps = [] if args.adapter_steps is None else [f"moa.adapter_steps={args.adapter_steps}"]
     backbone = run_stage(MOA_CONFIG, work / "rs", "backbone", [
         *common, "moa.backbone_dir=", "moa.pre_inject=false", *BACKBONE_TRAIN,
         f"train.max_minutes={args.minutes}", *(QUICK_BACKBONE if args.quick else [])])
     plan = {
-        "rs": (MOA_CONFIG, work / "rs", shared_backbone,
+        "rs": (MOA_CONFIG, work / "rs", [*shared_backbone, *steps],
                ["features", "cluster", "distill", "adapters", "evaluate"]),
         "di": (MOA_CONFIG, work / "di", [*shared_backbone, f"moa.anchors_per_domain={anchors}"],
                ["features", "cluster", "distill", "evaluate"]),
         "switch_sl": (SWITCH_CONFIG, work / "switch-sl",
-                      [*shared_backbone, *(QUICK_SWITCH if args.quick else [])],
+                      [*shared_backbone, *steps, *(QUICK_SWITCH if args.quick else [])],
                       ["adapters", "evaluate"]),
+        "switch_sl_moe": (SWITCH_MOE_CONFIG, work / "switch-sl-moe",
+                          ["moa.backbone_dir=", *BACKBONE_TRAIN,
+                           f"train.max_minutes={args.minutes}",
+                           *(QUICK_BACKBONE if args.quick else [])],
+                          ["backbone", "evaluate"]),
     }
     wanted = [r for r in args.runs.split(",") if r]
     unknown = sorted(set(wanted) - set(plan))
@@ -321,9 +352,11 @@ def main() -> None:
     bdone = backbone["done"]
     record: dict[str, Any] = {
         "benchmark": bench,
-        "config": {"moa": MOA_CONFIG, "switch_sl": SWITCH_CONFIG, "data": args.data,
+        "config": {"moa": MOA_CONFIG, "switch_sl": SWITCH_CONFIG,
+                   "switch_sl_moe": SWITCH_MOE_CONFIG, "data": args.data,
                    "backbone_overrides": BACKBONE_TRAIN, "backbone_minutes": args.minutes,
                    "anchors_per_domain_di": anchors, "quick": args.quick, "seed": args.seed,
+                   "adapter_steps": args.adapter_steps,
                    "test_dir": args.test_dir,
                    "quick_overrides": QUICK_STAGES if args.quick else []},
         "reused": {"prepared": reused_prepared},
@@ -342,6 +375,9 @@ def main() -> None:
         ev = st["evaluate"]["done"]
         translation.setdefault("test_sentences", ev["test_sentences"])
         translation.setdefault("beam", ev["beam"])
+        if name in FROM_SCRATCH:  # its "backbone" is the run's own model
+            translation[name] = _scores(ev["backbone"])
+            continue
         translation.setdefault("backbone", _scores(ev["backbone"]))
         if "adapters" in ev:
             model = "moa_rs" if name == "rs" else name
@@ -350,8 +386,9 @@ def main() -> None:
     record["translation"] = translation
     if "evaluate" in runs.get("rs", {}):
         others = {"backbone": (work / "rs", "backbone")}
-        if "evaluate" in runs.get("switch_sl", {}):
-            others["switch_sl"] = (work / "switch-sl", "adapters")
+        for name, model in BASELINES.items():
+            if "evaluate" in runs.get(name, {}):
+                others[name] = (plan[name][1], model)
         record["paired_bootstrap_moa_rs_vs"] = paired_bootstrap_runs((work / "rs", "adapters"),
                                                                      others)
     keep = ("step", "train_seconds", "train_tokens_per_s", "dev_loss", "dev_bleu", "dev_chrf",
@@ -359,6 +396,9 @@ def main() -> None:
     record["adapter_training"] = {
         name: {k: st["adapters"]["done"][k] for k in keep if k in st["adapters"]["done"]}
         for name, st in runs.items() if "adapters" in st}
+    record["trained_from_scratch"] = {
+        name: {k: st["backbone"]["done"][k] for k in keep if k in st["backbone"]["done"]}
+        for name, st in runs.items() if "backbone" in st}
     record["checks"] = checks(record)
     every = [backbone, *(v for st in runs.values() for v in st.values())]
     record["total_stage_minutes"] = round(sum(v["minutes"] or 0.0 for v in every), 2)

@@ -126,6 +126,13 @@ def test_checks_apply_issue_13_items_that_hold_on_real_data(script) -> None:
     assert got["switch_sl_gate_nmi_le_half_moa"]["holds"] is True
     assert got["moa_bleu_ge_backbone_plus_1"]["holds"] is True
     assert got["moa_above_switch_sl"]["holds"] is True
-    del record["routing_vs_domains"]["switch_sl"], record["translation"]["switch_sl"]
+    record["routing_vs_domains"]["switch_sl_moe"] = {
+        "router_sentence_test": {"pur": 0.3, "nmi": 0.05}}
+    record["translation"]["switch_sl_moe"] = {"bleu": {"all": 10.0}}
+    got = script.checks(record)
+    assert got["switch_sl_moe_gate_nmi_le_half_moa"]["holds"] is True
+    assert got["moa_above_switch_sl_moe"] == {"value": -0.5, "holds": False}
+    for name in ("switch_sl", "switch_sl_moe"):
+        del record["routing_vs_domains"][name], record["translation"][name]
     assert set(script.checks(record)) == {"gate_within_0.02_of_clusterer",
                                           "moa_bleu_ge_backbone_plus_1"}
