@@ -234,11 +234,10 @@ def routing_record(stages: dict[str, dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-FROM_SCRATCH = ("switch_sl_moe",)
-"""Runs that train their own model (evaluated as their evaluate stage's "backbone")."""
 BASELINES = {"switch_sl": "adapters", "switch_sl_moe": "backbone"}
 """Learned sentence-gate baselines -> the model of their evaluate stage that is theirs (the
-adapter gate over rs's backbone; the FFN-expert MoE trained from scratch)."""
+adapter gate over rs's backbone; "backbone": the run's own FFN-expert MoE, trained from
+scratch)."""
 
 
 def checks(record: dict[str, Any]) -> dict[str, Any]:
@@ -292,14 +291,14 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="default benchmarks/results/"
                     "moa_real_data_de_en[_sS][_aN]_cpu[_quick].json")
     args = ap.parse_args()
-    if not Path(args.data).is_dir():
-        print(f"skipped: {args.data} not found (the OPUS multi-domain data lives in ../shared)")
-        return
-    prov = provenance()
     if args.adapter_steps is not None and args.adapter_steps < 1:
         print(f"error: --adapter-steps: expected a positive integer, got {args.adapter_steps}",
               file=sys.stderr)
         raise SystemExit(2)
+    if not Path(args.data).is_dir():
+        print(f"skipped: {args.data} not found (the OPUS multi-domain data lives in ../shared)")
+        return
+    prov = provenance()
     seed_tag = "" if args.seed is None else f"_s{args.seed}"
     steps_tag = "" if args.adapter_steps is None else f"_a{args.adapter_steps}"
     suffix = "_quick" if args.quick else ""
@@ -375,7 +374,7 @@ def main() -> None:
         ev = st["evaluate"]["done"]
         translation.setdefault("test_sentences", ev["test_sentences"])
         translation.setdefault("beam", ev["beam"])
-        if name in FROM_SCRATCH:  # its "backbone" is the run's own model
+        if BASELINES.get(name) == "backbone":  # the run's own model
             translation[name] = _scores(ev["backbone"])
             continue
         translation.setdefault("backbone", _scores(ev["backbone"]))

@@ -136,3 +136,14 @@ def test_checks_apply_issue_13_items_that_hold_on_real_data(script) -> None:
         del record["routing_vs_domains"][name], record["translation"][name]
     assert set(script.checks(record)) == {"gate_within_0.02_of_clusterer",
                                           "moa_bleu_ge_backbone_plus_1"}
+
+
+def test_bad_adapter_steps_is_one_line_exit_2_even_without_data(script, tmp_path: Path,
+                                                                 monkeypatch, capsys) -> None:
+    monkeypatch.setattr(script.sys, "argv", ["moa_real_data.py", "--data", str(tmp_path / "no"),
+                                             "--adapter-steps", "0"])
+    with pytest.raises(SystemExit) as exc:
+        script.main()
+    assert exc.value.code == 2
+    assert capsys.readouterr().err.strip() == (
+        "error: --adapter-steps: expected a positive integer, got 0")
