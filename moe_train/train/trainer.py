@@ -9,7 +9,6 @@ scaling divide out again; so the update equals one process on the whole global b
 from __future__ import annotations
 
 import contextlib
-import itertools
 import logging
 import math
 import time
@@ -24,37 +23,29 @@ from moe_train.config.schema import ExperimentConfig
 from moe_train.data.batching import Batch, TrainBatchIterator, eval_batches
 from moe_train.data.prepare import load_manifest, load_vocab, tokenizer_files
 from moe_train.data.shards import ShardedDataset
-from moe_train.errors import CheckpointError, MoeTrainError
+from moe_train.errors import MoeTrainError
 from moe_train.eval.decode import batch_context
 from moe_train.eval.evaluate import evaluate_dataset
 from moe_train.models.lm_batch import teacher_forced
-from moe_train.parallel.zero3 import full_numel, gathered_tensors, is_partitioned, \
-    mark_moe_leaf_modules, zero3_grad_norm
+from moe_train.parallel.zero3 import full_numel, mark_moe_leaf_modules, zero3_grad_norm
 from moe_train.models.build import moe_layers
 from moe_train.parallel.collectives import (all_reduce_floats, grad_norm_and_clip,
-                                            parameters_are_finite, step_is_finite)
-from moe_train.parallel.expert_checkpoint import (detach_experts_from_state_dict, expert_modules,
-                                                  expert_tensors, full_expert_state,
-                                                  load_expert_shards,
-                                                  save_expert_shards)
+                                            step_is_finite)
+from moe_train.parallel.expert_checkpoint import detach_experts_from_state_dict, expert_modules
 from moe_train.parallel.step_guard import (check_zero_optimizer, loss_scale, skipped_update,
                                            zero_grad_norm)
 from moe_train.parallel.expert_parallel import (check_moe_against_data,
                                                 deepspeed_sees_moe_layers, moe_param_groups,
-                                                setup_expert_parallel,
-                                                without_deepspeed_moe_checkpointing,
-                                                wire_expert_parallel)
+                                                setup_expert_parallel, wire_expert_parallel)
 from moe_train.parallel.runtime import ParallelRuntime
-from moe_train.train.checkpoint import (latest_tag, load_checkpoint, read_meta, save_checkpoint,
-                                        step_tag, verify)
+from moe_train.train.checkpoint import latest_tag
+from moe_train.train.checkpointer import Checkpointer
 from moe_train.train.ds_config import build_deepspeed_config, deepspeed_config_errors
-from moe_train.train.export import export_inference, export_streamed
 from moe_train.train.init_from import build_start_model
 from moe_train.train.early_stop import EarlyStop
 from moe_train.train.hooks import Ratio, TrainerHooks, hooks_for
 from moe_train.train.loss import label_smoothed_nll
 from moe_train.train.monitor import Monitor, peak_memory_mb
-from moe_train.train.resume import check_resume_config
 from moe_train.train.schedule import inverse_sqrt_scheduler
 
 
@@ -147,20 +138,18 @@ class Trainer:
         self.nonfinite_in_a_row = 0  # travel in checkpoints: a resume continues the streak)
         tc = cfg.train
         self.early = EarlyStop(tc.early_stop_metric, tc.patience, tc.min_delta)
-        self.best_tag: str | None = None
-        """The best validation's checkpoint (train.export_best), kept through rotation."""
+        self.checkpoints = Checkpointer(self.engine, rt, cfg, self.manifest,
+                                        self.tokenizer_files, self._log_main)
         if resume and tag is None:
             self._log_main(f"| resume: no checkpoint in {self.ckpt_dir}; starting from step 0")
         if tag is not None:  # strict: the config must match (train/resume.py)
-            check_resume_config(read_meta(self.ckpt_dir / tag)["config"], cfg.to_dict(),
-                                str(self.ckpt_dir / tag), log=self._log_main)
-            with without_deepspeed_moe_checkpointing(self.engine):
-                meta = load_checkpoint(self.engine, rt, self.ckpt_dir, tag=tag,
-                                       load_extra=self._load_experts, log=self._log_main)
+            meta = self.checkpoints.load(tag)
             self.step = meta["step"]
             self.tokens_seen = meta.get("tokens_seen", 0)
             self.batches.load_state_dict(meta["data_state"])
-            self._resume_early_stop(meta.get("early_stop") or {})
+            early_state = meta.get("early_stop") or {}
+            self.early.load_state_dict(early_state)
+            self.checkpoints.adopt_best(early_state.get("best_tag"))
             self._resume_nonfinite(meta.get("nonfinite") or {})
         self.monitor = Monitor(rt, cfg.logging.tensorboard_dir, cfg.train.max_steps, self.step,
                                cfg.train.progress_bar)
@@ -275,15 +264,7 @@ class Trainer:
             raise MoeTrainError(
                 f"optim.max_nonfinite_steps: {limit} consecutive steps (up to step {self.step}) "
                 f"had a non-finite loss or gradient norm; stopped; last good checkpoint: "
-                f"{self._last_good_checkpoint()}")
-
-    def _last_good_checkpoint(self) -> str:
-        """The checkpoint `--resume` would load, for the one-line stop messages."""
-        try:
-            tag = latest_tag(self.ckpt_dir, warn=None)
-        except CheckpointError:
-            tag = None
-        return str(self.ckpt_dir / tag) if tag else f"none complete in {self.ckpt_dir}"
+                f"{self.checkpoints.last_good()}")
 
     # ------------------------------------------------------------------ validation
     @torch.no_grad()
@@ -323,36 +304,18 @@ class Trainer:
 
     # ------------------------------------------------------------------ checkpoints
     def save(self) -> Path:
-        if not parameters_are_finite(self.rt, self.engine.module):  # never checkpoint NaN
-            raise CheckpointError(f"{self.ckpt_dir}: refusing to save step {self.step}: a "
-                                  f"parameter is NaN or infinite; last good checkpoint: "
-                                  f"{self._last_good_checkpoint()}")
+        """Checkpoint this step (all ranks): the engine, the data order, early stopping and
+        the skipped-step counts, so that `--resume` continues exactly here."""
         (tokens,) = all_reduce_floats(self.rt, self.tokens_unsaved)
         self.tokens_seen += int(tokens)
         self.tokens_unsaved = 0.0
         meta = {"step": self.step, "tokens_seen": self.tokens_seen,
                 "data_state": self.batches.state_dict(), "config": self.cfg.to_dict(),
                 "world_size": self.rt.world_size,
-                "early_stop": self.early.state_dict() | {"best_tag": self.best_tag},
+                "early_stop": self.early.state_dict() | {"best_tag": self.checkpoints.best_tag},
                 "nonfinite": {"total": self.nonfinite_steps,
                               "in_a_row": self.nonfinite_in_a_row}}
-        attachments = {**{path.name: path for path in self.tokenizer_files},
-                       "manifest.json": Path(self.cfg.data.prepared_dir) / "manifest.json"}
-        with without_deepspeed_moe_checkpointing(self.engine):
-            return save_checkpoint(self.engine, self.rt, self.ckpt_dir, self.step, meta,
-                                   attachments, self.cfg.checkpoint.keep_last,
-                                   save_extra=self._save_experts,
-                                   keep=() if self.best_tag is None else (self.best_tag,))
-
-    def _keeps_best(self) -> bool:
-        return self.cfg.train.export_best and self.cfg.train.patience > 0
-
-    def _resume_early_stop(self, state: dict[str, Any]) -> None:
-        """Early-stopping state and best checkpoint of the run resumed (if still complete)."""
-        self.early.load_state_dict(state)
-        tag = state.get("best_tag")
-        if tag and self._keeps_best() and verify(self.ckpt_dir / tag) is None:
-            self.best_tag = tag
+        return self.checkpoints.save(self.step, meta)
 
     def _note_validation(self, values: dict[str, Any]) -> bool:
         """Feed a validation to early stopping; checkpoint a new best (train.export_best).
@@ -362,53 +325,14 @@ class Trainer:
         if self.rt.world_size > 1:  # ranks decide together (the save is collective)
             plateau, improved = (v > 0 for v in all_reduce_floats(self.rt, float(plateau),
                                                                   float(improved)))
-        if improved and self._keeps_best():
-            self.best_tag = step_tag(self.step)
+        if improved and self.checkpoints.mark_best(self.step):
             self.save()
         return plateau
-
-    def _restore_best(self, last: Path) -> Path:
-        """Load the best validation's checkpoint into the engine (train.export_best) when it is
-        not `last`; the checkpoint the export should read."""
-        if self.best_tag is None or self.best_tag == last.name:
-            return last
-        with without_deepspeed_moe_checkpointing(self.engine):
-            load_checkpoint(self.engine, self.rt, self.ckpt_dir, tag=self.best_tag,
-                            load_extra=self._load_experts, log=self._log_main)
-        best = self.early.state()
-        self.monitor.print(f"| export: the best validation, step {best['best_step']} "
-                           f"({best['metric']} {best['best']:.4f}), not step {self.step}")
-        return self.ckpt_dir / self.best_tag
 
     def _log_main(self, msg: str) -> None:
         """A line from rank 0 (before the monitor exists: resume messages)."""
         if self.rt.is_main:
             print(msg, flush=True)
-
-    def _save_experts(self, tag_dir: Path) -> None:
-        if self.cfg.uses_experts:
-            save_expert_shards(self.engine.module, self.engine.optimizer, self.rt, tag_dir)
-
-    def _load_experts(self, tag_dir: Path) -> None:
-        if self.cfg.uses_experts:
-            load_expert_shards(self.engine.module, self.engine.optimizer, self.rt, tag_dir)
-
-    def export(self, tag_dir: Path) -> Path | None:
-        """Standalone weights (experts assembled from the checkpoint `tag_dir`), rank 0.
-        Under ZeRO-3 collective and streamed (`export_streamed`): every rank gathers one
-        parameter at a time, rank 0 writes it, then the experts one at a time from the files."""
-        module, out = self.engine.module, self.ckpt_dir / "export"
-        if is_partitioned(module):
-            main = self.rt.is_main
-            tensors = itertools.chain(gathered_tensors(module, keep=main),
-                                      expert_tensors(tag_dir) if main else ())
-            return export_streamed(out, tensors, self.cfg, self.manifest, self.tokenizer_files,
-                                   active=main)
-        if not self.rt.is_main:
-            return None
-        state = module.state_dict()
-        state.update(full_expert_state(tag_dir))
-        return export_inference(out, state, self.cfg, self.manifest, self.tokenizer_files)
 
     # ------------------------------------------------------------------ the loop
     def _log(self, window: dict[str, float], elapsed: float) -> None:
@@ -528,8 +452,12 @@ class Trainer:
         if validated_at != self.step:  # the last step's validation competes for the best
             self._note_validation(final)
         path = self.save()
-        source = self._restore_best(path) if self._keeps_best() else path
-        export = self.export(source)
+        source = self.checkpoints.restore_best(path)
+        if source != path:
+            best = early.state()
+            self.monitor.print(f"| export: the best validation, step {best['best_step']} "
+                               f"({best['metric']} {best['best']:.4f}), not step {self.step}")
+        export = self.checkpoints.export(source)
         self.monitor.print(f"| saved {path}" + (f" | exported {export}" if export else ""))
         self.monitor.close()
         exported: dict[str, Any] = {"exported_step": self.step}

@@ -1,0 +1,118 @@
+"""A training run's checkpoint directory: save (never NaN), resume, keep the best, export.
+
+The trainer owns the loop and what a checkpoint's meta holds; this owns the engine's side of
+`checkpoint.dir`: the DeepSpeed state with the expert shards beside it (DeepSpeed's own MoE
+checkpointing off), the best validation's tag that rotation keeps (``train.export_best``), and
+the standalone export read from a chosen tag.
+"""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from moe_train.config.schema import ExperimentConfig
+from moe_train.errors import CheckpointError
+from moe_train.parallel.collectives import parameters_are_finite
+from moe_train.parallel.expert_checkpoint import (expert_tensors, full_expert_state,
+                                                  load_expert_shards, save_expert_shards)
+from moe_train.parallel.expert_parallel import without_deepspeed_moe_checkpointing
+from moe_train.parallel.runtime import ParallelRuntime
+from moe_train.parallel.zero3 import gathered_tensors, is_partitioned
+from moe_train.train.checkpoint import (latest_tag, load_checkpoint, read_meta, save_checkpoint,
+                                        step_tag, verify)
+from moe_train.train.export import export_inference, export_streamed
+from moe_train.train.resume import check_resume_config
+
+
+class Checkpointer:
+    """Saves and loads one engine's checkpoints in ``cfg.checkpoint.dir``; every method that
+    touches the engine is collective (all ranks call it)."""
+
+    def __init__(self, engine: Any, rt: ParallelRuntime, cfg: ExperimentConfig,
+                 manifest: dict[str, Any], tokenizer_files: Sequence[Path],
+                 log: Callable[[str], None]) -> None:
+        self.engine, self.rt, self.cfg = engine, rt, cfg
+        self.manifest, self.tokenizer_files, self.log = manifest, tokenizer_files, log
+        self.dir = Path(cfg.checkpoint.dir)
+        self.keeps_best = cfg.train.export_best and cfg.train.patience > 0
+        """Whether the best validation's checkpoint is kept and exported."""
+        self.best_tag: str | None = None
+        """The best validation's checkpoint, kept through rotation."""
+
+    def last_good(self) -> str:
+        """The checkpoint `--resume` would load, for one-line stop messages."""
+        try:
+            tag = latest_tag(self.dir, warn=None)
+        except CheckpointError:
+            tag = None
+        return str(self.dir / tag) if tag else f"none complete in {self.dir}"
+
+    def save(self, step: int, meta: dict[str, Any]) -> Path:
+        """Checkpoint `step` with `meta` (the run's JSON state) and the tokenizer and manifest
+        attached; refuses a model with a NaN or infinite parameter."""
+        if not parameters_are_finite(self.rt, self.engine.module):
+            raise CheckpointError(f"{self.dir}: refusing to save step {step}: a parameter is NaN "
+                                  f"or infinite; last good checkpoint: {self.last_good()}")
+        attachments = {**{path.name: path for path in self.tokenizer_files},
+                       "manifest.json": Path(self.cfg.data.prepared_dir) / "manifest.json"}
+        with without_deepspeed_moe_checkpointing(self.engine):
+            return save_checkpoint(self.engine, self.rt, self.dir, step, meta, attachments,
+                                   self.cfg.checkpoint.keep_last, save_extra=self._save_experts,
+                                   keep=() if self.best_tag is None else (self.best_tag,))
+
+    def load(self, tag: str, check_config: bool = True) -> dict[str, Any]:
+        """Load `tag` into the engine; its meta. `check_config`: refuse a checkpoint whose
+        config differs from the run's in what a resume must keep (train/resume.py)."""
+        if check_config:
+            check_resume_config(read_meta(self.dir / tag)["config"], self.cfg.to_dict(),
+                                str(self.dir / tag), log=self.log)
+        with without_deepspeed_moe_checkpointing(self.engine):
+            return load_checkpoint(self.engine, self.rt, self.dir, tag=tag,
+                                   load_extra=self._load_experts, log=self.log)
+
+    def adopt_best(self, tag: str | None) -> None:
+        """Keep a resumed run's best checkpoint, if it is still complete."""
+        if tag and self.keeps_best and verify(self.dir / tag) is None:
+            self.best_tag = tag
+
+    def mark_best(self, step: int) -> bool:
+        """`step` set a new best: remember its tag; True when it must be saved now."""
+        if not self.keeps_best:
+            return False
+        self.best_tag = step_tag(step)
+        return True
+
+    def restore_best(self, last: Path) -> Path:
+        """Load the best checkpoint into the engine when it is not `last`; the checkpoint the
+        export should read."""
+        if not self.keeps_best or self.best_tag is None or self.best_tag == last.name:
+            return last
+        self.load(self.best_tag, check_config=False)
+        return self.dir / self.best_tag
+
+    def export(self, tag_dir: Path) -> Path | None:
+        """Standalone weights (experts assembled from the checkpoint `tag_dir`), rank 0.
+        Under ZeRO-3 collective and streamed (`export_streamed`): every rank gathers one
+        parameter at a time, rank 0 writes it, then the experts one at a time from the files."""
+        module, out = self.engine.module, self.dir / "export"
+        if is_partitioned(module):
+            main = self.rt.is_main
+            tensors = itertools.chain(gathered_tensors(module, keep=main),
+                                      expert_tensors(tag_dir) if main else ())
+            return export_streamed(out, tensors, self.cfg, self.manifest, self.tokenizer_files,
+                                   active=main)
+        if not self.rt.is_main:
+            return None
+        state = module.state_dict()
+        state.update(full_expert_state(tag_dir))
+        return export_inference(out, state, self.cfg, self.manifest, self.tokenizer_files)
+
+    def _save_experts(self, tag_dir: Path) -> None:
+        if self.cfg.uses_experts:
+            save_expert_shards(self.engine.module, self.engine.optimizer, self.rt, tag_dir)
+
+    def _load_experts(self, tag_dir: Path) -> None:
+        if self.cfg.uses_experts:
+            load_expert_shards(self.engine.module, self.engine.optimizer, self.rt, tag_dir)
