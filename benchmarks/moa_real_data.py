@@ -31,7 +31,7 @@ training seed (``train.seed``) and the sampling / clustering seed (``moa.seed``)
 the backbone's included, in work/moa-opus-de-en-sS/, and writes
 moa_real_data_de_en_sS_cpu.json: the same test sentences, so runs on several seeds compare
 directly. `--adapter-steps N` trains the adapters of rs and switch_sl for N steps instead of
-the configs' 150, in the same workdir (backbone, features, clusters and gate are reused; the
+the configs' 600, in the same workdir (backbone, features, clusters and gate are reused; the
 adapter and evaluate stages run again) and writes ..._aN_cpu.json: whether the gates and
 adapters change with training. A benchmark,
 not a test: about an hour on two cores (30 minutes of it the backbone).
@@ -284,7 +284,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=None,
                     help="training and sampling seed of every stage (default: the configs')")
     ap.add_argument("--adapter-steps", type=int, default=None,
-                    help="adapter-stage steps of rs and switch_sl (default: the configs' 150)")
+                    help="adapter-stage steps of rs and switch_sl (default: the configs' 600)")
     ap.add_argument("--fresh", action="store_true", help="delete the work directory first")
     ap.add_argument("--quick", action="store_true",
                     help="tiny model, a few steps per stage, small splits: checks the script")
