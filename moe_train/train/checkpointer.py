@@ -49,16 +49,18 @@ class Checkpointer:
             tag = None
         return str(self.dir / tag) if tag else f"none complete in {self.dir}"
 
-    def save(self, step: int, meta: dict[str, Any]) -> Path:
-        """Checkpoint `step` with `meta` (the run's JSON state) and the tokenizer and manifest
-        attached; refuses a model with a NaN or infinite parameter."""
+    def save(self, step: int, meta: Callable[[], dict[str, Any]]) -> Path:
+        """Checkpoint `step` with the tokenizer and manifest attached; refuses a model with a
+        NaN or infinite parameter. `meta` builds the run's JSON state once the model is known
+        to be finite, so a refused save leaves the run's counters as they were."""
         if not parameters_are_finite(self.rt, self.engine.module):
             raise CheckpointError(f"{self.dir}: refusing to save step {step}: a parameter is NaN "
                                   f"or infinite; last good checkpoint: {self.last_good()}")
+        state = meta()
         attachments = {**{path.name: path for path in self.tokenizer_files},
                        "manifest.json": Path(self.cfg.data.prepared_dir) / "manifest.json"}
         with without_deepspeed_moe_checkpointing(self.engine):
-            return save_checkpoint(self.engine, self.rt, self.dir, step, meta, attachments,
+            return save_checkpoint(self.engine, self.rt, self.dir, step, state, attachments,
                                    self.cfg.checkpoint.keep_last, save_extra=self._save_experts,
                                    keep=() if self.best_tag is None else (self.best_tag,))
 

@@ -306,16 +306,18 @@ class Trainer:
     def save(self) -> Path:
         """Checkpoint this step (all ranks): the engine, the data order, early stopping and
         the skipped-step counts, so that `--resume` continues exactly here."""
+        return self.checkpoints.save(self.step, self._checkpoint_meta)
+
+    def _checkpoint_meta(self) -> dict[str, Any]:
         (tokens,) = all_reduce_floats(self.rt, self.tokens_unsaved)
         self.tokens_seen += int(tokens)
         self.tokens_unsaved = 0.0
-        meta = {"step": self.step, "tokens_seen": self.tokens_seen,
+        return {"step": self.step, "tokens_seen": self.tokens_seen,
                 "data_state": self.batches.state_dict(), "config": self.cfg.to_dict(),
                 "world_size": self.rt.world_size,
                 "early_stop": self.early.state_dict() | {"best_tag": self.checkpoints.best_tag},
                 "nonfinite": {"total": self.nonfinite_steps,
                               "in_a_row": self.nonfinite_in_a_row}}
-        return self.checkpoints.save(self.step, meta)
 
     def _note_validation(self, values: dict[str, Any]) -> bool:
         """Feed a validation to early stopping; checkpoint a new best (train.export_best).

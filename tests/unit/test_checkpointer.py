@@ -69,6 +69,8 @@ def test_save_refuses_a_nan_model_and_names_the_last_good_checkpoint(tmp_path):
     cp = _checkpointer(tmp_path)
     with torch.no_grad():
         cp.engine.module.weight[0, 0] = float("nan")
+    built = []
     with pytest.raises(CheckpointError, match=r"refusing to save step 7: .* none complete in"):
-        cp.save(7, {"step": 7})
+        cp.save(7, lambda: built.append(7) or {"step": 7})
     assert not (cp.dir / "step_00000007").exists()
+    assert built == []  # the run's state (token counts) is not touched by a refused save
