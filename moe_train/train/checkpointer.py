@@ -36,6 +36,8 @@ class Checkpointer:
         self.engine, self.rt, self.cfg = engine, rt, cfg
         self.manifest, self.tokenizer_files, self.log = manifest, tokenizer_files, log
         self.dir = Path(cfg.checkpoint.dir)
+        self.export_dir = self.dir / "export"
+        """Where `export` writes the standalone weights."""
         self.keeps_best = cfg.train.export_best and cfg.train.patience > 0
         """Whether the best validation's checkpoint is kept and exported."""
         self.best_tag: str | None = None
@@ -98,7 +100,7 @@ class Checkpointer:
         """Standalone weights (experts assembled from the checkpoint `tag_dir`), rank 0.
         Under ZeRO-3 collective and streamed (`export_streamed`): every rank gathers one
         parameter at a time, rank 0 writes it, then the experts one at a time from the files."""
-        module, out = self.engine.module, self.dir / "export"
+        module, out = self.engine.module, self.export_dir
         if is_partitioned(module):
             main = self.rt.is_main
             tensors = itertools.chain(gathered_tensors(module, keep=main),

@@ -93,8 +93,8 @@ class Trainer:
             rt = self.rt = setup_expert_parallel(rt, cfg.moe.ep_size)
         torch.manual_seed(cfg.train.seed)
         np.random.seed(cfg.train.seed)
-        self.ckpt_dir = Path(cfg.checkpoint.dir)
-        tag = latest_tag(self.ckpt_dir, warn=self._log_main) if resume else None
+        ckpt_dir = Path(cfg.checkpoint.dir)
+        tag = latest_tag(ckpt_dir, warn=self._log_main) if resume else None
         self.ds_config = build_deepspeed_config(cfg, rt.world_size, rt.device)
         # identical on every rank (same seed, or the same init_from weights)
         model, loaded = build_start_model(cfg, self.manifest, self.ds_config, rt.is_main,
@@ -141,7 +141,7 @@ class Trainer:
         self.checkpoints = Checkpointer(self.engine, rt, cfg, self.manifest,
                                         self.tokenizer_files, self._log_main)
         if resume and tag is None:
-            self._log_main(f"| resume: no checkpoint in {self.ckpt_dir}; starting from step 0")
+            self._log_main(f"| resume: no checkpoint in {ckpt_dir}; starting from step 0")
         if tag is not None:  # strict: the config must match (train/resume.py)
             meta = self.checkpoints.load(tag)
             self.step = meta["step"]
@@ -468,4 +468,4 @@ class Trainer:
         return {"step": self.step, "train_seconds": elapsed, "stopped_early": stopped_early,
                 **({"early_stop": early.state()} if tc.patience else {}), **exported,
                 "train_tokens_per_s": tokens / max(elapsed, 1e-9),
-                "checkpoint": str(path), "export": str(self.ckpt_dir / "export"), **final}
+                "checkpoint": str(path), "export": str(self.checkpoints.export_dir), **final}
