@@ -28,7 +28,6 @@ dim, E experts, V vocabulary.
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from pathlib import Path
@@ -52,6 +51,7 @@ from moe_train.models.build import build_model  # noqa: E402
 from moe_train.models.context import ForwardContext  # noqa: E402
 from moe_train.moe.routing import NUM_LANGS_KEY  # noqa: E402
 from moe_train.utils.provenance import provenance  # noqa: E402
+from moe_train.utils.cli_args import exit_bad_input, script_parser  # noqa: E402
 
 PAD, BOS, EOS = 0, 1, 2
 LANGS = ["cs", "de", "en", "fr"]
@@ -72,23 +72,19 @@ def sized(base: dict[str, Any], experts: int | None, batches: str | None, ep: bo
     """`base` with the expert count and batch sweep the command line asks for (`ep`: the EP=2
     run follows, which splits the experts over two ranks); a bad value is one `error:` line and
     exit status 2, before anything runs."""
-    def bad(message: str) -> None:
-        print(f"error: {message}", file=sys.stderr)
-        raise SystemExit(2)
-
     s = dict(base)
     if experts is not None:
         if experts < 2 or (ep and experts % 2):
             even = ", and even (the EP=2 run splits them over two ranks)" if ep else ""
-            bad(f"--experts: expected at least 2 (top-2 routing){even}, got {experts}")
+            exit_bad_input(f"--experts: expected at least 2 (top-2 routing){even}, got {experts}")
         s["E"] = experts
     if batches is not None:
         try:
             s["batches"] = sorted({int(b) for b in batches.split(",")})
         except ValueError:
-            bad(f"--batches: expected comma-separated integers, got {batches!r}")
+            exit_bad_input(f"--batches: expected comma-separated integers, got {batches!r}")
         if s["batches"][0] < 1:
-            bad(f"--batches: expected sizes of at least 1, got {batches!r}")
+            exit_bad_input(f"--batches: expected sizes of at least 1, got {batches!r}")
     return s
 
 
@@ -363,7 +359,7 @@ def marian_comparison(s: dict[str, Any], device: str) -> dict[str, Any] | None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = script_parser(__file__, __doc__)
     ap.add_argument("--quick", action="store_true", help="tiny sizes (a smoke test)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--no-ep", action="store_true", help="skip the EP=2 measurement")
@@ -378,8 +374,7 @@ def main(argv: list[str] | None = None) -> None:
                          "uses gloo CPU ranks)")
     args = ap.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
-        print("error: --device cuda: expected a CUDA GPU, found none", file=sys.stderr)
-        raise SystemExit(2)
+        ap.error("--device cuda: expected a CUDA GPU, found none")
     device, args.no_ep = args.device, args.no_ep or args.device == "cuda"
     prov = provenance(sys.argv if argv is None else ["benchmarks/decode_throughput.py", *argv])
     s = sized(SIZES["quick" if args.quick else "full"], args.experts, args.batches,

@@ -38,6 +38,8 @@ for _path in (ROOT, ROOT / "benchmarks"):
 from real_data import DEFAULT_DATA, QUICK_DATA, QUICK_MODEL, start_record, \
     write_record  # noqa: E402
 from thor import cli, last_json  # noqa: E402
+from moe_train.utils.cli_args import (  # noqa: E402
+    existing_dir, int_at_least, positive_float, script_parser)
 
 
 DATASETS = {
@@ -56,15 +58,15 @@ TRAINING_STAGES = ("backbone", "tag", "ad", "gad")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = script_parser(__file__, __doc__)
     ap.add_argument("--data", choices=sorted(DATASETS), default="synthetic")
-    ap.add_argument("--steps", type=int, default=None,
+    ap.add_argument("--steps", type=int_at_least(1), default=None,
                     help="MIX training steps (synthetic default 3000; TAG/AD/GAD a third each)")
-    ap.add_argument("--minutes", type=float, default=None,
+    ap.add_argument("--minutes", type=positive_float, default=None,
                     help="opus: MIX training minutes (default 6; TAG/AD/GAD half each); "
                          "synthetic: a guard per stage (default 15)")
     ap.add_argument("--opus-dir", default=str(DEFAULT_DATA), help="the OPUS multi-domain data")
-    ap.add_argument("--test-dir", default=None,
+    ap.add_argument("--test-dir", type=existing_dir, default=None,
                     help="also score on DIR/{domain}/{domain}.{l1}-{l2}.test.{lang}")
     ap.add_argument("--no-ablation", action="store_true", help="skip the gate_loss=ce run")
     ap.add_argument("--work", default=None, help="default work/gad-<data>[-quick]")
@@ -78,8 +80,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     spec = DATASETS[args.data]
     args.minutes = spec["minutes"] if args.minutes is None else args.minutes
     args.steps = spec["steps"] if args.steps is None else args.steps
-    if args.minutes <= 0 or (args.steps is not None and args.steps < 1):
-        ap.error("--minutes must be positive and --steps at least 1")
     if args.quick:
         args.steps = 12
     return args

@@ -20,7 +20,6 @@ tuned first (`tune_cpu_allocator`, as `init_runtime` does), for every implementa
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
@@ -42,6 +41,7 @@ from moe_train.moe.experts import Experts  # noqa: E402
 from moe_train.utils.atomic import write_json  # noqa: E402
 from moe_train.utils.malloc import tune_cpu_allocator  # noqa: E402
 from moe_train.utils.provenance import finish, provenance  # noqa: E402
+from moe_train.utils.cli_args import int_at_least, script_parser  # noqa: E402
 
 D, FFN, K = 256, 1024, 2
 SENT_LEN = 32
@@ -200,18 +200,21 @@ def bench_config(E: int, slots: int, device: str, backends: list[str], reps: int
     return rows
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--experts", type=int, nargs="+", default=[8, 32, 128])
-    ap.add_argument("--slots", type=int, nargs="+", default=[4096, 8192],
+def main(argv: list[str] | None = None) -> None:
+    ap = script_parser(__file__, __doc__)
+    ap.add_argument("--experts", type=int_at_least(1), nargs="+", default=[8, 32, 128])
+    ap.add_argument("--slots", type=int_at_least(1), nargs="+", default=[4096, 8192],
                     help="routed slots T*K (K=2)")
-    ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--reps", type=int_at_least(1), default=5)
+    ap.add_argument("--device", choices=("cpu", "cuda"),
+                    default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--quick", action="store_true",
                     help="E=8, 512 slots, 2 reps: checks the script (writes ..._quick.json)")
     ap.add_argument("--out", default=None,
                     help="default benchmarks/results/kernels_<device>[_quick].json")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda: expected a CUDA GPU, found none")
     if args.quick:
         args.experts, args.slots, args.reps = [8], [512], 2
     device = args.device

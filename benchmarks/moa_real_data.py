@@ -39,7 +39,6 @@ not a test: about an hour on two cores (30 minutes of it the backbone).
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 import subprocess
@@ -51,18 +50,21 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from real_data import DEFAULT_DATA, QUICK_DATA, QUICK_MODEL  # noqa: E402  (benchmarks/)
+from real_data import DEFAULT_DATA, QUICK_DATA, QUICK_MODEL, check_test_dir  # noqa: E402
 
 from moe_train.eval.significance import paired_bootstrap  # noqa: E402
 from moe_train.stages.evaluate import hypotheses_file, read_lines  # noqa: E402
 from moe_train.utils.atomic import write_json  # noqa: E402
 from moe_train.utils.provenance import finish, provenance  # noqa: E402
+from moe_train.utils.cli_args import (  # noqa: E402
+    comma_list, existing_dir, exit_bad_input, int_at_least, positive_float, script_parser)
 
 DATA_CONFIG = "configs/opus-de-en-cpu.yaml"
 MOA_CONFIG = "configs/moa-opus-de-en.yaml"
 SWITCH_CONFIG = "configs/moa-opus-de-en-switch-sl.yaml"
 SWITCH_MOE_CONFIG = "configs/moa-opus-de-en-switch-sl-moe.yaml"
 TIMINGS = "timings.json"
+RUNS = ("rs", "di", "switch_sl", "switch_sl_moe")
 BACKBONE_TRAIN = ["optim.lr=1e-3", "optim.warmup_steps=800", "train.validate_every=500",
                   "train.log_every=50", "train.bleu_sentences=350", "checkpoint.save_every=500",
                   "checkpoint.keep_last=2", "eval.beam=5"]
@@ -117,15 +119,8 @@ def with_test_dir(data: str, test_dir: str, out: Path) -> str:
     split: clusterer, gate and models are all labelled and scored on them, and training pairs
     whose source is one of them are dropped."""
     from moe_train.data.corpus import discover
-    from moe_train.errors import DataError
 
-    try:
-        tests = discover(test_dir, splits=["test"])
-    except DataError as exc:
-        raise SystemExit(f"--test-dir {test_dir}: {exc}") from None
-    if not tests:
-        raise SystemExit(f"--test-dir {test_dir}: no test files (expected "
-                         "DOMAIN/DOMAIN.l1-l2.test.LANG)")
+    tests = check_test_dir(test_dir)
     if out.exists():
         shutil.rmtree(out)
     for files in [*discover(data, splits=["train", "dev"]), *tests]:
@@ -180,9 +175,8 @@ def hypotheses(workdir: Path, model: str) -> list[str]:
     exit 2 where the stage predates those files."""
     path = hypotheses_file(workdir / "evaluate", model)
     if not path.is_file():
-        print(f"error: {path}: missing (an evaluate stage from before hypotheses were written: "
-              f"delete {workdir / 'evaluate'} to run it again)", file=sys.stderr)
-        raise SystemExit(2)
+        exit_bad_input(f"{path}: missing (an evaluate stage from before hypotheses were "
+                       f"written: delete {workdir / 'evaluate'} to run it again)")
     return read_lines(path)
 
 
@@ -195,17 +189,13 @@ def paired_hypotheses(base: tuple[Path, str], others: dict[str, tuple[Path, str]
     b: dict[str, list[str]] = {}
     for name, (workdir, model) in others.items():
         if hypotheses(workdir, "references") != refs:
-            print(f"error: {workdir}: evaluated on other test sentences than {base[0]}",
-                  file=sys.stderr)
-            raise SystemExit(2)
+            exit_bad_input(f"{workdir}: evaluated on other test sentences than {base[0]}")
         b[name] = hypotheses(workdir, model)
     a = hypotheses(*base)
     for (workdir, model), hyps in [(base, a), *((others[n], h) for n, h in b.items())]:
         if len(hyps) != len(refs):
-            print(f"error: {hypotheses_file(workdir / 'evaluate', model)}: "
-                  f"{len(hyps)} lines, expected one per reference ({len(refs)})",
-                  file=sys.stderr)
-            raise SystemExit(2)
+            exit_bad_input(f"{hypotheses_file(workdir / 'evaluate', model)}: "
+                           f"{len(hyps)} lines, expected one per reference ({len(refs)})")
     return a, b, refs
 
 
@@ -270,31 +260,30 @@ def checks(record: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> None:
+    ap = script_parser(__file__, __doc__)
     ap.add_argument("--data", default=str(DEFAULT_DATA))
-    ap.add_argument("--minutes", type=float, default=30.0, help="backbone training budget")
-    ap.add_argument("--anchors", type=int, default=50, help="dev anchors per domain for di")
-    ap.add_argument("--runs", default="rs,di,switch_sl", help="comma-separated, of rs, di, "
+    ap.add_argument("--minutes", type=positive_float, default=30.0,
+                    help="backbone training budget")
+    ap.add_argument("--anchors", type=int_at_least(1), default=50,
+                    help="dev anchors per domain for di")
+    ap.add_argument("--runs", type=comma_list(RUNS), default="rs,di,switch_sl",
+                    help="comma-separated, of rs, di, "
                     "switch_sl, switch_sl_moe (di and switch_sl use rs's backbone stage, which "
                     "runs first)")
-    ap.add_argument("--test-dir", default=None,
+    ap.add_argument("--test-dir", type=existing_dir, default=None,
                     help="score on DIR's test files (OPUS layout: DOMAIN/DOMAIN.l1-l2.test.LANG) "
                     "instead of test sentences carved from the training data")
     ap.add_argument("--seed", type=int, default=None,
                     help="training and sampling seed of every stage (default: the configs')")
-    ap.add_argument("--adapter-steps", type=int, default=None,
+    ap.add_argument("--adapter-steps", type=int_at_least(1), default=None,
                     help="adapter-stage steps of rs and switch_sl (default: the configs' 600)")
     ap.add_argument("--fresh", action="store_true", help="delete the work directory first")
     ap.add_argument("--quick", action="store_true",
                     help="tiny model, a few steps per stage, small splits: checks the script")
     ap.add_argument("--out", default=None, help="default benchmarks/results/"
                     "moa_real_data_de_en[_sS][_aN]_cpu[_quick].json")
-    args = ap.parse_args()
-    if args.adapter_steps is not None and args.adapter_steps < 1:
-        print(f"error: --adapter-steps: expected a positive integer, got {args.adapter_steps}",
-              file=sys.stderr)
-        raise SystemExit(2)
+    args = ap.parse_args(argv)
     if not Path(args.data).is_dir():
         print(f"skipped: {args.data} not found (the OPUS multi-domain data lives in ../shared)")
         return
@@ -310,9 +299,6 @@ def main() -> None:
     anchors = 2 if args.quick else args.anchors
     data = args.data
     if args.test_dir:
-        if not Path(args.test_dir).is_dir():
-            print(f"error: --test-dir {args.test_dir}: not a directory", file=sys.stderr)
-            raise SystemExit(2)
         data = with_test_dir(args.data, args.test_dir, work / "corpus-with-test")
     reused_prepared = prepare(data, work / "prepared", args.quick)
     seeded = [] if args.seed is None else [f"train.seed={args.seed}", f"moa.seed={args.seed}"]
@@ -337,14 +323,8 @@ def main() -> None:
                            *(QUICK_BACKBONE if args.quick else [])],
                           ["backbone", "evaluate"]),
     }
-    wanted = [r for r in args.runs.split(",") if r]
-    unknown = sorted(set(wanted) - set(plan))
-    if unknown:
-        print(f"error: --runs: unknown {', '.join(unknown)} (known: {', '.join(plan)})",
-              file=sys.stderr)
-        raise SystemExit(2)
     runs: dict[str, dict[str, dict[str, Any]]] = {}
-    for name in wanted:
+    for name in args.runs:
         config, workdir, overrides, stages = plan[name]
         runs[name] = {s: run_stage(config, workdir, s, [*common, *overrides]) for s in stages}
 

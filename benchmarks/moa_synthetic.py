@@ -38,7 +38,6 @@ A benchmark, not a test: about 45 minutes per seed on two cores.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import shutil
@@ -63,6 +62,8 @@ from moa_real_data import (  # noqa: E402
 from moe_train.eval.significance import paired_bootstrap  # noqa: E402
 from moe_train.utils.atomic import write_json  # noqa: E402
 from moe_train.utils.provenance import finish, provenance  # noqa: E402
+from moe_train.utils.cli_args import (  # noqa: E402
+    exit_bad_input, int_at_least, script_parser)
 
 PRESET = "domain-matters"
 """Corpus difficulty: moe_train.data.synthetic.PRESETS[PRESET]."""
@@ -90,28 +91,25 @@ def synth_options(preset: str, pairs: list[str]) -> Any:
     from moe_train.data.synthetic import PRESETS, SynthOptions
     from moe_train.errors import ConfigError
 
-    def bad(message: str) -> None:
-        print(f"error: {message}", file=sys.stderr)
-        raise SystemExit(2)
-
     if preset not in PRESETS:
-        bad(f"--preset: expected one of {', '.join(PRESETS)}, got {preset!r}")
+        exit_bad_input(f"--preset: expected one of {', '.join(PRESETS)}, got {preset!r}")
     types = {f.name: f.type for f in dataclasses.fields(SynthOptions)}  # "int", "float | None"
     changes: dict[str, Any] = {}
     for pair in pairs:
         key, sep, value = pair.partition("=")
         if not sep or key not in types:
-            bad(f"--synth {pair!r}: expected KEY=VALUE with KEY one of {', '.join(types)}")
+            exit_bad_input(f"--synth {pair!r}: expected KEY=VALUE with KEY one of "
+                           f"{', '.join(types)}")
         whole = str(types[key]).startswith("int")
         try:
             changes[key] = int(value) if whole else float(value)
         except ValueError:
-            bad(f"--synth {key}: expected {'an integer' if whole else 'a number'}, "
-                f"got {value!r}")
+            exit_bad_input(f"--synth {key}: expected {'an integer' if whole else 'a number'}, "
+                           f"got {value!r}")
     try:
         return dataclasses.replace(PRESETS[preset], **changes)
     except ConfigError as exc:
-        bad(f"--synth: {exc}")
+        exit_bad_input(f"--synth: {exc}")
 
 
 def parse_seeds(text: str) -> list[int]:
@@ -122,9 +120,7 @@ def parse_seeds(text: str) -> list[int]:
     except ValueError:
         seeds = []
     if not seeds or len(set(seeds)) != len(seeds):
-        print(f"error: --seeds: expected distinct comma-separated integers, got {text!r}",
-              file=sys.stderr)
-        raise SystemExit(2)
+        exit_bad_input(f"--seeds: expected distinct comma-separated integers, got {text!r}")
     return seeds
 
 
@@ -133,9 +129,8 @@ def parse_runs(text: str) -> list[str]:
     else is one `error:` line and exit status 2."""
     runs = [r.strip() for r in text.split(",") if r.strip()]
     if runs[:1] != ["moa"] or set(runs) - set(RUNS) or len(set(runs)) != len(runs):
-        print(f"error: --runs: expected moa first, then any of {', '.join(RUNS[1:])} once; "
-              f"got {text!r}", file=sys.stderr)
-        raise SystemExit(2)
+        exit_bad_input(f"--runs: expected moa first, then any of {', '.join(RUNS[1:])} once; "
+                       f"got {text!r}")
     return runs
 
 
@@ -150,8 +145,7 @@ def check_overrides(overrides: list[str]) -> None:
         try:
             load_config(ROOT / config, overrides)
         except ConfigError as exc:
-            print(f"error: --set: {exc}", file=sys.stderr)
-            raise SystemExit(2) from None
+            exit_bad_input(f"--set: {exc}")
 
 
 def make_corpus(work: Path, seed: int, sizes: dict[str, int], options: Any = None
@@ -167,9 +161,8 @@ def make_corpus(work: Path, seed: int, sizes: dict[str, int], options: Any = Non
     if (corpus / "domains.json").is_file():
         made = json.loads((corpus / "domains.json").read_text()).get("options")
         if made != dataclasses.asdict(options):
-            print(f"error: {corpus}: made with other synthetic options ({made}); use --fresh "
-                  "or another --work", file=sys.stderr)
-            raise SystemExit(2)
+            exit_bad_input(f"{corpus}: made with other synthetic options ({made}); use --fresh "
+                           "or another --work")
     else:
         write_synthetic(corpus, overwrite=True, seed=seed, options=options,
                         report=True, **sizes)
@@ -434,12 +427,13 @@ def test_bars(work: Path, seeds: list[int]) -> dict[str, Any]:
             "bars_hold_on_every_seed": all(r["bars_hold"] for r in per_seed.values())}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> None:
+    ap = script_parser(__file__, __doc__)
     ap.add_argument("--seeds", default="2101,2102,2103",
                     help="corpus seeds (tests use 0-99; keep these out of that range)")
     ap.add_argument("--runs", default=",".join(RUNS))
-    ap.add_argument("--anchors", type=int, default=20, help="dev anchors per domain for di")
+    ap.add_argument("--anchors", type=int_at_least(1), default=20,
+                    help="dev anchors per domain for di")
     ap.add_argument("--fresh", action="store_true", help="delete the work directory first")
     ap.add_argument("--quick", action="store_true", help="tiny corpus, model and stages")
     ap.add_argument("--profile", choices=("claims", "test"), default="claims",
@@ -454,13 +448,12 @@ def main() -> None:
     ap.add_argument("--work", default=None, help="default work/moa-synthetic-bench[-quick]")
     ap.add_argument("--out", default=None,
                     help="default benchmarks/results/moa_synthetic[_quick|_test_bars]_cpu.json")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    seeds, runs = parse_seeds(args.seeds), parse_runs(args.runs)
     options = synth_options(args.preset, args.synth)
     check_overrides(args.overrides)
     if args.profile == "test" and (args.synth or args.preset != PRESET):
-        print("error: --preset/--synth: --profile test runs the integration test's own corpus",
-              file=sys.stderr)
-        raise SystemExit(2)
+        ap.error("--preset/--synth: --profile test runs the integration test's own corpus")
     prov = provenance()
     suffix = "_quick" if args.quick else ""
     if args.profile == "test":
@@ -472,14 +465,12 @@ def main() -> None:
     if args.profile == "test":
         t0 = time.time()
         record = {"benchmark": "moa_synthetic_test_bars_cpu",
-                  **test_bars(work, parse_seeds(args.seeds)),
+                  **test_bars(work, seeds),
                   "wall_minutes": round((time.time() - t0) / 60, 2)}
         record["provenance"] = finish(prov)
         write_json(out, record)
         print(f"bars hold on every seed: {record['bars_hold_on_every_seed']}; wrote {out}")
         return
-    runs = parse_runs(args.runs)
-    seeds = parse_seeds(args.seeds)
     per_seed: dict[str, Any] = {}
     done: list[tuple[Path, dict[str, Any]]] = []
     t0 = time.time()

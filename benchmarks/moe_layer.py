@@ -51,6 +51,7 @@ from moe_train.parallel.runtime import free_port, init_runtime  # noqa: E402
 from moe_train.utils.atomic import write_json  # noqa: E402
 from moe_train.utils.malloc import tune_cpu_allocator  # noqa: E402
 from moe_train.utils.provenance import finish, provenance  # noqa: E402
+from moe_train.utils.cli_args import int_at_least, script_parser  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)
@@ -393,33 +394,33 @@ METHOD = {
 }
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> None:
+    ap = script_parser(__file__, __doc__)
     ap.add_argument("--device", choices=("cpu", "cuda"),
                     default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--quick", action="store_true", help="tiny sizes, to check the script")
-    ap.add_argument("--threads", type=int, default=2, help="torch CPU threads (default 2)")
+    ap.add_argument("--threads", type=int_at_least(1), default=2,
+                    help="torch CPU threads (default 2)")
     ap.add_argument("--allocator", choices=ALLOCATORS, default="tuned",
                     help="CPU malloc for every implementation: tuned (tune_cpu_allocator, what "
                          "init_runtime applies) or default (glibc's)")
     ap.add_argument("--out", default=None,
                     help="default benchmarks/results/moe_layer_<device>[_quick]"
                          "[_alloc-<allocator>][_e<E...>][_k<k...>].json")
-    ap.add_argument("--experts", type=int, nargs="+", default=None,
+    ap.add_argument("--experts", type=int_at_least(1), nargs="+", default=None,
                     help="expert counts to run (default: the shape's, 8 32 128)")
-    ap.add_argument("--ks", type=int, nargs="+", default=None,
+    ap.add_argument("--ks", type=int_at_least(1), nargs="+", default=None,
                     help="experts per token to run (default: 1 2)")
     ap.add_argument("--peak-child", nargs=3, metavar=("IMPL", "E", "K"), help=argparse.SUPPRESS)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda: expected a CUDA GPU, found none")
     device = args.device
     shape = QUICK if args.quick else SHAPES[device]
     for name, values in (("experts", args.experts), ("ks", args.ks)):
         if values is not None:
-            if min(values) < 1 or (name == "ks" and max(values) > min(args.experts or
-                                                                     shape.experts)):
-                print(f"error: --{name}: expected positive values (k at most the fewest "
-                      f"experts), got {values}", file=sys.stderr)
-                raise SystemExit(2)
+            if name == "ks" and max(values) > min(args.experts or shape.experts):
+                ap.error(f"--ks: expected at most the fewest experts, got {values}")
             shape = dataclasses.replace(shape, **{name: tuple(values)})
     if args.peak_child:  # RSS measurement: glibc as the parent's environment set it
         init_runtime(tune_allocator=False)

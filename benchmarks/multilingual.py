@@ -20,7 +20,6 @@ when the data is absent. A benchmark, not a test.
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 import subprocess
@@ -38,6 +37,8 @@ from real_data import DEFAULT_DATA, QUICK_DATA, QUICK_TRAIN, last_json  # noqa: 
 
 from moe_train.utils.atomic import write_json  # noqa: E402
 from moe_train.utils.provenance import finish, provenance  # noqa: E402
+from moe_train.utils.cli_args import (  # noqa: E402
+    comma_list, existing_dir, int_at_least, positive_float, script_parser)
 
 VARIANTS = ("dense", "token-token", "token-target", "token-lp", "target-target", "lp-lp")
 TASK_ROUTED = ("token-target", "token-lp", "target-target", "lp-lp")
@@ -127,14 +128,17 @@ def run_variant(args, variant: str, work: Path, prepared: Path, common: list[str
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--minutes", type=float, default=12.0, help="training time per variant")
-    ap.add_argument("--variants", default="dense,token-token,token-target",
+    ap = script_parser(__file__, __doc__)
+    ap.add_argument("--minutes", type=positive_float, default=12.0,
+                    help="training time per variant")
+    ap.add_argument("--variants", type=comma_list(tuple(VARIANTS)),
+                    default="dense,token-token,token-target",
                     help=f"comma-separated subset of {', '.join(VARIANTS)}")
     ap.add_argument("--data", default=str(DEFAULT_DATA), help="the OPUS multi-domain data")
-    ap.add_argument("--test-dir", default=None,
+    ap.add_argument("--test-dir", type=existing_dir, default=None,
                     help="also score on DIR/{domain}/{domain}.{l1}-{l2}.test.{lang}")
-    ap.add_argument("--beam", type=int, default=None, help="default: the config's eval.beam")
+    ap.add_argument("--beam", type=int_at_least(1), default=None,
+                    help="default: the config's eval.beam")
     ap.add_argument("--extract", default="en-de",
                     help="direction extracted from task-routed variants ('' to skip)")
     ap.add_argument("--work", default=None, help="default work/multilingual[-quick]")
@@ -142,16 +146,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--fresh", action="store_true", help="delete the work directory first")
     ap.add_argument("--quick", action="store_true", help="tiny data / model: checks the script")
     args = ap.parse_args(argv)
-    variants = [v for v in args.variants.split(",") if v]
-    unknown = sorted(set(variants) - set(VARIANTS))
-    if unknown or not variants or args.minutes <= 0:
-        ap.error(f"--variants: expected some of {', '.join(VARIANTS)} (unknown: {unknown}); "
-                 "--minutes positive")
+    variants = args.variants
     if not Path(args.data).is_dir():
         print(f"skipped: {args.data} not found (the OPUS multi-domain data lives in ../shared)")
         return
-    if args.test_dir and not Path(args.test_dir).is_dir():
-        raise SystemExit(f"--test-dir {args.test_dir}: not a directory")
     prov = provenance(sys.argv if argv is None else ["benchmarks/multilingual.py", *argv])
     suffix = "_quick" if args.quick else ""
     work = Path(args.work or ROOT / "work" / f"multilingual{suffix.replace('_', '-')}")

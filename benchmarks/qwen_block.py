@@ -102,6 +102,7 @@ from moe_train.models.hf_qwen2moe import moe_blocks, qwen_hf_config  # noqa: E40
 from moe_train.utils.atomic import write_json  # noqa: E402
 from moe_train.utils.malloc import malloc_set_by_environment, tune_cpu_allocator  # noqa: E402
 from moe_train.utils.provenance import provenance  # noqa: E402
+from moe_train.utils.cli_args import int_at_least, script_parser  # noqa: E402
 
 FULL = {"T": 2048, "D": 512, "F": 352, "S": 1408, "configs": [(60, 4), (8, 2)], "reps": 25,
         "warmup": 2}
@@ -412,11 +413,12 @@ def calibration_check(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = script_parser(__file__, __doc__)
     ap.add_argument("--quick", action="store_true", help="tiny sizes, 2 reps (a smoke test)")
-    ap.add_argument("--reps", type=int, default=None, help="timed rounds")
-    ap.add_argument("--warmup", type=int, default=None, help="untimed steps of each first")
-    ap.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    ap.add_argument("--reps", type=int_at_least(1), default=None, help="timed rounds")
+    ap.add_argument("--warmup", type=int_at_least(0), default=None,
+                    help="untimed steps of each first")
+    ap.add_argument("--threads", type=int_at_least(1), default=2, help="torch CPU threads")
     ap.add_argument("--out", default=None,
                     help="default benchmarks/results/qwen_block_cpu[_quick].json")
     ap.add_argument("--allocator", choices=("both", *ALLOCATORS), default="both",

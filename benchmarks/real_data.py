@@ -29,6 +29,8 @@ for _path in (ROOT, ROOT / "benchmarks"):
 
 from moe_train.utils.atomic import write_json  # noqa: E402
 from moe_train.utils.provenance import finish, provenance  # noqa: E402
+from moe_train.utils.cli_args import (  # noqa: E402
+    existing_dir, exit_bad_input, int_at_least, positive_float, script_parser)
 
 DEFAULT_DATA = ROOT.parent / "shared" / "data" / "opus-multidomain"
 CONFIG = ROOT / "configs" / "opus-de-en-cpu.yaml"
@@ -43,6 +45,23 @@ QUICK_TRAIN = QUICK_MODEL + ["train.max_steps=4", "train.validate_every=0", "tra
 """--quick: the tiny model trained for a few steps (train)."""
 
 
+def check_test_dir(test_dir: str) -> list[Any]:
+    """--test-dir's OPUS-layout test files (DOMAIN/DOMAIN.l1-l2.test.LANG, as `discover`
+    finds them), checked before anything trains: none, or a bad layout, is one `error:` line
+    and exit status 2."""
+    from moe_train.data.corpus import discover
+    from moe_train.errors import DataError
+
+    try:
+        found = discover(test_dir, splits=["test"])
+    except DataError as exc:
+        exit_bad_input(f"--test-dir {test_dir}: {exc}")
+    if not found:
+        exit_bad_input(f"--test-dir {test_dir}: no test files (expected "
+                       "DOMAIN/DOMAIN.l1-l2.test.LANG)")
+    return found
+
+
 def start_record(args: argparse.Namespace, argv: list[str] | None, name: str
                  ) -> tuple[dict, Path, Path, str] | None:
     """The common start of the recorded per-recipe runs (thor.py, gad.py): None (after one
@@ -53,11 +72,7 @@ def start_record(args: argparse.Namespace, argv: list[str] | None, name: str
               "../shared)")
         return None
     if args.test_dir:
-        from moe_train.data.corpus import discover
-
-        if not Path(args.test_dir).is_dir():
-            raise SystemExit(f"--test-dir {args.test_dir}: not a directory")
-        discover(args.test_dir, splits=["test"])
+        check_test_dir(args.test_dir)
     prov = provenance(argv)
     suffix = "_quick" if args.quick else ""
     work = Path(args.work or ROOT / "work" / f"{name}-{args.data}{suffix.replace('_', '-')}")
@@ -88,26 +103,26 @@ def last_json(text: str) -> dict:
     return json.loads([line for line in text.splitlines() if line.startswith("{")][-1])
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> None:
+    ap = script_parser(__file__, __doc__)
     ap.add_argument("--data", default=str(DEFAULT_DATA))
-    ap.add_argument("--minutes", type=float, default=30.0)
+    ap.add_argument("--minutes", type=positive_float, default=30.0)
     ap.add_argument("--work", default=None, help="default work/opus-de-en[-quick]")
     ap.add_argument("--out", default=None,
                     help="default benchmarks/results/real_data_de_en_cpu[_quick].json")
-    ap.add_argument("--beam", type=int, default=5)
+    ap.add_argument("--beam", type=int_at_least(1), default=5)
     ap.add_argument("--fresh", action="store_true",
                     help="delete the work directory first (a recorded run starts empty)")
-    ap.add_argument("--test-dir", default=None,
+    ap.add_argument("--test-dir", type=existing_dir, default=None,
                     help="also score on DIR/{domain}/{domain}.de-en.test.{de,en} (OPUS layout)")
     ap.add_argument("--quick", action="store_true",
                     help="tiny model, a few steps, small dev/test: checks the script")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if not Path(args.data).is_dir():
         print(f"skipped: {args.data} not found (the OPUS multi-domain data lives in ../shared)")
         return
-    if args.test_dir and not Path(args.test_dir).is_dir():
-        raise SystemExit(f"--test-dir {args.test_dir}: not a directory")
+    if args.test_dir:
+        check_test_dir(args.test_dir)
     prov = provenance()
     suffix = "_quick" if args.quick else ""
     work = Path(args.work or ROOT / "work" / f"opus-de-en{suffix.replace('_', '-')}")

@@ -28,7 +28,6 @@ F expert FFN dim.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -48,6 +47,7 @@ from moe_train.kernels.grad_buffers import GradBuffers  # noqa: E402
 from moe_train.kernels.swiglu_ffn import swiglu_ffn, swiglu_grouped  # noqa: E402
 from moe_train.utils.malloc import tune_cpu_allocator  # noqa: E402
 from moe_train.utils.provenance import provenance  # noqa: E402
+from moe_train.utils.cli_args import int_at_least, script_parser  # noqa: E402
 
 FULL = {"T": 2048, "D": 512, "F": 352, "configs": [(60, 4), (8, 2)], "reps": 15}
 QUICK = {"T": 128, "D": 64, "F": 48, "configs": [(8, 2)], "reps": 2}
@@ -141,9 +141,10 @@ def bench(T: int, E: int, k: int, D: int, F_: int, reps: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = script_parser(__file__, __doc__)
     ap.add_argument("--quick", action="store_true", help="tiny sizes, 2 reps (a smoke test)")
-    ap.add_argument("--reps", type=int, default=None, help="timed runs per implementation")
+    ap.add_argument("--reps", type=int_at_least(1), default=None,
+                    help="timed runs per implementation")
     ap.add_argument("--out", default=None,
                     help="default benchmarks/results/swiglu_experts_cpu[_quick].json")
     args = ap.parse_args(argv)

@@ -46,6 +46,8 @@ from real_data import DEFAULT_DATA, QUICK_DATA, QUICK_MODEL, start_record, \
     write_record  # noqa: E402
 
 from moe_train.utils.atomic import write_json  # noqa: E402
+from moe_train.utils.cli_args import (  # noqa: E402
+    comma_list, existing_dir, exit_bad_input, int_at_least, positive_float, script_parser)
 
 VARIANTS: dict[str, tuple[str, ...]] = {
     "dense": ("moe.num_experts=0",),
@@ -87,20 +89,22 @@ SUMMARY = "train_summary.json"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = script_parser(__file__, __doc__)
     ap.add_argument("--data", choices=sorted(DATASETS), default="synthetic")
-    ap.add_argument("--minutes", type=float, default=None,
+    ap.add_argument("--minutes", type=positive_float, default=None,
                     help="training time per variant (default: synthetic 10 as a guard, opus 8)")
-    ap.add_argument("--steps", type=int, default=None,
+    ap.add_argument("--steps", type=int_at_least(0), default=None,
                     help="a step budget per variant (train.max_steps; default: synthetic 1000, "
                          "opus 0 = none); --minutes is then a guard that the record flags when "
                          "it cut a variant short")
-    ap.add_argument("--variants", default=",".join(VARIANTS),
+    ap.add_argument("--variants", type=comma_list(tuple(VARIANTS)),
+                    default=",".join(VARIANTS),
                     help=f"comma-separated subset of {', '.join(VARIANTS)}")
     ap.add_argument("--opus-dir", default=str(DEFAULT_DATA), help="the OPUS multi-domain data")
-    ap.add_argument("--test-dir", default=None,
+    ap.add_argument("--test-dir", type=existing_dir, default=None,
                     help="also score on DIR/{domain}/{domain}.{l1}-{l2}.test.{lang}")
-    ap.add_argument("--beam", type=int, default=None, help="default: the config's eval.beam")
+    ap.add_argument("--beam", type=int_at_least(1), default=None,
+                    help="default: the config's eval.beam")
     ap.add_argument("--work", default=None, help="default work/thor-<data>[-quick]")
     ap.add_argument("--out", default=None,
                     help="default benchmarks/results/thor_<data>_cpu[_quick].json")
@@ -110,16 +114,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--quick", action="store_true",
                     help="tiny corpus / model, a few steps per variant: checks the script")
     args = ap.parse_args(argv)
-    args.variant_list = [v for v in args.variants.split(",") if v]
-    unknown = sorted(set(args.variant_list) - set(VARIANTS))
-    if unknown or not args.variant_list:
-        ap.error(f"--variants: unknown {', '.join(unknown) or '(none given)'} "
-                 f"(known: {', '.join(VARIANTS)})")
+    args.variant_list = args.variants
     if args.minutes is None:
         args.minutes = DATASETS[args.data]["minutes"]
-    if args.minutes <= 0 or (args.beam is not None and args.beam < 1) or \
-            (args.steps is not None and args.steps < 0):
-        ap.error("--minutes must be positive, --beam at least 1, --steps 0 or more")
     if args.steps is None:
         args.steps = DATASETS[args.data]["steps"]
     args.steps = args.steps or None  # 0: the time budget alone
@@ -259,7 +256,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         run(parse_args(argv), argv)
     except MoeTrainError as exc:  # bad data or test directory: one line, as the CLI does
-        raise SystemExit(f"error: {exc}") from None
+        exit_bad_input(str(exc))
 
 
 def run(args: argparse.Namespace, argv: list[str] | None) -> None:

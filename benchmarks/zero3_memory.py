@@ -18,7 +18,6 @@ Writes benchmarks/results/zero3_memory_cpu[_quick].json.
 
 from __future__ import annotations
 
-import argparse
 import sys
 import tempfile
 import threading
@@ -37,6 +36,7 @@ for _path in (ROOT, ROOT / "benchmarks"):
 from real_data import write_record  # noqa: E402
 
 from moe_train.utils.provenance import provenance  # noqa: E402
+from moe_train.utils.cli_args import script_parser  # noqa: E402
 
 GIB = 2**30
 WORLD = 2
@@ -163,7 +163,7 @@ def _worker(rank: int, port: int, part: str, quick: bool, work: str, out: str) -
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = script_parser(__file__, __doc__)
     ap.add_argument("--quick", action="store_true", help="tiny models (checks the script)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)

@@ -9,35 +9,11 @@ from __future__ import annotations
 import argparse
 import re
 import sys
-from typing import Callable
 
 from moe_train.errors import MoeTrainError
+from moe_train.utils.cli_args import OneLineParser, int_at_least, positive_float
 
 _LOCAL_RANK_RE = re.compile(r"^--local[_-]rank(=\d+)?$")
-
-
-class _Parser(argparse.ArgumentParser):
-    """An argument parser whose errors are one line, ``error: ...`` (exit status 2), like
-    every other user error; ``--help`` shows the usage."""
-
-    def error(self, message: str) -> None:  # type: ignore[override]
-        self.exit(2, f"error: {self.prog}: {message} (see {self.prog} --help)\n")
-
-
-def _int_at_least(low: int) -> Callable[[str], int]:
-    """An argparse type: an integer >= `low`, with a one-line complaint otherwise."""
-    what = "a positive integer" if low == 1 else f"an integer >= {low}"
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
-        return value
-
-    return parse
 
 
 def _strip_launcher_args(argv: list[str]) -> list[str]:
@@ -84,10 +60,10 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
 def _add_decode_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint", required=True,
                    help="export dir, training checkpoint dir (uses latest) or step dir")
-    p.add_argument("--beam", type=_int_at_least(1),
+    p.add_argument("--beam", type=int_at_least(1),
                    help="beam size, 1 for greedy (default: the checkpoint's eval.beam)")
     p.add_argument("--lenpen", type=float, help="length penalty")
-    p.add_argument("--max-sentences", type=_int_at_least(1), help="sentences per batch")
+    p.add_argument("--max-sentences", type=int_at_least(1), help="sentences per batch")
     p.add_argument("--long-lines", choices=("error", "truncate"), default="error",
                    help="a raw-text line longer than the model's model.max_positions (in "
                    "subword tokens): error (default) refuses the whole input before anything is "
@@ -133,7 +109,7 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
                        description="The embedded default: generates a 5-domain synthetic corpus, "
                        "prepares it, trains a small Transformer on CPU and prints per-domain BLEU.")
     p.add_argument("--workdir", default="demo-work", help="where everything is written")
-    p.add_argument("--minutes", type=float, default=None, help="training time budget")
+    p.add_argument("--minutes", type=positive_float, default=None, help="training time budget")
     p.add_argument("overrides", nargs="*", help="a.b=value overrides of the demo recipe")
 
 
@@ -146,14 +122,14 @@ def _add_synth(sub: argparse._SubParsersAction) -> None:
                        "{domain}/{domain}.en-{xx}.{split}.{lang} files plus domains.json, ready "
                        "for `moe-train prepare --data DIR`. The same seed gives the same corpus.")
     p.add_argument("--out", required=True, help="output directory")
-    p.add_argument("--domains", type=_int_at_least(1), default=5,
+    p.add_argument("--domains", type=int_at_least(1), default=5,
                    help=f"how many domains, the first N of the list (1..{len(DOMAINS)}; default 5)")
     p.add_argument("--langs", default="de",
                    help="comma-separated target languages (default de)")
-    p.add_argument("--train", type=_int_at_least(1), default=3000,
+    p.add_argument("--train", type=int_at_least(1), default=3000,
                    help="training pairs per domain (default 3000)")
-    p.add_argument("--dev", type=_int_at_least(0), default=100, help="dev pairs per domain")
-    p.add_argument("--test", type=_int_at_least(0), default=100, help="test pairs per domain")
+    p.add_argument("--dev", type=int_at_least(0), default=100, help="dev pairs per domain")
+    p.add_argument("--test", type=int_at_least(0), default=100, help="test pairs per domain")
     p.add_argument("--seed", type=int, default=0, help="generator seed (default 0)")
     p.add_argument("--overwrite", action="store_true",
                    help="replace an existing synthetic corpus at --out")
@@ -213,14 +189,14 @@ def _add_convert(sub: argparse._SubParsersAction) -> None:
     where.add_argument("--to-hf", metavar="CHECKPOINT", help="export or checkpoint directory")
     p.add_argument("--out", required=True, help="directory to write")
     trim = p.add_argument_group("Trim-MoE (with --from-hf)")
-    trim.add_argument("--trim", type=_int_at_least(1), metavar="N",
+    trim.add_argument("--trim", type=int_at_least(1), metavar="N",
                       help="keep N routed experts per MoE layer (router rows sliced to match)")
     trim.add_argument("--experts", help="the experts to keep, e.g. 0,3,5 (every layer)")
     trim.add_argument("--calibration", metavar="FILE",
                       help="text whose routing picks each layer's N most used experts")
-    trim.add_argument("--calibration-lines", type=_int_at_least(1), default=2000,
+    trim.add_argument("--calibration-lines", type=int_at_least(1), default=2000,
                       help="at most this many calibration lines (default 2000)")
-    trim.add_argument("--k", type=_int_at_least(1), help="experts per token after trimming "
+    trim.add_argument("--k", type=int_at_least(1), help="experts per token after trimming "
                       "(default: the model's k, at most N)")
 
 
@@ -231,15 +207,15 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
                        "(counted on the meta device), under a ZeRO stage and expert-parallel "
                        "degree; ends with one JSON line.")
     p.add_argument("--config", required=True, help="YAML config")
-    p.add_argument("--nodes", type=_int_at_least(1), default=1)
-    p.add_argument("--gpus-per-node", type=_int_at_least(1), default=8)
+    p.add_argument("--nodes", type=int_at_least(1), default=1)
+    p.add_argument("--gpus-per-node", type=int_at_least(1), default=8)
     p.add_argument("--gpu-mem", type=float, default=80.0, help="GiB per GPU (default 80)")
     p.add_argument("--zero", type=int, help="ZeRO stage 0-3 (default: optim.zero_stage)")
-    p.add_argument("--ep", type=_int_at_least(1), help="expert-parallel degree (default: "
+    p.add_argument("--ep", type=int_at_least(1), help="expert-parallel degree (default: "
                    "moe.ep_size)")
-    p.add_argument("--micro-batch", type=_int_at_least(1),
+    p.add_argument("--micro-batch", type=int_at_least(1),
                    help="sequences per GPU (default: data.max_tokens // seq-len)")
-    p.add_argument("--seq-len", type=_int_at_least(1), help="tokens per sequence (default: "
+    p.add_argument("--seq-len", type=int_at_least(1), help="tokens per sequence (default: "
                    "data.max_len)")
     p.add_argument("--activation-checkpointing", action="store_true",
                    help="plan with model.activation_checkpointing")
@@ -257,7 +233,7 @@ def _add_routing_stats(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prepared", help="prepared data dir (default: the one the model trained on)")
     p.add_argument("--split", default="dev", help="prepared split (default dev)")
     p.add_argument("--out", required=True, help="output directory")
-    p.add_argument("--max-batches", type=_int_at_least(0),
+    p.add_argument("--max-batches", type=int_at_least(0),
                    help="at most this many batches per rank")
 
 
@@ -289,7 +265,7 @@ def _add_pipeline(sub: argparse._SubParsersAction) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="moe-train", description=__doc__.splitlines()[0])
+    parser = OneLineParser(prog="moe-train", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     for add in (_add_synth, _add_prepare, _add_train, _add_translate, _add_evaluate, _add_demo,
                 _add_params, _add_plan, _add_extract, _add_convert, _add_routing_stats,

@@ -120,7 +120,8 @@ def debug_overrides(prepared: Path, work: Path, *extra: str) -> list[str]:
 
 
 def load_benchmark(name: str):
-    """benchmarks/<name>.py as a module (its sibling scripts importable while it loads)."""
+    """benchmarks/<name>.py as the module `name` (its sibling scripts importable while it
+    loads)."""
     import importlib.util
 
     bench_dir = str(ROOT / "benchmarks")
@@ -128,6 +129,7 @@ def load_benchmark(name: str):
     try:
         spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
         module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # dataclasses look their module up there
         spec.loader.exec_module(module)
     finally:
         sys.path.remove(bench_dir)

@@ -69,7 +69,8 @@ def test_decode_throughput_sweep_only(tmp_path) -> None:
                 (["--experts", "5"], "error: --experts: expected at least 2 (top-2 "
                                      "routing), and even (the EP=2 run")]
     if not torch.cuda.is_available():
-        bad_args.append((["--device", "cuda"], "error: --device cuda: expected a CUDA GPU"))
+        bad_args.append((["--device", "cuda"], "error: benchmarks/decode_throughput.py: "
+                                               "--device cuda: expected a CUDA GPU"))
     for args, needle in bad_args:
         bad = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "decode_throughput.py"),
                               "--quick", *args], cwd=tmp_path, env=cli_env(),

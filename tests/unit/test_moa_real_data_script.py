@@ -4,6 +4,7 @@ scored on DIR's sentences."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -24,7 +25,7 @@ def _write(root: Path, domain: str, split: str, lines: list[str]) -> None:
         path.write_text("".join(f"{lang} {line}\n" for line in lines))
 
 
-def test_test_dir_replaces_the_carved_test_split(script, tmp_path: Path) -> None:
+def test_test_dir_replaces_the_carved_test_split(script, tmp_path: Path, capsys) -> None:
     data, tests = tmp_path / "data", tmp_path / "tests"
     for domain in ("IT", "Law"):
         _write(data, domain, "train", ["a", "b", "c"])
@@ -35,8 +36,11 @@ def test_test_dir_replaces_the_carved_test_split(script, tmp_path: Path) -> None
     assert set(found) == {("IT", "train"), ("IT", "test"), ("Law", "train"), ("Law", "test")}
     assert found[("IT", "test")].src.read_text() == "de new one\nde new two\n"
     assert found[("Law", "train")].src.resolve() == (data / "Law" / "Law.de-en.train.de")
-    with pytest.raises(SystemExit, match="--test-dir .*: .*no corpus files"):
+    with pytest.raises(SystemExit) as exc:
         script.with_test_dir(str(data), str(tmp_path / "data" / "IT"), tmp_path / "m2")
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and err.count("\n") == 1
+    assert re.match(r"error: --test-dir .*: .*no corpus files", err)
 
 
 def test_run_stage_goes_through_the_pipeline_reuse_check(script, tmp_path: Path,
@@ -139,11 +143,10 @@ def test_checks_apply_issue_13_items_that_hold_on_real_data(script) -> None:
 
 
 def test_bad_adapter_steps_is_one_line_exit_2_even_without_data(script, tmp_path: Path,
-                                                                 monkeypatch, capsys) -> None:
-    monkeypatch.setattr(script.sys, "argv", ["moa_real_data.py", "--data", str(tmp_path / "no"),
-                                             "--adapter-steps", "0"])
+                                                                 capsys) -> None:
     with pytest.raises(SystemExit) as exc:
-        script.main()
+        script.main(["--data", str(tmp_path / "no"), "--adapter-steps", "0"])
     assert exc.value.code == 2
     assert capsys.readouterr().err.strip() == (
-        "error: --adapter-steps: expected a positive integer, got 0")
+        "error: benchmarks/moa_real_data.py: argument --adapter-steps: expected a positive "
+        "integer, got '0' (see benchmarks/moa_real_data.py --help)")

@@ -22,7 +22,7 @@ def bench():
     return module
 
 
-def test_arguments(bench) -> None:
+def test_arguments(bench, tmp_path: Path) -> None:
     args = bench.parse_args([])
     assert (args.data, args.minutes, args.steps, args.quick, args.test_dir) == \
         ("synthetic", 10.0, 1000, False, None)
@@ -30,14 +30,15 @@ def test_arguments(bench) -> None:
     assert args.variant_list == ["dense", "top2", "topp", "thor_top2", "thor_topp",
                                  "thor_topp_no_context", "thor_topp_no_hierarchy"]
     args = bench.parse_args(["--data", "opus", "--minutes", "0.3", "--variants", "topp,thor_topp",
-                             "--test-dir", "x"])
-    assert (args.minutes, args.variant_list, args.test_dir) == (0.3, ["topp", "thor_topp"], "x")
+                             "--test-dir", str(tmp_path)])
+    assert (args.minutes, args.variant_list, args.test_dir) == \
+        (0.3, ["topp", "thor_topp"], str(tmp_path))
     assert (bench.parse_args(["--data", "opus"]).minutes,
             bench.parse_args(["--data", "opus"]).steps) == (8.0, None)
     args = bench.parse_args(["--steps", "900", "--set", "thor.alpha=0.1", "--set", "moe.k=1"])
     assert (args.steps, args.extra) == (900, ["thor.alpha=0.1", "moe.k=1"])
     for bad in (["--variants", "topp,nope"], ["--variants", ","], ["--minutes", "0"],
-                ["--steps", "-1"],
+                ["--steps", "-1"], ["--test-dir", str(tmp_path / "none")],
                 ["--data", "wmt"], ["--beam", "0"]):
         with pytest.raises(SystemExit) as exc:
             bench.parse_args(bad)

@@ -1,0 +1,85 @@
+"""Argument parsing shared by `moe-train` and the benchmark scripts.
+
+A bad argument is a user error like any other: one line, ``error: PROG: ...``, exit status 2,
+no usage dump. The argparse types below complain in that one line and name what they expected.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Callable, NoReturn
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line (exit status 2); ``--help`` shows the
+    usage. Subparsers made from it are of this class too."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"error: {self.prog}: {message} (see {self.prog} --help)\n")
+
+
+def exit_bad_input(message: str) -> NoReturn:
+    """Stop on bad input found after parsing (a file, a combination of options): the one
+    ``error:`` line on stderr and exit status 2."""
+    print(f"error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def int_at_least(low: int) -> Callable[[str], int]:
+    """An argparse type: an integer >= `low`."""
+    what = "a positive integer" if low == 1 else f"an integer >= {low}"
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < low:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
+        return value
+
+    return parse
+
+
+def positive_float(text: str) -> float:
+    """An argparse type: a finite number > 0 (minutes, rates)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = None
+    if value is None or not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+    return value
+
+
+def existing_dir(text: str) -> str:
+    """An argparse type: a path that is a directory (returned as given)."""
+    if not Path(text).is_dir():
+        raise argparse.ArgumentTypeError(f"expected a directory, got {text!r}")
+    return text
+
+
+def comma_list(known: tuple[str, ...] | list[str]) -> Callable[[str], list[str]]:
+    """An argparse type: a non-empty comma-separated list of names from `known`, in the
+    order given, duplicates dropped."""
+
+    def parse(text: str) -> list[str]:
+        names = list(dict.fromkeys(n.strip() for n in text.split(",") if n.strip()))
+        unknown = [n for n in names if n not in known]
+        if unknown or not names:
+            raise argparse.ArgumentTypeError(
+                f"expected some of {', '.join(known)}, got {text!r}"
+                + (f" (unknown: {', '.join(unknown)})" if unknown else ""))
+        return names
+
+    return parse
+
+
+def script_parser(file: str, doc: str | None) -> OneLineParser:
+    """The parser of a script such as benchmarks/x.py: named by its folder and file (how the
+    README runs it), described by its docstring's first line."""
+    path = Path(file)
+    return OneLineParser(prog=f"{path.parent.name}/{path.name}",
+                         description=(doc or "").strip().splitlines()[0] if doc else None)
