@@ -35,11 +35,11 @@ for _path in (ROOT, ROOT / "benchmarks"):
     if str(_path) not in sys.path:
         sys.path.insert(0, str(_path))
 
-from real_data import DEFAULT_DATA, QUICK_DATA, QUICK_MODEL, start_record, \
+from real_data import QUICK_DATA, QUICK_MODEL, add_record_arguments, start_record, \
     write_record  # noqa: E402
 from thor import cli, last_json  # noqa: E402
 from moe_train.utils.cli_args import (  # noqa: E402
-    existing_dir, int_at_least, positive_float, script_parser)
+    int_at_least, positive_float, script_parser)
 
 
 DATASETS = {
@@ -65,17 +65,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--minutes", type=positive_float, default=None,
                     help="opus: MIX training minutes (default 6; TAG/AD/GAD half each); "
                          "synthetic: a guard per stage (default 15)")
-    ap.add_argument("--opus-dir", default=str(DEFAULT_DATA), help="the OPUS multi-domain data")
-    ap.add_argument("--test-dir", type=existing_dir, default=None,
-                    help="also score on DIR/{domain}/{domain}.{l1}-{l2}.test.{lang}")
     ap.add_argument("--no-ablation", action="store_true", help="skip the gate_loss=ce run")
-    ap.add_argument("--work", default=None, help="default work/gad-<data>[-quick]")
-    ap.add_argument("--out", default=None,
-                    help="default benchmarks/results/gad_<data>_cpu[_quick].json")
-    ap.add_argument("--set", dest="extra", action="append", default=[], metavar="KEY=VALUE",
-                    help="an extra config override for every stage (repeatable)")
-    ap.add_argument("--fresh", action="store_true", help="delete the work directory first")
-    ap.add_argument("--quick", action="store_true", help="tiny corpus / model: checks the script")
+    add_record_arguments(ap, "gad", "stage")
     args = ap.parse_args(argv)
     spec = DATASETS[args.data]
     args.minutes = spec["minutes"] if args.minutes is None else args.minutes

@@ -62,6 +62,23 @@ def check_test_dir(test_dir: str) -> list[Any]:
     return found
 
 
+def add_record_arguments(ap: argparse.ArgumentParser, name: str, unit: str) -> None:
+    """The options `start_record` reads, shared by the per-recipe scripts (thor.py, gad.py):
+    --opus-dir, --test-dir, --work, --out, --set (extra overrides for every `unit`), --fresh,
+    --quick."""
+    ap.add_argument("--opus-dir", default=str(DEFAULT_DATA), help="the OPUS multi-domain data")
+    ap.add_argument("--test-dir", type=existing_dir, default=None,
+                    help="also score on DIR/{domain}/{domain}.{l1}-{l2}.test.{lang}")
+    ap.add_argument("--work", default=None, help=f"default work/{name}-<data>[-quick]")
+    ap.add_argument("--out", default=None,
+                    help=f"default benchmarks/results/{name}_<data>_cpu[_quick].json")
+    ap.add_argument("--set", dest="extra", action="append", default=[], metavar="KEY=VALUE",
+                    help=f"an extra config override for every {unit} (repeatable)")
+    ap.add_argument("--fresh", action="store_true", help="delete the work directory first")
+    ap.add_argument("--quick", action="store_true",
+                    help=f"tiny corpus / model, a few steps per {unit}: checks the script")
+
+
 def start_record(args: argparse.Namespace, argv: list[str] | None, name: str
                  ) -> tuple[dict, Path, Path, str] | None:
     """The common start of the recorded per-recipe runs (thor.py, gad.py): None (after one

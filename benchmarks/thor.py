@@ -42,12 +42,12 @@ for _path in (ROOT, ROOT / "benchmarks"):
     if str(_path) not in sys.path:
         sys.path.insert(0, str(_path))
 
-from real_data import DEFAULT_DATA, QUICK_DATA, QUICK_MODEL, start_record, \
+from real_data import QUICK_DATA, QUICK_MODEL, add_record_arguments, start_record, \
     write_record  # noqa: E402
 
 from moe_train.utils.atomic import write_json  # noqa: E402
 from moe_train.utils.cli_args import (  # noqa: E402
-    comma_list, existing_dir, exit_bad_input, int_at_least, positive_float, script_parser)
+    comma_list, exit_bad_input, int_at_least, positive_float, script_parser)
 
 VARIANTS: dict[str, tuple[str, ...]] = {
     "dense": ("moe.num_experts=0",),
@@ -100,19 +100,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--variants", type=comma_list(tuple(VARIANTS)),
                     default=",".join(VARIANTS),
                     help=f"comma-separated subset of {', '.join(VARIANTS)}")
-    ap.add_argument("--opus-dir", default=str(DEFAULT_DATA), help="the OPUS multi-domain data")
-    ap.add_argument("--test-dir", type=existing_dir, default=None,
-                    help="also score on DIR/{domain}/{domain}.{l1}-{l2}.test.{lang}")
     ap.add_argument("--beam", type=int_at_least(1), default=None,
                     help="default: the config's eval.beam")
-    ap.add_argument("--work", default=None, help="default work/thor-<data>[-quick]")
-    ap.add_argument("--out", default=None,
-                    help="default benchmarks/results/thor_<data>_cpu[_quick].json")
-    ap.add_argument("--set", dest="extra", action="append", default=[], metavar="KEY=VALUE",
-                    help="an extra config override for every variant (repeatable)")
-    ap.add_argument("--fresh", action="store_true", help="delete the work directory first")
-    ap.add_argument("--quick", action="store_true",
-                    help="tiny corpus / model, a few steps per variant: checks the script")
+    add_record_arguments(ap, "thor", "variant")
     args = ap.parse_args(argv)
     args.variant_list = args.variants
     if args.minutes is None:
