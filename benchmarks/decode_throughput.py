@@ -51,7 +51,7 @@ from moe_train.models.build import build_model  # noqa: E402
 from moe_train.models.context import ForwardContext  # noqa: E402
 from moe_train.moe.routing import NUM_LANGS_KEY  # noqa: E402
 from moe_train.utils.provenance import provenance  # noqa: E402
-from moe_train.utils.cli_args import exit_bad_input, script_parser  # noqa: E402
+from moe_train.utils.cli_args import command_line, exit_bad_input, script_parser  # noqa: E402
 
 PAD, BOS, EOS = 0, 1, 2
 LANGS = ["cs", "de", "en", "fr"]
@@ -376,7 +376,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.device == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda: expected a CUDA GPU, found none")
     device, args.no_ep = args.device, args.no_ep or args.device == "cuda"
-    prov = provenance(sys.argv if argv is None else ["benchmarks/decode_throughput.py", *argv])
+    prov = provenance(command_line(__file__, argv))
     s = sized(SIZES["quick" if args.quick else "full"], args.experts, args.batches,
               ep=not (args.no_ep or args.sweep_only))
     name = "decode_throughput" + (f"_e{args.experts}" if args.experts else "") + \

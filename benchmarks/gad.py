@@ -35,8 +35,8 @@ for _path in (ROOT, ROOT / "benchmarks"):
     if str(_path) not in sys.path:
         sys.path.insert(0, str(_path))
 
-from real_data import QUICK_DATA, QUICK_MODEL, add_record_arguments, start_record, \
-    write_record  # noqa: E402
+from real_data import QUICK_DATA, QUICK_MODEL, add_record_arguments, check_overrides, \
+    start_record, write_record  # noqa: E402
 from thor import cli, last_json  # noqa: E402
 from moe_train.utils.cli_args import (  # noqa: E402
     int_at_least, positive_float, script_parser)
@@ -69,6 +69,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_record_arguments(ap, "gad", "stage")
     args = ap.parse_args(argv)
     spec = DATASETS[args.data]
+    check_overrides([(spec["config"], args.extra)])
     args.minutes = spec["minutes"] if args.minutes is None else args.minutes
     args.steps = spec["steps"] if args.steps is None else args.steps
     if args.quick:

@@ -20,6 +20,7 @@ tuned first (`tune_cpu_allocator`, as `init_runtime` does), for every implementa
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import sys
 import time
@@ -41,7 +42,7 @@ from moe_train.moe.experts import Experts  # noqa: E402
 from moe_train.utils.atomic import write_json  # noqa: E402
 from moe_train.utils.malloc import tune_cpu_allocator  # noqa: E402
 from moe_train.utils.provenance import finish, provenance  # noqa: E402
-from moe_train.utils.cli_args import int_at_least, script_parser  # noqa: E402
+from moe_train.utils.cli_args import command_line, int_at_least, script_parser  # noqa: E402
 
 D, FFN, K = 256, 1024, 2
 SENT_LEN = 32
@@ -141,6 +142,14 @@ def gemm_impls(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, backends:
     return impls
 
 
+def slot_count(text: str) -> int:
+    """The argparse type of --slots: whole sentences of K slots per token."""
+    value, unit = int_at_least(1)(text), K * SENT_LEN
+    if value % unit:
+        raise argparse.ArgumentTypeError(f"expected a positive multiple of {unit}, got {text!r}")
+    return value
+
+
 def bench_config(E: int, slots: int, device: str, backends: list[str], reps: int) -> list[dict]:
     T = slots // K
     ids = routing(T, E, device)
@@ -202,9 +211,11 @@ def bench_config(E: int, slots: int, device: str, backends: list[str], reps: int
 
 def main(argv: list[str] | None = None) -> None:
     ap = script_parser(__file__, __doc__)
-    ap.add_argument("--experts", type=int_at_least(1), nargs="+", default=[8, 32, 128])
-    ap.add_argument("--slots", type=int_at_least(1), nargs="+", default=[4096, 8192],
-                    help="routed slots T*K (K=2)")
+    ap.add_argument("--experts", type=int_at_least(K), nargs="+", default=[8, 32, 128],
+                    help=f"expert counts (at least K={K})")
+    ap.add_argument("--slots", type=slot_count, nargs="+", default=[4096, 8192],
+                    help=f"routed slots T*K (K={K}; a multiple of K x {SENT_LEN}-token "
+                         "sentences)")
     ap.add_argument("--reps", type=int_at_least(1), default=5)
     ap.add_argument("--device", choices=("cpu", "cuda"),
                     default="cuda" if torch.cuda.is_available() else "cpu")
@@ -220,7 +231,7 @@ def main(argv: list[str] | None = None) -> None:
     device = args.device
     backends = ["torch", "triton"] if device == "cuda" and triton_available() else ["torch"]
     allocator = tune_cpu_allocator() if device == "cpu" else None
-    prov = provenance()
+    prov = provenance(command_line(__file__, argv))
     suffix = "_quick" if args.quick else ""
     out = Path(args.out or ROOT / "benchmarks" / "results" / f"kernels_{device}{suffix}.json")
     torch.manual_seed(0)

@@ -50,14 +50,14 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from real_data import DEFAULT_DATA, QUICK_DATA, QUICK_MODEL, check_test_dir  # noqa: E402
+from real_data import DEFAULT_DATA, QUICK_DATA, QUICK_MODEL, opus_test_dir  # noqa: E402
 
 from moe_train.eval.significance import paired_bootstrap  # noqa: E402
 from moe_train.stages.evaluate import hypotheses_file, read_lines  # noqa: E402
 from moe_train.utils.atomic import write_json  # noqa: E402
 from moe_train.utils.provenance import finish, provenance  # noqa: E402
 from moe_train.utils.cli_args import (  # noqa: E402
-    comma_list, existing_dir, exit_bad_input, int_at_least, positive_float, script_parser)
+    comma_list, command_line, exit_bad_input, int_at_least, non_negative_float, script_parser)
 
 DATA_CONFIG = "configs/opus-de-en-cpu.yaml"
 MOA_CONFIG = "configs/moa-opus-de-en.yaml"
@@ -120,7 +120,7 @@ def with_test_dir(data: str, test_dir: str, out: Path) -> str:
     whose source is one of them are dropped."""
     from moe_train.data.corpus import discover
 
-    tests = check_test_dir(test_dir)
+    tests = discover(test_dir, splits=["test"])  # --test-dir was checked (opus_test_dir)
     if out.exists():
         shutil.rmtree(out)
     for files in [*discover(data, splits=["train", "dev"]), *tests]:
@@ -263,15 +263,15 @@ def checks(record: dict[str, Any]) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> None:
     ap = script_parser(__file__, __doc__)
     ap.add_argument("--data", default=str(DEFAULT_DATA))
-    ap.add_argument("--minutes", type=positive_float, default=30.0,
-                    help="backbone training budget")
+    ap.add_argument("--minutes", type=non_negative_float, default=30.0,
+                    help="backbone training budget (0: none, the configs' step cap)")
     ap.add_argument("--anchors", type=int_at_least(1), default=50,
                     help="dev anchors per domain for di")
     ap.add_argument("--runs", type=comma_list(RUNS), default="rs,di,switch_sl",
                     help="comma-separated, of rs, di, "
                     "switch_sl, switch_sl_moe (di and switch_sl use rs's backbone stage, which "
                     "runs first)")
-    ap.add_argument("--test-dir", type=existing_dir, default=None,
+    ap.add_argument("--test-dir", type=opus_test_dir, default=None,
                     help="score on DIR's test files (OPUS layout: DOMAIN/DOMAIN.l1-l2.test.LANG) "
                     "instead of test sentences carved from the training data")
     ap.add_argument("--seed", type=int, default=None,
@@ -287,7 +287,7 @@ def main(argv: list[str] | None = None) -> None:
     if not Path(args.data).is_dir():
         print(f"skipped: {args.data} not found (the OPUS multi-domain data lives in ../shared)")
         return
-    prov = provenance()
+    prov = provenance(command_line(__file__, argv))
     seed_tag = "" if args.seed is None else f"_s{args.seed}"
     steps_tag = "" if args.adapter_steps is None else f"_a{args.adapter_steps}"
     suffix = "_quick" if args.quick else ""

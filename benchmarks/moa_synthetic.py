@@ -58,12 +58,13 @@ from moa_real_data import (  # noqa: E402
     run_stage,
     stage_record,
 )
+from real_data import check_overrides as check_run_overrides  # noqa: E402
 
 from moe_train.eval.significance import paired_bootstrap  # noqa: E402
 from moe_train.utils.atomic import write_json  # noqa: E402
 from moe_train.utils.provenance import finish, provenance  # noqa: E402
 from moe_train.utils.cli_args import (  # noqa: E402
-    exit_bad_input, int_at_least, script_parser)
+    command_line, exit_bad_input, int_at_least, script_parser)
 
 PRESET = "domain-matters"
 """Corpus difficulty: moe_train.data.synthetic.PRESETS[PRESET]."""
@@ -135,17 +136,8 @@ def parse_runs(text: str) -> list[str]:
 
 
 def check_overrides(overrides: list[str]) -> None:
-    """`--set` overrides, checked up front by loading every run's config with them: a bad key
-    or value is the config loader's one `error:` line and exit status 2, not a failed stage
-    after the corpus and earlier runs were made."""
-    from moe_train.config import load_config
-    from moe_train.errors import ConfigError
-
-    for config in dict.fromkeys(CONFIGS.values()):
-        try:
-            load_config(ROOT / config, overrides)
-        except ConfigError as exc:
-            exit_bad_input(f"--set: {exc}")
+    """`--set` overrides, checked against every run's config before anything runs."""
+    check_run_overrides((config, overrides) for config in dict.fromkeys(CONFIGS.values()))
 
 
 def make_corpus(work: Path, seed: int, sizes: dict[str, int], options: Any = None
@@ -454,7 +446,7 @@ def main(argv: list[str] | None = None) -> None:
     check_overrides(args.overrides)
     if args.profile == "test" and (args.synth or args.preset != PRESET):
         ap.error("--preset/--synth: --profile test runs the integration test's own corpus")
-    prov = provenance()
+    prov = provenance(command_line(__file__, argv))
     suffix = "_quick" if args.quick else ""
     if args.profile == "test":
         suffix = "_test_bars"

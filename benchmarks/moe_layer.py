@@ -51,7 +51,7 @@ from moe_train.parallel.runtime import free_port, init_runtime  # noqa: E402
 from moe_train.utils.atomic import write_json  # noqa: E402
 from moe_train.utils.malloc import tune_cpu_allocator  # noqa: E402
 from moe_train.utils.provenance import finish, provenance  # noqa: E402
-from moe_train.utils.cli_args import int_at_least, script_parser  # noqa: E402
+from moe_train.utils.cli_args import command_line, int_at_least, script_parser  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)
@@ -419,9 +419,10 @@ def main(argv: list[str] | None = None) -> None:
     shape = QUICK if args.quick else SHAPES[device]
     for name, values in (("experts", args.experts), ("ks", args.ks)):
         if values is not None:
-            if name == "ks" and max(values) > min(args.experts or shape.experts):
-                ap.error(f"--ks: expected at most the fewest experts, got {values}")
             shape = dataclasses.replace(shape, **{name: tuple(values)})
+    if max(shape.ks) > min(shape.experts):
+        ap.error(f"--ks/--experts: expected every k at most the fewest experts, got k "
+                 f"{list(shape.ks)} with {list(shape.experts)} experts")
     if args.peak_child:  # RSS measurement: glibc as the parent's environment set it
         init_runtime(tune_allocator=False)
         torch.set_num_threads(args.threads)
@@ -435,7 +436,8 @@ def main(argv: list[str] | None = None) -> None:
     init_runtime(tune_allocator=False)  # one process (gloo on CPU): DeepSpeed's MoE wants one
     torch.set_num_threads(args.threads)
     megatron = megatron_status()
-    prov = provenance()  # after set_num_threads: records the threads every timing uses
+    # after set_num_threads: records the threads every timing uses
+    prov = provenance(command_line(__file__, argv))
     equivalence, rows = equivalence_check(), []
     suffix = ("_quick" if args.quick else "") + \
         ("" if args.allocator == "tuned" else f"_alloc-{args.allocator}") + \

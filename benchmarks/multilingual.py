@@ -33,12 +33,12 @@ for _path in (ROOT, ROOT / "benchmarks"):
     if str(_path) not in sys.path:
         sys.path.insert(0, str(_path))
 
-from real_data import DEFAULT_DATA, QUICK_DATA, QUICK_TRAIN, last_json  # noqa: E402
+from real_data import DEFAULT_DATA, QUICK_DATA, QUICK_TRAIN, last_json, opus_test_dir  # noqa: E402
 
 from moe_train.utils.atomic import write_json  # noqa: E402
 from moe_train.utils.provenance import finish, provenance  # noqa: E402
 from moe_train.utils.cli_args import (  # noqa: E402
-    comma_list, existing_dir, int_at_least, positive_float, script_parser)
+    comma_list, command_line, int_at_least, positive_float, script_parser)
 
 VARIANTS = ("dense", "token-token", "token-target", "token-lp", "target-target", "lp-lp")
 TASK_ROUTED = ("token-target", "token-lp", "target-target", "lp-lp")
@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> None:
                     default="dense,token-token,token-target",
                     help=f"comma-separated subset of {', '.join(VARIANTS)}")
     ap.add_argument("--data", default=str(DEFAULT_DATA), help="the OPUS multi-domain data")
-    ap.add_argument("--test-dir", type=existing_dir, default=None,
+    ap.add_argument("--test-dir", type=opus_test_dir, default=None,
                     help="also score on DIR/{domain}/{domain}.{l1}-{l2}.test.{lang}")
     ap.add_argument("--beam", type=int_at_least(1), default=None,
                     help="default: the config's eval.beam")
@@ -147,16 +147,23 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--quick", action="store_true", help="tiny data / model: checks the script")
     args = ap.parse_args(argv)
     variants = args.variants
+    common = [*QUICK_PAIRS, *QUICK_DATA, *QUICK_TRAIN] if args.quick else []
+    if args.extract and any(v in TASK_ROUTED for v in variants):
+        from moe_train.config import load_config
+
+        pairs = load_config(config("dense"), common).data.pairs
+        if args.extract not in pairs:
+            ap.error(f"--extract: expected one of the directions trained ({', '.join(pairs)}), "
+                     f"got {args.extract!r}")
     if not Path(args.data).is_dir():
         print(f"skipped: {args.data} not found (the OPUS multi-domain data lives in ../shared)")
         return
-    prov = provenance(sys.argv if argv is None else ["benchmarks/multilingual.py", *argv])
+    prov = provenance(command_line(__file__, argv))
     suffix = "_quick" if args.quick else ""
     work = Path(args.work or ROOT / "work" / f"multilingual{suffix.replace('_', '-')}")
     out = Path(args.out or ROOT / "benchmarks" / "results" / f"multilingual_opus_cpu{suffix}.json")
     if args.fresh and work.exists():
         shutil.rmtree(work)
-    common = [*QUICK_PAIRS, *QUICK_DATA, *QUICK_TRAIN] if args.quick else []
     prepared = work / "prepared"
     t0 = time.time()
     reused = (prepared / "manifest.json").is_file()

@@ -102,7 +102,7 @@ from moe_train.models.hf_qwen2moe import moe_blocks, qwen_hf_config  # noqa: E40
 from moe_train.utils.atomic import write_json  # noqa: E402
 from moe_train.utils.malloc import malloc_set_by_environment, tune_cpu_allocator  # noqa: E402
 from moe_train.utils.provenance import provenance  # noqa: E402
-from moe_train.utils.cli_args import int_at_least, script_parser  # noqa: E402
+from moe_train.utils.cli_args import command_line, int_at_least, script_parser  # noqa: E402
 
 FULL = {"T": 2048, "D": 512, "F": 352, "S": 1408, "configs": [(60, 4), (8, 2)], "reps": 25,
         "warmup": 2}
@@ -427,7 +427,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--child-out", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    prov = provenance(sys.argv if argv is None else ["benchmarks/qwen_block.py", *argv])
+    prov = provenance(command_line(__file__, argv))
     s = QUICK if args.quick else FULL
     reps, warmup = args.reps or s["reps"], s["warmup"] if args.warmup is None else args.warmup
     suffix = "_quick" if args.quick else ""

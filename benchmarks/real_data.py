@@ -20,6 +20,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -30,7 +31,7 @@ for _path in (ROOT, ROOT / "benchmarks"):
 from moe_train.utils.atomic import write_json  # noqa: E402
 from moe_train.utils.provenance import finish, provenance  # noqa: E402
 from moe_train.utils.cli_args import (  # noqa: E402
-    existing_dir, exit_bad_input, int_at_least, positive_float, script_parser)
+    command_line, existing_dir, exit_bad_input, int_at_least, non_negative_float, script_parser)
 
 DEFAULT_DATA = ROOT.parent / "shared" / "data" / "opus-multidomain"
 CONFIG = ROOT / "configs" / "opus-de-en-cpu.yaml"
@@ -45,21 +46,36 @@ QUICK_TRAIN = QUICK_MODEL + ["train.max_steps=4", "train.validate_every=0", "tra
 """--quick: the tiny model trained for a few steps (train)."""
 
 
-def check_test_dir(test_dir: str) -> list[Any]:
-    """--test-dir's OPUS-layout test files (DOMAIN/DOMAIN.l1-l2.test.LANG, as `discover`
-    finds them), checked before anything trains: none, or a bad layout, is one `error:` line
-    and exit status 2."""
+def opus_test_dir(text: str) -> str:
+    """The argparse type of --test-dir: a directory with OPUS-layout test files
+    (DOMAIN/DOMAIN.l1-l2.test.LANG, as `discover` finds them), so that a wrong one stops the
+    script before anything trains or is deleted."""
     from moe_train.data.corpus import discover
     from moe_train.errors import DataError
 
+    existing_dir(text)
     try:
-        found = discover(test_dir, splits=["test"])
+        found = discover(text, splits=["test"])
     except DataError as exc:
-        exit_bad_input(f"--test-dir {test_dir}: {exc}")
+        raise argparse.ArgumentTypeError(str(exc)) from None
     if not found:
-        exit_bad_input(f"--test-dir {test_dir}: no test files (expected "
-                       "DOMAIN/DOMAIN.l1-l2.test.LANG)")
-    return found
+        raise argparse.ArgumentTypeError(f"expected DOMAIN/DOMAIN.l1-l2.test.LANG files under "
+                                         f"{text!r}, found none")
+    return text
+
+
+def check_overrides(runs: Iterable[tuple[str, list[str]]]) -> None:
+    """`--set` overrides, checked up front by loading each (config, overrides) a run will use:
+    a bad key or value is the config loader's one `error:` line and exit status 2, not a failed
+    stage after earlier ones ran."""
+    from moe_train.config import load_config
+    from moe_train.errors import ConfigError
+
+    for config, overrides in runs:
+        try:
+            load_config(ROOT / config, overrides)
+        except ConfigError as exc:
+            exit_bad_input(f"--set: {exc}")
 
 
 def add_record_arguments(ap: argparse.ArgumentParser, name: str, unit: str) -> None:
@@ -67,7 +83,7 @@ def add_record_arguments(ap: argparse.ArgumentParser, name: str, unit: str) -> N
     --opus-dir, --test-dir, --work, --out, --set (extra overrides for every `unit`), --fresh,
     --quick."""
     ap.add_argument("--opus-dir", default=str(DEFAULT_DATA), help="the OPUS multi-domain data")
-    ap.add_argument("--test-dir", type=existing_dir, default=None,
+    ap.add_argument("--test-dir", type=opus_test_dir, default=None,
                     help="also score on DIR/{domain}/{domain}.{l1}-{l2}.test.{lang}")
     ap.add_argument("--work", default=None, help=f"default work/{name}-<data>[-quick]")
     ap.add_argument("--out", default=None,
@@ -88,9 +104,7 @@ def start_record(args: argparse.Namespace, argv: list[str] | None, name: str
         print(f"skipped: {args.opus_dir} not found (the OPUS multi-domain data lives in "
               "../shared)")
         return None
-    if args.test_dir:
-        check_test_dir(args.test_dir)
-    prov = provenance(argv)
+    prov = provenance(command_line(str(Path(__file__).with_name(f"{name}.py")), argv))
     suffix = "_quick" if args.quick else ""
     work = Path(args.work or ROOT / "work" / f"{name}-{args.data}{suffix.replace('_', '-')}")
     out = Path(args.out or ROOT / "benchmarks" / "results" / f"{name}_{args.data}_cpu{suffix}.json")
@@ -123,14 +137,15 @@ def last_json(text: str) -> dict:
 def main(argv: list[str] | None = None) -> None:
     ap = script_parser(__file__, __doc__)
     ap.add_argument("--data", default=str(DEFAULT_DATA))
-    ap.add_argument("--minutes", type=positive_float, default=30.0)
+    ap.add_argument("--minutes", type=non_negative_float, default=30.0,
+                    help="training budget (0: none, the config's step cap)")
     ap.add_argument("--work", default=None, help="default work/opus-de-en[-quick]")
     ap.add_argument("--out", default=None,
                     help="default benchmarks/results/real_data_de_en_cpu[_quick].json")
     ap.add_argument("--beam", type=int_at_least(1), default=5)
     ap.add_argument("--fresh", action="store_true",
                     help="delete the work directory first (a recorded run starts empty)")
-    ap.add_argument("--test-dir", type=existing_dir, default=None,
+    ap.add_argument("--test-dir", type=opus_test_dir, default=None,
                     help="also score on DIR/{domain}/{domain}.de-en.test.{de,en} (OPUS layout)")
     ap.add_argument("--quick", action="store_true",
                     help="tiny model, a few steps, small dev/test: checks the script")
@@ -138,9 +153,7 @@ def main(argv: list[str] | None = None) -> None:
     if not Path(args.data).is_dir():
         print(f"skipped: {args.data} not found (the OPUS multi-domain data lives in ../shared)")
         return
-    if args.test_dir:
-        check_test_dir(args.test_dir)
-    prov = provenance()
+    prov = provenance(command_line(__file__, argv))
     suffix = "_quick" if args.quick else ""
     work = Path(args.work or ROOT / "work" / f"opus-de-en{suffix.replace('_', '-')}")
     out = Path(args.out or ROOT / "benchmarks" / "results" / f"real_data_de_en_cpu{suffix}.json")

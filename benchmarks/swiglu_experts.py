@@ -47,7 +47,7 @@ from moe_train.kernels.grad_buffers import GradBuffers  # noqa: E402
 from moe_train.kernels.swiglu_ffn import swiglu_ffn, swiglu_grouped  # noqa: E402
 from moe_train.utils.malloc import tune_cpu_allocator  # noqa: E402
 from moe_train.utils.provenance import provenance  # noqa: E402
-from moe_train.utils.cli_args import int_at_least, script_parser  # noqa: E402
+from moe_train.utils.cli_args import command_line, int_at_least, script_parser  # noqa: E402
 
 FULL = {"T": 2048, "D": 512, "F": 352, "configs": [(60, 4), (8, 2)], "reps": 15}
 QUICK = {"T": 128, "D": 64, "F": 48, "configs": [(8, 2)], "reps": 2}
@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", default=None,
                     help="default benchmarks/results/swiglu_experts_cpu[_quick].json")
     args = ap.parse_args(argv)
-    prov = provenance(sys.argv if argv is None else ["benchmarks/swiglu_experts.py", *argv])
+    prov = provenance(command_line(__file__, argv))
     s = QUICK if args.quick else FULL
     reps = args.reps or s["reps"]
     suffix = "_quick" if args.quick else ""

@@ -42,8 +42,8 @@ for _path in (ROOT, ROOT / "benchmarks"):
     if str(_path) not in sys.path:
         sys.path.insert(0, str(_path))
 
-from real_data import QUICK_DATA, QUICK_MODEL, add_record_arguments, start_record, \
-    write_record  # noqa: E402
+from real_data import QUICK_DATA, QUICK_MODEL, add_record_arguments, check_overrides, \
+    start_record, write_record  # noqa: E402
 
 from moe_train.utils.atomic import write_json  # noqa: E402
 from moe_train.utils.cli_args import (  # noqa: E402
@@ -105,6 +105,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_record_arguments(ap, "thor", "variant")
     args = ap.parse_args(argv)
     args.variant_list = args.variants
+    check_overrides((DATASETS[args.data]["config"], [*VARIANTS[v], *args.extra])
+                    for v in args.variant_list)
     if args.minutes is None:
         args.minutes = DATASETS[args.data]["minutes"]
     if args.steps is None:

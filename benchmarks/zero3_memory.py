@@ -36,7 +36,7 @@ for _path in (ROOT, ROOT / "benchmarks"):
 from real_data import write_record  # noqa: E402
 
 from moe_train.utils.provenance import provenance  # noqa: E402
-from moe_train.utils.cli_args import script_parser  # noqa: E402
+from moe_train.utils.cli_args import command_line, script_parser  # noqa: E402
 
 GIB = 2**30
 WORLD = 2
@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--quick", action="store_true", help="tiny models (checks the script)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    prov = provenance(sys.argv)
+    prov = provenance(command_line(__file__, argv))
     out = Path(args.out or ROOT / "benchmarks" / "results" /
                f"zero3_memory_cpu{'_quick' if args.quick else ''}.json")
     from moe_train.parallel.runtime import free_port

@@ -11,7 +11,7 @@ import re
 import sys
 
 from moe_train.errors import MoeTrainError
-from moe_train.utils.cli_args import OneLineParser, int_at_least, positive_float
+from moe_train.utils.cli_args import OneLineParser, int_at_least, non_negative_float
 
 _LOCAL_RANK_RE = re.compile(r"^--local[_-]rank(=\d+)?$")
 
@@ -109,7 +109,8 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
                        description="The embedded default: generates a 5-domain synthetic corpus, "
                        "prepares it, trains a small Transformer on CPU and prints per-domain BLEU.")
     p.add_argument("--workdir", default="demo-work", help="where everything is written")
-    p.add_argument("--minutes", type=positive_float, default=None, help="training time budget")
+    p.add_argument("--minutes", type=non_negative_float, default=None,
+                   help="training time guard (0: none; the step budget ends training)")
     p.add_argument("overrides", nargs="*", help="a.b=value overrides of the demo recipe")
 
 

@@ -1,7 +1,8 @@
 """Argument parsing shared by `moe-train` and the benchmark scripts.
 
-A bad argument is a user error like any other: one line, ``error: PROG: ...``, exit status 2,
-no usage dump. The argparse types below complain in that one line and name what they expected.
+A bad argument is a user error like any other: one line starting ``error:`` (``error: PROG:
+...`` from the parser, ``error: ...`` from `exit_bad_input`), exit status 2, no usage dump. The
+argparse types below complain in that one line and name what they expected.
 """
 
 from __future__ import annotations
@@ -43,15 +44,24 @@ def int_at_least(low: int) -> Callable[[str], int]:
     return parse
 
 
-def positive_float(text: str) -> float:
-    """An argparse type: a finite number > 0 (minutes, rates)."""
+def _finite_float(text: str, low: float, strict: bool, what: str) -> float:
     try:
         value = float(text)
     except ValueError:
         value = None
-    if value is None or not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+    if value is None or value == float("inf") or not (value > low if strict else value >= low):
+        raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
     return value
+
+
+def positive_float(text: str) -> float:
+    """An argparse type: a finite number > 0 (a rate, a budget that must be set)."""
+    return _finite_float(text, 0.0, True, "a positive number")
+
+
+def non_negative_float(text: str) -> float:
+    """An argparse type: a finite number >= 0 (a time budget where 0 means none)."""
+    return _finite_float(text, 0.0, False, "a number >= 0")
 
 
 def existing_dir(text: str) -> str:
@@ -80,6 +90,17 @@ def comma_list(known: tuple[str, ...] | list[str]) -> Callable[[str], list[str]]
 def script_parser(file: str, doc: str | None) -> OneLineParser:
     """The parser of a script such as benchmarks/x.py: named by its folder and file (how the
     README runs it), described by its docstring's first line."""
+    lines = (doc or "").strip().splitlines()
+    return OneLineParser(prog=script_name(file), description=lines[0] if lines else None)
+
+
+def script_name(file: str) -> str:
+    """benchmarks/x.py for the script at `file`."""
     path = Path(file)
-    return OneLineParser(prog=f"{path.parent.name}/{path.name}",
-                         description=(doc or "").strip().splitlines()[0] if doc else None)
+    return f"{path.parent.name}/{path.name}"
+
+
+def command_line(file: str, argv: list[str] | None) -> list[str]:
+    """The command a script's run records: sys.argv, or the script and `argv` when its main
+    was called with arguments (from a test or another script)."""
+    return list(sys.argv) if argv is None else [script_name(file), *argv]

@@ -36,11 +36,12 @@ def test_test_dir_replaces_the_carved_test_split(script, tmp_path: Path, capsys)
     assert set(found) == {("IT", "train"), ("IT", "test"), ("Law", "train"), ("Law", "test")}
     assert found[("IT", "test")].src.read_text() == "de new one\nde new two\n"
     assert found[("Law", "train")].src.resolve() == (data / "Law" / "Law.de-en.train.de")
-    with pytest.raises(SystemExit) as exc:
-        script.with_test_dir(str(data), str(tmp_path / "data" / "IT"), tmp_path / "m2")
+    with pytest.raises(SystemExit) as exc:  # checked with the arguments, before anything runs
+        script.main(["--test-dir", str(tmp_path / "data" / "IT")])
     err = capsys.readouterr().err
     assert exc.value.code == 2 and err.count("\n") == 1
-    assert re.match(r"error: --test-dir .*: .*no corpus files", err)
+    assert re.match(r"error: benchmarks/moa_real_data.py: argument --test-dir: .*no corpus files",
+                    err)
 
 
 def test_run_stage_goes_through_the_pipeline_reuse_check(script, tmp_path: Path,
