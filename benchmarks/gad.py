@@ -69,12 +69,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_record_arguments(ap, "gad", "stage")
     args = ap.parse_args(argv)
     spec = DATASETS[args.data]
-    check_overrides([(spec["config"], args.extra)])
     args.minutes = spec["minutes"] if args.minutes is None else args.minutes
     args.steps = spec["steps"] if args.steps is None else args.steps
     if args.quick:
         args.steps = 12
+    check_overrides((spec["config"], [*base_overrides(args, Path("work")), *stage])
+                    for stage in [[], *budgets(args).values()])
     return args
+
+
+def base_overrides(args: argparse.Namespace, work: Path) -> list[str]:
+    """The overrides of every stage run in `work` (budgets() adds each training stage's);
+    parse_args loads them up front, so a bad `--set` stops the run before anything trains."""
+    return [f"data.prepared_dir={work / 'prepared'}",
+            f"gated.tag_prepared_dir={work / 'prepared-tag'}", f"moa.workdir={work / 'run'}",
+            *(QUICK_MODEL + QUICK if args.quick else []), *args.extra]
 
 
 def budgets(args: argparse.Namespace) -> dict[str, list[str]]:
@@ -188,9 +197,7 @@ def main(argv: list[str] | None = None) -> None:
     config = DATASETS[args.data]["config"]
     t0 = time.time()
     data = prepare(args, config, work)
-    base = [f"data.prepared_dir={work / 'prepared'}", f"gated.tag_prepared_dir="
-            f"{work / 'prepared-tag'}", f"moa.workdir={work / 'run'}",
-            *(QUICK_MODEL + QUICK if args.quick else []), *args.extra]
+    base = base_overrides(args, work)
     per_stage = budgets(args)
     stages: dict[str, Any] = {}
     seconds: dict[str, float] = {}

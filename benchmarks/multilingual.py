@@ -42,6 +42,8 @@ from moe_train.utils.cli_args import (  # noqa: E402
 
 VARIANTS = ("dense", "token-token", "token-target", "token-lp", "target-target", "lp-lp")
 TASK_ROUTED = ("token-target", "token-lp", "target-target", "lp-lp")
+BY_TARGET = ("token-target", "target-target")
+"""Task-routed variants whose decoder routes by target language."""
 QUICK_PAIRS = ["data.pairs=[de-en,en-de,fr-en,en-fr]", "data.domains=[EMEA,KDE4]"]
 """--quick: 4 directions of 2 domains."""
 
@@ -148,13 +150,16 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     variants = args.variants
     common = [*QUICK_PAIRS, *QUICK_DATA, *QUICK_TRAIN] if args.quick else []
-    if args.extract and any(v in TASK_ROUTED for v in variants):
+    routed = [v for v in variants if v in TASK_ROUTED]
+    if args.extract and routed:
         from moe_train.config import load_config
 
-        pairs = load_config(config("dense"), common).data.pairs
-        if args.extract not in pairs:
-            ap.error(f"--extract: expected one of the directions trained ({', '.join(pairs)}), "
-                     f"got {args.extract!r}")
+        tasks = list(load_config(config("dense"), common).data.pairs)  # all extend dense
+        if all(v in BY_TARGET for v in routed):  # a target language names the task too
+            tasks += sorted({p.split("-")[1] for p in tasks})
+        if args.extract not in tasks:
+            ap.error(f"--extract: expected one of {', '.join(tasks)} (what "
+                     f"{', '.join(routed)} route by), got {args.extract!r}")
     if not Path(args.data).is_dir():
         print(f"skipped: {args.data} not found (the OPUS multi-domain data lives in ../shared)")
         return

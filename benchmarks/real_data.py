@@ -55,12 +55,10 @@ def opus_test_dir(text: str) -> str:
 
     existing_dir(text)
     try:
-        found = discover(text, splits=["test"])
+        discover(text, splits=["test"])  # raises when it finds none
     except DataError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    if not found:
         raise argparse.ArgumentTypeError(f"expected DOMAIN/DOMAIN.l1-l2.test.LANG files under "
-                                         f"{text!r}, found none")
+                                         f"{text!r} ({exc})") from None
     return text
 
 

@@ -105,13 +105,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_record_arguments(ap, "thor", "variant")
     args = ap.parse_args(argv)
     args.variant_list = args.variants
-    check_overrides((DATASETS[args.data]["config"], [*VARIANTS[v], *args.extra])
-                    for v in args.variant_list)
     if args.minutes is None:
         args.minutes = DATASETS[args.data]["minutes"]
-    if args.steps is None:
-        args.steps = DATASETS[args.data]["steps"]
+    if args.steps is None:  # --quick: QUICK_TRAIN's few steps
+        args.steps = 4 if args.quick else DATASETS[args.data]["steps"]
     args.steps = args.steps or None  # 0: the time budget alone
+    check_overrides((DATASETS[args.data]["config"],
+                     variant_overrides(args, v, Path("prepared"), Path(v)))
+                    for v in args.variant_list)
     return args
 
 
@@ -152,16 +153,23 @@ def prepare_data(args: argparse.Namespace, config: str, prepared: Path) -> dict[
     return info
 
 
+def variant_overrides(args: argparse.Namespace, name: str, prepared: Path, vdir: Path
+                      ) -> list[str]:
+    """The overrides variant `name` trains with (in `vdir`, on the data in `prepared`);
+    parse_args loads them up front, so a bad `--set` stops the run before anything trains."""
+    return [*VARIANTS[name], f"data.prepared_dir={prepared}",
+            f"checkpoint.dir={vdir / 'checkpoints'}",
+            f"logging.tensorboard_dir={vdir / 'tensorboard'}",
+            f"train.max_minutes={args.minutes}", *BENCH_TRAIN, *args.extra,
+            *(QUICK_TRAIN if args.quick else []),
+            *([f"train.max_steps={args.steps}"] if args.steps else [])]
+
+
 def train_variant(args: argparse.Namespace, config: str, prepared: Path, vdir: Path,
                   name: str) -> dict[str, Any]:
     """Train one variant for the budget, or reuse its training when an earlier invocation
     finished it with the same overrides (budget included)."""
-    overrides = [*VARIANTS[name], f"data.prepared_dir={prepared}",
-                 f"checkpoint.dir={vdir / 'checkpoints'}",
-                 f"logging.tensorboard_dir={vdir / 'tensorboard'}",
-                 f"train.max_minutes={args.minutes}", *BENCH_TRAIN, *args.extra,
-                 *(QUICK_TRAIN if args.quick else []),
-                 *([f"train.max_steps={args.steps}"] if args.steps else [])]
+    overrides = variant_overrides(args, name, prepared, vdir)
     done = vdir / SUMMARY
     if done.is_file():
         record = json.loads(done.read_text())

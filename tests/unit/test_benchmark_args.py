@@ -36,13 +36,15 @@ BAD: dict[str, list[list[str]]] = {
                   ["--experts", "1"]],
     "multilingual": [["--variants", "dense,nope"], ["--minutes", "0"], ["--beam", "0"],
                      ["--test-dir", MISSING], ["--fresh", "--test-dir", EMPTY],
-                     ["--fresh", "--variants", "token-target", "--extract", "xx-en"]],
+                     ["--fresh", "--variants", "token-target", "--extract", "xx-en"],
+                     ["--variants", "token-target,token-lp", "--extract", "de"]],
     "qwen_block": [["--reps", "0"], ["--warmup", "-1"]],
     "real_data": [["--beam", "0"], ["--minutes", "inf"], ["--test-dir", MISSING],
                   ["--fresh", "--test-dir", EMPTY]],
     "swiglu_experts": [["--reps", "0"]],
     "thor": [["--variants", ","], ["--steps", "-1"], ["--test-dir", MISSING],
-             ["--fresh", "--test-dir", EMPTY], ["--set", "thor.alphaa=1"]],
+             ["--fresh", "--test-dir", EMPTY], ["--set", "thor.alphaa=1"],
+             ["--data", "opus", "--set", "train.patience=3"]],  # with the benchmark's own
 }
 WORK_DIRS = ("moa-opus-de-en", "moa-synthetic-bench", "multilingual", "opus-de-en",
              "thor-synthetic", "gad-synthetic")

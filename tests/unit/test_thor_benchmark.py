@@ -27,6 +27,8 @@ def test_arguments(bench, tmp_path: Path) -> None:
     assert (args.data, args.minutes, args.steps, args.quick, args.test_dir) == \
         ("synthetic", 10.0, 1000, False, None)
     assert bench.parse_args(["--steps", "0"]).steps is None  # the time budget alone
+    assert bench.parse_args(["--quick"]).steps == 4  # a few steps, not the full 1000
+    assert bench.parse_args(["--quick", "--steps", "9"]).steps == 9
     assert args.variant_list == ["dense", "top2", "topp", "thor_top2", "thor_topp",
                                  "thor_topp_no_context", "thor_topp_no_hierarchy"]
     for lang in ("de", "en"):  # --test-dir must hold test files
