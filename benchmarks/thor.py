@@ -82,7 +82,9 @@ BENCH_TRAIN = ["train.validate_every=0", "train.bleu_every=0", "train.bleu_sente
                "checkpoint.keep_last=1"]
 """Every variant: no periodic validation (the budget is for training; one dev pass at the
 end gives dev loss and task accuracy), one final checkpoint."""
-QUICK_TRAIN = [*QUICK_MODEL, "train.max_steps=4"]
+QUICK_STEPS = 4
+"""--quick: steps per variant unless --steps says otherwise."""
+QUICK_TRAIN = [*QUICK_MODEL, f"train.max_steps={QUICK_STEPS}"]
 """--quick: a tiny model trained for a few steps."""
 SUMMARY = "train_summary.json"
 """Written into a variant's directory when its training finished (its reuse marker)."""
@@ -107,8 +109,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.variant_list = args.variants
     if args.minutes is None:
         args.minutes = DATASETS[args.data]["minutes"]
-    if args.steps is None:  # --quick: QUICK_TRAIN's few steps
-        args.steps = 4 if args.quick else DATASETS[args.data]["steps"]
+    if args.steps is None:
+        args.steps = QUICK_STEPS if args.quick else DATASETS[args.data]["steps"]
     args.steps = args.steps or None  # 0: the time budget alone
     check_overrides((DATASETS[args.data]["config"],
                      variant_overrides(args, v, Path("prepared"), Path(v)))
