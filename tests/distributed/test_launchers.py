@@ -67,7 +67,7 @@ def test_srun_two_ranks_without_launcher(tiny_prepared, tmp_path):
     from tests.distributed.test_multinode import _slurm_partition, skip_unless_cluster
 
     partition, why = _slurm_partition()
-    skip_unless_cluster(why)
+    skip_unless_cluster(why, "slurm")
     work = tmp_path / "w"
     cmd = ["srun", "-p", partition, "-N", "1", "-n", "2", "--kill-on-bad-exit=1", "--time=5",
            sys.executable, *_train_args(tiny_prepared, work)]

@@ -6,8 +6,9 @@
   through srun (--no_ssh), two CPU ranks.
 
 Both train world size 2 and write both ranks' RNG state. The tests never start the cluster; they
-skip, saying why, when it is not up. `.ci/run` starts it and sets MOE_TRAIN_CLUSTER=up when it came
-up: then a missing piece fails these tests instead of skipping them.
+skip, saying why, when it is not up. `.ci/run` starts it, checks each piece and lists the ones that
+work in MOE_TRAIN_CLUSTER ("ssh,slurm"; "up" means both): a listed piece that is missing then fails
+its tests instead of skipping them.
 """
 
 from __future__ import annotations
@@ -38,12 +39,13 @@ def _short_run(overrides: list[str]) -> list[str]:
             "train.bleu_sentences=5", "data.max_tokens=400", *TRICKY]
 
 
-def skip_unless_cluster(why: str | None) -> None:
-    """Skip with `why` (or fail, when CI brought the cluster up and said so)."""
+def skip_unless_cluster(why: str | None, piece: str) -> None:
+    """Skip with `why` (or fail, when CI found `piece`, "ssh" or "slurm", working and said so)."""
     if why is None:
         return
-    if os.environ.get("MOE_TRAIN_CLUSTER") == "up":
-        pytest.fail(f"MOE_TRAIN_CLUSTER=up but the cluster is unusable: {why}")
+    listed = os.environ.get("MOE_TRAIN_CLUSTER", "")
+    if listed == "up" or piece in listed.split(","):
+        pytest.fail(f"MOE_TRAIN_CLUSTER={listed} but {piece} is unusable: {why}")
     pytest.skip(why)
 
 
@@ -114,7 +116,7 @@ def _check_trained(out: str, ckpt: Path) -> None:
 
 
 def test_multinode_sh_pdsh_two_nodes(tiny_prepared, tmp_path):
-    skip_unless_cluster(_ssh_cluster_missing())
+    skip_unless_cluster(_ssh_cluster_missing(), "ssh")
     from moe_train.parallel.runtime import free_port
 
     # Launched from a work directory outside the checkout, with a relative hostfile, as users do;
@@ -133,7 +135,7 @@ def test_multinode_sh_pdsh_two_nodes(tiny_prepared, tmp_path):
 
 def test_sbatch_template_two_cpu_ranks(tiny_prepared, tmp_path):
     partition, why = _slurm_partition()
-    skip_unless_cluster(why)
+    skip_unless_cluster(why, "slurm")
     env = cli_env()
     env["GPUS_PER_NODE"] = "2"
     name = f"moe-test-{uuid.uuid4().hex[:8]}"
@@ -155,7 +157,7 @@ def test_sbatch_template_two_cpu_ranks(tiny_prepared, tmp_path):
             time.sleep(2)
         else:
             if state == "PENDING":
-                skip_unless_cluster(f"SLURM job {job} still pending after 240 s (node busy?)")
+                skip_unless_cluster(f"SLURM job {job} still pending after 240 s (node busy?)", "slurm")
             pytest.fail(f"SLURM job {job} still {state} after 240 s\n"
                         f"{out_file.read_text()[-4000:] if out_file.exists() else ''}")
     finally:
