@@ -50,12 +50,13 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from real_data import DEFAULT_DATA, QUICK_DATA, QUICK_MODEL, opus_test_dir  # noqa: E402
+from real_data import (  # noqa: E402
+    DEFAULT_DATA, QUICK_DATA, QUICK_MODEL, opus_test_dir, write_record)
 
 from moe_train.eval.significance import paired_bootstrap  # noqa: E402
 from moe_train.stages.evaluate import hypotheses_file, read_lines  # noqa: E402
 from moe_train.utils.atomic import write_json  # noqa: E402
-from moe_train.utils.provenance import finish, provenance  # noqa: E402
+from moe_train.utils.provenance import provenance  # noqa: E402
 from moe_train.utils.cli_args import (  # noqa: E402
     comma_list, command_line, exit_bad_input, int_at_least, non_negative_float, script_parser)
 
@@ -381,10 +382,7 @@ def main(argv: list[str] | None = None) -> None:
     record["checks"] = checks(record)
     every = [backbone, *(v for st in runs.values() for v in st.values())]
     record["total_stage_minutes"] = round(sum(v["minutes"] or 0.0 for v in every), 2)
-    record["provenance"] = finish(prov)
-    write_json(out, record)
-    print(json.dumps(record, indent=2))
-    print(f"wrote {out}")
+    write_record(out, record, prov, show=lambda record: record)
 
 
 if __name__ == "__main__":

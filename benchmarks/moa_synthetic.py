@@ -59,6 +59,7 @@ from moa_real_data import (  # noqa: E402
     stage_record,
 )
 from real_data import check_overrides as check_run_overrides  # noqa: E402
+from real_data import write_record  # noqa: E402
 
 from moe_train.eval.significance import paired_bootstrap  # noqa: E402
 from moe_train.utils.atomic import write_json  # noqa: E402
@@ -488,10 +489,8 @@ def main(argv: list[str] | None = None) -> None:
     pooled = pooled_significance(done)
     record["across_seeds"]["paired_bootstrap_moa_vs_pooled"] = pooled
     record["across_seeds"]["checks_pooled"] = pooled_checks(per_seed, pooled)
-    record["provenance"] = finish(prov)
-    write_json(out, record)
-    print(json.dumps(record["across_seeds"]["checks_hold_on_every_seed"], indent=1))
-    print(f"wrote {out}")
+    write_record(out, record, prov,
+                 show=lambda record: record["across_seeds"]["checks_hold_on_every_seed"])
 
 
 if __name__ == "__main__":

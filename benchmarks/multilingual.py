@@ -33,10 +33,10 @@ for _path in (ROOT, ROOT / "benchmarks"):
     if str(_path) not in sys.path:
         sys.path.insert(0, str(_path))
 
-from real_data import DEFAULT_DATA, QUICK_DATA, QUICK_TRAIN, last_json, opus_test_dir  # noqa: E402
+from real_data import (  # noqa: E402
+    DEFAULT_DATA, QUICK_DATA, QUICK_TRAIN, last_json, opus_test_dir, write_record)
 
-from moe_train.utils.atomic import write_json  # noqa: E402
-from moe_train.utils.provenance import finish, provenance  # noqa: E402
+from moe_train.utils.provenance import provenance  # noqa: E402
 from moe_train.utils.cli_args import (  # noqa: E402
     comma_list, command_line, int_at_least, positive_float, script_parser)
 
@@ -188,10 +188,7 @@ def main(argv: list[str] | None = None) -> None:
         "summary": {v: {k: r["test"][k] for k in ("bleu", "en_xx_bleu", "xx_en_bleu")}
                     | {"steps": r["steps"], "train_tokens_per_s": r["train_tokens_per_s"]}
                     for v, r in results.items()}}
-    record["provenance"] = finish(prov)
-    write_json(out, record)
-    print(json.dumps(record["summary"], indent=2))
-    print(f"wrote {out}")
+    write_record(out, record, prov, show=lambda record: record["summary"])
 
 
 if __name__ == "__main__":

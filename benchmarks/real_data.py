@@ -20,8 +20,9 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 for _path in (ROOT, ROOT / "benchmarks"):
@@ -111,11 +112,13 @@ def start_record(args: argparse.Namespace, argv: list[str] | None, name: str
     return prov, work, out, suffix
 
 
-def write_record(out: Path, record: dict, prov: dict) -> None:
-    """Complete `record`'s provenance, write it atomically, print its acceptance checks."""
+def write_record(out: Path, record: dict, prov: dict,
+                 show: Callable[[dict], Any] = lambda record: record["acceptance"]) -> None:
+    """Complete `record`'s provenance, write it atomically, print `show(record)` (by default
+    its acceptance checks) and where it went."""
     record["provenance"] = finish(prov)
     write_json(out, record)
-    print(json.dumps(record["acceptance"], indent=2))
+    print(json.dumps(show(record), indent=2))
     print(f"wrote {out}")
 
 
@@ -200,10 +203,7 @@ def main(argv: list[str] | None = None) -> None:
 
         record["test_dir"] = score_test_dir(work / "checkpoints" / "export", args.test_dir, beam)
         record["config"]["test_dir"] = args.test_dir
-    record["provenance"] = finish(prov)
-    write_json(out, record)
-    print(json.dumps(record, indent=2))
-    print(f"wrote {out}")
+    write_record(out, record, prov, show=lambda record: record)
 
 
 if __name__ == "__main__":
