@@ -9,6 +9,7 @@ import contextlib
 import json
 import os
 import shutil
+import stat
 import tempfile
 from pathlib import Path
 from typing import Any, Iterable, Iterator
@@ -31,10 +32,39 @@ def _fsync_dir(path: Path) -> None:
             os.close(fd)
 
 
+def _not_a_file(path: Path) -> bool:
+    """`path` is there and is neither a regular file nor a directory: a device, a pipe, a
+    socket (`/dev/null`, a shell's `>(...)`), followed through symlinks."""
+    try:
+        mode = path.stat().st_mode
+    except OSError:  # not there (or a dangling link): a new file
+        return False
+    return not (stat.S_ISREG(mode) or stat.S_ISDIR(mode))
+
+
+def _write_in_place(path: Path) -> bool:
+    """`path` must be written, never replaced by a rename: not a file (`_not_a_file`), or a
+    file descriptor's name (`/dev/stdout`, `/dev/fd/1`, `/proc/self/fd/1`). Renaming onto one
+    would destroy it (as root, /dev/null itself) instead of writing to it."""
+    parts = path.absolute().parts
+    return (_not_a_file(path) or parts[1:2] == ("proc",)
+            or (parts[1:2] == ("dev",) and parts[2:3] != ("shm",)))
+
+
 @contextlib.contextmanager
 def atomic_path(final: str | os.PathLike) -> Iterator[Path]:
-    """Yield a temporary file path beside `final`; rename it onto `final` on success."""
+    """Yield a temporary file path beside `final`; rename it onto `final` on success.
+
+    A symlink to a file is kept: its target is replaced. What `_write_in_place` names (a
+    device, pipe or socket, a file descriptor's name) is yielded as it is and written in place:
+    it has no content to protect and must not be replaced (`--output /dev/null`,
+    `--json /dev/stdout`)."""
     final = Path(final)
+    if _write_in_place(final):
+        yield final
+        return
+    if final.is_symlink():
+        final = Path(os.path.realpath(final))
     final.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent)
     os.close(fd)
@@ -57,6 +87,8 @@ def atomic_dir(final: str | os.PathLike, overwrite: bool = False) -> Iterator[Pa
     new directory is complete.
     """
     final = Path(final)
+    if _not_a_file(final):
+        raise FileExistsError(f"{final}: is neither a directory nor a file; not replacing it")
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent))
     os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes 0700; other ranks/users may read it

@@ -5,13 +5,17 @@ DeepSpeed rejects are each one line naming the place, never a traceback or lost 
 
 from __future__ import annotations
 
+import os
+import stat
+import threading
+from pathlib import Path
 
 import pytest
 
 from moe_train.errors import ConfigError, DataError
 from moe_train.models.hf_io import config_from_hf
-from moe_train.utils.atomic import (atomic_dir, check_dir_setting, check_out_dir,
-                                    check_out_file)
+from moe_train.utils.atomic import (_write_in_place, atomic_dir, check_dir_setting,
+                                    check_out_dir, check_out_file, write_json, write_text)
 
 HF = {"model_type": "qwen2_moe", "vocab_size": 64, "hidden_size": 16, "num_hidden_layers": 2,
       "num_attention_heads": 2, "intermediate_size": 32, "moe_intermediate_size": 8,
@@ -103,6 +107,43 @@ def test_atomic_dir_replaces_a_file_without_leftovers(tmp_path) -> None:
         (tmp / "a.txt").write_text("new")
     assert (out / "a.txt").read_text() == "new"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_a_pipe_is_written_in_place_never_replaced(tmp_path) -> None:
+    """`--output /dev/null` once replaced /dev/null itself (as root) with a regular file: a
+    device, pipe or socket is written through, not renamed onto. A pipe stands in for the
+    device here, so a regression cannot break the machine's /dev/null."""
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    got: list[bytes] = []
+    reader = threading.Thread(target=lambda: got.append(fifo.read_bytes()), daemon=True)
+    reader.start()
+    write_json(fifo, {"a": 1})
+    reader.join(timeout=30)
+    assert got == [b'{\n  "a": 1\n}\n']
+    assert stat.S_ISFIFO(fifo.stat().st_mode)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fifo"]  # no temporary left
+    with pytest.raises(FileExistsError, match="neither a directory nor a file"):
+        with atomic_dir(fifo, overwrite=True):
+            pytest.fail("atomic_dir let the work start on a pipe it would then replace")
+    assert stat.S_ISFIFO(fifo.stat().st_mode)
+
+
+@pytest.mark.parametrize("path, in_place", [
+    ("/dev/null", True), ("/dev/stdout", True), ("/dev/fd/1", True), ("/proc/self/fd/1", True),
+    ("/dev/shm/moe-train-out.json", False), ("out.json", False)])
+def test_file_descriptor_names_are_written_in_place(path, in_place) -> None:
+    assert _write_in_place(Path(path)) is in_place
+
+
+def test_a_symlink_to_a_file_is_kept_and_its_target_replaced(tmp_path) -> None:
+    target, link = tmp_path / "results" / "run1.json", tmp_path / "latest.json"
+    target.parent.mkdir()
+    target.write_text("old")
+    link.symlink_to(target)
+    write_text(link, "new")
+    assert link.is_symlink() and target.read_text() == "new"
+    assert sorted(p.name for p in target.parent.iterdir()) == ["run1.json"]
 
 
 @pytest.mark.parametrize("key, value, needle", [
