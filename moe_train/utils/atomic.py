@@ -153,6 +153,10 @@ def check_out_file(path: str | os.PathLike, flag: str) -> Path:
     path = Path(path)
     if path.is_dir():
         raise DataError(f"{flag} {path}: is a directory; expected a file path")
+    if _write_in_place(path) and path.exists():  # /dev/null: written, not made beside
+        if not os.access(path, os.W_OK):
+            raise DataError(f"{flag} {path}: cannot write to it")
+        return path
     check_parent_writable(path, flag)
     return path
 

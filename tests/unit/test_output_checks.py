@@ -129,6 +129,20 @@ def test_a_pipe_is_written_in_place_never_replaced(tmp_path) -> None:
     assert stat.S_ISFIFO(fifo.stat().st_mode)
 
 
+def test_out_file_that_is_written_in_place_needs_only_itself_writable(tmp_path,
+                                                                      monkeypatch) -> None:
+    """A user who may not write into /dev may still write to /dev/null."""
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    real = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode: Path(p) in (fifo, Path("/dev/null")))
+    assert check_out_file("/dev/null", "--output") == Path("/dev/null")
+    assert check_out_file(fifo, "--output") == fifo
+    monkeypatch.setattr(os, "access", lambda p, mode: Path(p) != fifo and real(p, mode))
+    with pytest.raises(DataError, match="--output .*fifo: cannot write to it"):
+        check_out_file(fifo, "--output")
+
+
 @pytest.mark.parametrize("path, in_place", [
     ("/dev/null", True), ("/dev/stdout", True), ("/dev/fd/1", True), ("/proc/self/fd/1", True),
     ("/dev/shm/moe-train-out.json", False), ("out.json", False)])
