@@ -42,38 +42,56 @@ def _not_a_file(path: Path) -> bool:
     return not (stat.S_ISREG(mode) or stat.S_ISDIR(mode))
 
 
-def _write_in_place(path: Path) -> bool:
-    """`path` must be written, never replaced by a rename: not a file (`_not_a_file`), or a
-    file descriptor's name (`/dev/stdout`, `/dev/fd/1`, `/proc/self/fd/1`). Renaming onto one
-    would destroy it (as root, /dev/null itself) instead of writing to it."""
-    parts = path.absolute().parts
-    return (_not_a_file(path) or parts[1:2] == ("proc",)
-            or (parts[1:2] == ("dev",) and parts[2:3] != ("shm",)))
+def _fd_name(path: str) -> bool:
+    """`path` (absolute) names a file descriptor or a device: under /proc, or under /dev but
+    for /dev/shm (an ordinary tmpfs)."""
+    parts = Path(path).parts
+    return parts[1:2] == ("proc",) or (parts[1:2] == ("dev",) and parts[2:3] != ("shm",))
+
+
+def write_target(path: str | os.PathLike) -> tuple[Path, bool]:
+    """Where a write to `path` lands and whether it must be written in place.
+
+    In place (`path`, True): a device, pipe or socket (`/dev/null`, a shell's `>(...)`), or a
+    file descriptor's name (`/dev/stdout`, `/proc/self/fd/1`), also at the end of a symlink
+    chain. Renaming onto one would destroy it (as root, /dev/null itself) instead of writing
+    to it. Otherwise (file, False): the path itself, or for a symlink the file it leads to,
+    so that the link is kept and its target replaced."""
+    path = Path(path)
+    hop = os.path.abspath(path)
+    for _ in range(40):  # the kernel's own limit on a symlink chain
+        if _fd_name(hop):
+            return path, True
+        if not os.path.islink(hop):
+            break
+        hop = os.path.join(os.path.realpath(os.path.dirname(hop)), os.readlink(hop))
+        hop = os.path.normpath(hop)
+    if _not_a_file(path):
+        return path, True
+    return (Path(os.path.realpath(path)) if path.is_symlink() else path), False
 
 
 @contextlib.contextmanager
 def atomic_path(final: str | os.PathLike) -> Iterator[Path]:
     """Yield a temporary file path beside `final`; rename it onto `final` on success.
 
-    A symlink to a file is kept: its target is replaced. What `_write_in_place` names (a
-    device, pipe or socket, a file descriptor's name) is yielded as it is and written in place:
-    it has no content to protect and must not be replaced (`--output /dev/null`,
-    `--json /dev/stdout`)."""
-    final = Path(final)
-    if _write_in_place(final):
-        yield final
+    What `write_target` says to write in place (`--output /dev/null`, `--json /dev/stdout`) is
+    yielded as it is: it has no content to protect and must not be replaced. A symlink is kept
+    and the file it leads to replaced; that file's directory must exist (as for `open`)."""
+    target, in_place = write_target(final)
+    if in_place:
+        yield target
         return
-    if final.is_symlink():
-        final = Path(os.path.realpath(final))
-    final.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent)
+    if not Path(final).is_symlink():
+        target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
     os.close(fd)
     os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; give the usual permissions
     tmp_path = Path(tmp)
     try:
         yield tmp_path
-        os.replace(tmp_path, final)
-        _fsync_dir(final.parent)
+        os.replace(tmp_path, target)
+        _fsync_dir(target.parent)
     finally:
         if tmp_path.exists():
             tmp_path.unlink()
@@ -153,11 +171,14 @@ def check_out_file(path: str | os.PathLike, flag: str) -> Path:
     path = Path(path)
     if path.is_dir():
         raise DataError(f"{flag} {path}: is a directory; expected a file path")
-    if _write_in_place(path) and path.exists():  # /dev/null: written, not made beside
+    target, in_place = write_target(path)
+    if in_place and path.exists():  # /dev/null: written to, no file made beside it
         if not os.access(path, os.W_OK):
             raise DataError(f"{flag} {path}: cannot write to it")
         return path
-    check_parent_writable(path, flag)
+    if path.is_symlink() and not target.parent.is_dir():
+        raise DataError(f"{flag} {path}: links to {target}, whose directory does not exist")
+    check_parent_writable(target, flag)
     return path
 
 

@@ -14,8 +14,8 @@ import pytest
 
 from moe_train.errors import ConfigError, DataError
 from moe_train.models.hf_io import config_from_hf
-from moe_train.utils.atomic import (_write_in_place, atomic_dir, check_dir_setting,
-                                    check_out_dir, check_out_file, write_json, write_text)
+from moe_train.utils.atomic import (atomic_dir, check_dir_setting, check_out_dir,
+                                    check_out_file, write_json, write_target, write_text)
 
 HF = {"model_type": "qwen2_moe", "vocab_size": 64, "hidden_size": 16, "num_hidden_layers": 2,
       "num_attention_heads": 2, "intermediate_size": 32, "moe_intermediate_size": 8,
@@ -145,9 +145,18 @@ def test_out_file_that_is_written_in_place_needs_only_itself_writable(tmp_path,
 
 @pytest.mark.parametrize("path, in_place", [
     ("/dev/null", True), ("/dev/stdout", True), ("/dev/fd/1", True), ("/proc/self/fd/1", True),
-    ("/dev/shm/moe-train-out.json", False), ("out.json", False)])
+    ("/dev/shm/moe-train-out.json", False), ("/dev/../tmp/out.json", False),
+    ("out.json", False)])
 def test_file_descriptor_names_are_written_in_place(path, in_place) -> None:
-    assert _write_in_place(Path(path)) is in_place
+    assert write_target(path) == (Path(path), True) if in_place else not write_target(path)[1]
+
+
+def test_a_link_to_stdout_is_written_in_place_even_when_stdout_is_a_file(tmp_path) -> None:
+    """`out -> /dev/stdout` with stdout redirected to log.txt: /dev/stdout resolves to
+    log.txt, but renaming onto log.txt would cut off everything printed after."""
+    link = tmp_path / "out"
+    link.symlink_to("/dev/stdout")
+    assert write_target(link) == (link, True)
 
 
 def test_a_symlink_to_a_file_is_kept_and_its_target_replaced(tmp_path) -> None:
@@ -158,6 +167,29 @@ def test_a_symlink_to_a_file_is_kept_and_its_target_replaced(tmp_path) -> None:
     write_text(link, "new")
     assert link.is_symlink() and target.read_text() == "new"
     assert sorted(p.name for p in target.parent.iterdir()) == ["run1.json"]
+
+
+def test_a_dangling_link_needs_its_target_directory(tmp_path, monkeypatch) -> None:
+    """As for `open`: a link to a missing file in an existing directory makes the file; a link
+    into a missing directory is refused, its directories not made."""
+    made, nowhere = tmp_path / "made.json", tmp_path / "nodir" / "sub" / "x.json"
+    (tmp_path / "a").symlink_to(made)
+    write_text(tmp_path / "a", "new")
+    assert (tmp_path / "a").is_symlink() and made.read_text() == "new"
+    (tmp_path / "b").symlink_to(nowhere)
+    with pytest.raises(DataError, match="--output .*b: links to .*x.json, whose directory"):
+        check_out_file(tmp_path / "b", "--output")
+    with pytest.raises(FileNotFoundError):
+        write_text(tmp_path / "b", "new")
+    assert not (tmp_path / "nodir").exists()
+    # The directory written into is the target's, not the link's.
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    (tmp_path / "c").symlink_to(shared / "run.txt")
+    real = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode: Path(p) != shared and real(p, mode))
+    with pytest.raises(DataError, match="--output .*run.txt: cannot write into .*shared"):
+        check_out_file(tmp_path / "c", "--output")
 
 
 @pytest.mark.parametrize("key, value, needle", [
