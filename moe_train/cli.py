@@ -291,6 +291,11 @@ def main(argv: list[str] | None = None) -> int:
     except MoeTrainError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:  # the machine, not the input: a full disk, a lost mount
+        if exc.filename is None:
+            raise
+        print(f"error: {exc.filename}: {exc.strerror}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

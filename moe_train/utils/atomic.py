@@ -72,6 +72,19 @@ def write_target(path: str | os.PathLike) -> tuple[Path, bool]:
 
 
 @contextlib.contextmanager
+def _naming(final: str | os.PathLike, tmp: Path | None = None) -> Iterator[None]:
+    """An OSError raised while writing `final` that names no file (a full disk: ENOSPC at
+    flush) or only the temporary file is made to name `final`: the error a user sees says
+    which output failed, not a hidden name that is gone."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.errno is None or exc.filename not in (None, str(tmp), tmp):
+            raise
+        raise OSError(exc.errno, exc.strerror, str(final)) from exc
+
+
+@contextlib.contextmanager
 def atomic_path(final: str | os.PathLike) -> Iterator[Path]:
     """Yield a temporary file path beside `final`; rename it onto `final` on success.
 
@@ -80,16 +93,21 @@ def atomic_path(final: str | os.PathLike) -> Iterator[Path]:
     and the file it leads to replaced; that file's directory must exist (as for `open`)."""
     target, in_place = write_target(final)
     if in_place:
-        yield target
+        with _naming(final):
+            yield target
         return
     if not Path(final).is_symlink():
         target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    except OSError as exc:  # a full disk or a read-only directory: name the output
+        raise OSError(exc.errno, exc.strerror, str(final)) from exc
     os.close(fd)
     os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; give the usual permissions
     tmp_path = Path(tmp)
     try:
-        yield tmp_path
+        with _naming(final, tmp_path):
+            yield tmp_path
         os.replace(tmp_path, target)
         _fsync_dir(target.parent)
     finally:

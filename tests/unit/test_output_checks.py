@@ -5,6 +5,7 @@ DeepSpeed rejects are each one line naming the place, never a traceback or lost 
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 import threading
@@ -14,8 +15,9 @@ import pytest
 
 from moe_train.errors import ConfigError, DataError
 from moe_train.models.hf_io import config_from_hf
-from moe_train.utils.atomic import (atomic_dir, check_dir_setting, check_out_dir,
-                                    check_out_file, write_json, write_target, write_text)
+from moe_train.utils.atomic import (atomic_dir, atomic_path, check_dir_setting,
+                                    check_out_dir, check_out_file, write_json, write_target,
+                                    write_text)
 
 HF = {"model_type": "qwen2_moe", "vocab_size": 64, "hidden_size": 16, "num_hidden_layers": 2,
       "num_attention_heads": 2, "intermediate_size": 32, "moe_intermediate_size": 8,
@@ -219,3 +221,51 @@ def test_deepspeed_validation_is_one_config_line() -> None:
         DeepSpeedZeroConfig(**{"stage": 7})
     text = str(err.value)
     assert text.startswith("deepspeed config (DeepSpeedZeroConfig): stage: ") and "\n" not in text
+
+
+def test_a_write_that_fails_names_the_output_and_leaves_nothing(tmp_path) -> None:
+    """A full disk fails at flush with an OSError that names no file: it is made to name the
+    output, and no temporary file or partial output is left."""
+    out = tmp_path / "hyps.txt"
+    for named in (None, "tmp"):  # no file named, or the temporary one (torch.save(tmp))
+        with pytest.raises(OSError) as err:
+            with atomic_path(out) as tmp:
+                tmp.write_text("half")
+                raise OSError(errno.ENOSPC, "No space left on device",
+                              str(tmp) if named else None)
+        assert (err.value.errno, err.value.filename) == (errno.ENOSPC, str(out))
+        assert list(tmp_path.iterdir()) == []
+    with pytest.raises(OSError) as err:  # another file's error is left as it is
+        with atomic_path(out):
+            raise OSError(errno.ENOENT, "No such file or directory", "/some/input")
+    assert err.value.filename == "/some/input"
+    if Path("/dev/full").exists():  # the same, for real, on a device written in place
+        with pytest.raises(OSError) as err:
+            write_text("/dev/full", "x" * 100_000)
+        assert (err.value.errno, err.value.filename) == (errno.ENOSPC, "/dev/full")
+
+
+def test_the_cli_reports_a_failed_write_in_one_line(tmp_path, monkeypatch, capsys) -> None:
+    """Not bad input (status 2) but the machine (status 1): one line naming the file."""
+    from moe_train import commands
+    from moe_train.cli import main
+
+    def full_disk(args):
+        write_text(tmp_path / "c" / "x.txt", "x")
+
+    monkeypatch.setattr("moe_train.utils.atomic.tempfile.mkstemp", _raise_enospc)
+    monkeypatch.setattr(commands, "cmd_synth", full_disk)
+    assert main(["synth", "--out", str(tmp_path / "c")]) == 1
+    out, err = capsys.readouterr()
+    assert out == "" and err == f"error: {tmp_path / 'c' / 'x.txt'}: No space left on device\n"
+
+    def bug(args):
+        raise OSError(errno.EIO, "no file named")  # a bug's OSError keeps its traceback
+
+    monkeypatch.setattr(commands, "cmd_synth", bug)
+    with pytest.raises(OSError, match="no file named"):
+        main(["synth", "--out", str(tmp_path / "c")])
+
+
+def _raise_enospc(*args, dir=None, prefix="", suffix="", **kwargs):
+    raise OSError(errno.ENOSPC, "No space left on device", f"{dir}/{prefix}{suffix}")
