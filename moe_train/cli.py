@@ -10,7 +10,7 @@ import argparse
 import re
 import sys
 
-from moe_train.errors import MoeTrainError
+from moe_train.errors import MACHINE_ERRNOS, MoeTrainError
 from moe_train.utils.cli_args import OneLineParser, int_at_least, non_negative_float
 
 _LOCAL_RANK_RE = re.compile(r"^--local[_-]rank(=\d+)?$")
@@ -291,8 +291,8 @@ def main(argv: list[str] | None = None) -> int:
     except MoeTrainError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    except OSError as exc:  # the machine, not the input: a full disk, a lost mount
-        if exc.filename is None:
+    except OSError as exc:  # the machine, not the input: a full disk, a read-only mount
+        if exc.filename is None or exc.errno not in MACHINE_ERRNOS:
             raise
         print(f"error: {exc.filename}: {exc.strerror}", file=sys.stderr)
         return 1

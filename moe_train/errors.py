@@ -3,7 +3,17 @@
 Every error a user can cause by bad input (a config field, a data file, a missing artifact) is a
 `MoeTrainError`. Its message is one line that names the place (field, file:line) and what was
 expected; the CLI prints it as ``error: <message>`` and exits with status 2, no traceback.
+An OSError whose errno is in `MACHINE_ERRNOS` and that names a file is the machine refusing a
+write (a full disk, a read-only mount): one line ``error: <file>: <reason>``, status 1.
 """
+
+import errno
+
+MACHINE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EROFS, errno.EFBIG,
+                            errno.EBUSY, errno.EPERM, errno.EACCES})
+"""Errnos that say the machine refused an operation, not that the code or input is wrong (a
+missing file, a directory where a file was meant stay tracebacks: they are bugs by then, inputs
+being checked first)."""
 
 
 class MoeTrainError(Exception):

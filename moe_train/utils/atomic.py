@@ -14,7 +14,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
-from moe_train.errors import DataError
+from moe_train.errors import MACHINE_ERRNOS, DataError
 
 
 def _umask() -> int:
@@ -73,13 +73,17 @@ def write_target(path: str | os.PathLike) -> tuple[Path, bool]:
 
 @contextlib.contextmanager
 def _naming(final: str | os.PathLike, tmp: Path | None = None) -> Iterator[None]:
-    """An OSError raised while writing `final` that names no file (a full disk: ENOSPC at
-    flush) or only the temporary file is made to name `final`: the error a user sees says
-    which output failed, not a hidden name that is gone."""
+    """Make an OSError raised while writing `final` name `final`: one that names only the
+    temporary file (a hidden name, gone by the time anyone reads the error), or one that names
+    no file and says the machine refused the write (a full disk: ENOSPC at flush). The block
+    should only write; any other error is left as it is."""
     try:
         yield
     except OSError as exc:
-        if exc.errno is None or exc.filename not in (None, str(tmp), tmp):
+        if exc.errno is None:
+            raise
+        about_tmp = tmp is not None and exc.filename in (str(tmp), tmp)
+        if not about_tmp and not (exc.filename is None and exc.errno in MACHINE_ERRNOS):
             raise
         raise OSError(exc.errno, exc.strerror, str(final)) from exc
 
@@ -108,7 +112,7 @@ def atomic_path(final: str | os.PathLike) -> Iterator[Path]:
     try:
         with _naming(final, tmp_path):
             yield tmp_path
-        os.replace(tmp_path, target)
+            os.replace(tmp_path, target)  # EBUSY on a bind-mounted file, EPERM under sticky bit
         _fsync_dir(target.parent)
     finally:
         if tmp_path.exists():

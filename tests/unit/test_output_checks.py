@@ -239,6 +239,15 @@ def test_a_write_that_fails_names_the_output_and_leaves_nothing(tmp_path) -> Non
         with atomic_path(out):
             raise OSError(errno.ENOENT, "No such file or directory", "/some/input")
     assert err.value.filename == "/some/input"
+    with pytest.raises(IsADirectoryError) as err:  # not the machine, and no file: a bug
+        with atomic_path(out):
+            raise OSError(errno.EISDIR, "Is a directory")
+    assert err.value.filename is None
+    out.mkdir()  # the rename fails: the error names the output, not the temporary file
+    with pytest.raises(OSError) as err:
+        write_text(out, "x")
+    assert err.value.filename == str(out)
+    assert [p.name for p in tmp_path.iterdir()] == ["hyps.txt"]
     if Path("/dev/full").exists():  # the same, for real, on a device written in place
         with pytest.raises(OSError) as err:
             write_text("/dev/full", "x" * 100_000)
@@ -259,13 +268,20 @@ def test_the_cli_reports_a_failed_write_in_one_line(tmp_path, monkeypatch, capsy
     out, err = capsys.readouterr()
     assert out == "" and err == f"error: {tmp_path / 'c' / 'x.txt'}: No space left on device\n"
 
-    def bug(args):
-        raise OSError(errno.EIO, "no file named")  # a bug's OSError keeps its traceback
-
-    monkeypatch.setattr(commands, "cmd_synth", bug)
-    with pytest.raises(OSError, match="no file named"):
-        main(["synth", "--out", str(tmp_path / "c")])
+    for bug in (OSError(errno.EIO, "no file named"),  # a bug's OSError keeps its traceback
+                FileNotFoundError(errno.ENOENT, "No such file or directory", "/wrong/path")):
+        monkeypatch.setattr(commands, "cmd_synth", _raising(bug))
+        with pytest.raises(OSError) as err:
+            main(["synth", "--out", str(tmp_path / "c")])
+        assert err.value is bug
 
 
 def _raise_enospc(*args, dir=None, prefix="", suffix="", **kwargs):
     raise OSError(errno.ENOSPC, "No space left on device", f"{dir}/{prefix}{suffix}")
+
+
+def _raising(exc: BaseException):
+    def command(args):
+        raise exc
+
+    return command
