@@ -106,7 +106,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="default: the config's eval.beam")
     add_record_arguments(ap, "thor", "variant")
     args = ap.parse_args(argv)
-    args.variant_list = args.variants
     if args.minutes is None:
         args.minutes = DATASETS[args.data]["minutes"]
     if args.steps is None:
@@ -114,7 +113,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.steps = args.steps or None  # 0: the time budget alone
     check_overrides((DATASETS[args.data]["config"],
                      variant_overrides(args, v, Path("prepared"), Path(v)))
-                    for v in args.variant_list)
+                    for v in args.variants)
     return args
 
 
@@ -277,7 +276,7 @@ def run(args: argparse.Namespace, argv: list[str] | None) -> None:
     beam = args.beam or load_config(ROOT / config).eval.beam
     variants: dict[str, Any] = {}
     tests: dict[str, Any] = {}
-    for name in args.variant_list:
+    for name in args.variants:
         trained = train_variant(args, config, prepared, work / name, name)
         print(f"== {name}: scoring the test split (beam {beam})", flush=True)
         variants[name] = {"training": {k: trained[k] for k in (
@@ -303,7 +302,7 @@ def run(args: argparse.Namespace, argv: list[str] | None) -> None:
                    "synthetic": data_info.get("synthetic"), "minutes_per_variant": args.minutes,
                    "steps_per_variant": args.steps,
                    "beam": beam, "quick": args.quick, "test_dir": args.test_dir,
-                   "variants": {n: list(VARIANTS[n]) for n in args.variant_list},
+                   "variants": {n: list(VARIANTS[n]) for n in args.variants},
                    "bench_train_overrides": BENCH_TRAIN,
                    "extra_overrides": args.extra,
                    "quick_overrides": (QUICK_PREPARE[args.data] + QUICK_TRAIN) if args.quick

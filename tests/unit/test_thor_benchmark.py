@@ -29,14 +29,14 @@ def test_arguments(bench, tmp_path: Path) -> None:
     assert bench.parse_args(["--steps", "0"]).steps is None  # the time budget alone
     assert bench.parse_args(["--quick"]).steps == 4  # a few steps, not the full 1000
     assert bench.parse_args(["--quick", "--steps", "9"]).steps == 9
-    assert args.variant_list == ["dense", "top2", "topp", "thor_top2", "thor_topp",
+    assert args.variants == ["dense", "top2", "topp", "thor_top2", "thor_topp",
                                  "thor_topp_no_context", "thor_topp_no_hierarchy"]
     for lang in ("de", "en"):  # --test-dir must hold test files
         (tmp_path / "IT" / f"IT.de-en.test.{lang}").parent.mkdir(exist_ok=True)
         (tmp_path / "IT" / f"IT.de-en.test.{lang}").write_text("x\n")
     args = bench.parse_args(["--data", "opus", "--minutes", "0.3", "--variants", "topp,thor_topp",
                              "--test-dir", str(tmp_path)])
-    assert (args.minutes, args.variant_list, args.test_dir) == \
+    assert (args.minutes, args.variants, args.test_dir) == \
         (0.3, ["topp", "thor_topp"], str(tmp_path))
     assert (bench.parse_args(["--data", "opus"]).minutes,
             bench.parse_args(["--data", "opus"]).steps) == (8.0, None)
