@@ -1,13 +1,15 @@
 """The `prepare` step: validated text corpora -> sentencepiece model + binarized shards.
 
-Steps: read and validate every corpus; carve dev/test from train where a corpus has no such
-files; train one joint sentencepiece model on the train text of both sides, with every ``<2xx>``
-target-language tag and every ``<dom:NAME>`` domain tag as a user-defined symbol whether or not
-they are used (so tagged and untagged preparations of the same corpora share the model byte for
-byte); encode (optionally prefixing each source with its domain tag, then its target-language
-tag); skip pairs with a side longer than ``data.max_len`` tokens (tags included); write one shard
-per corpus per split and ``manifest.json``. Everything is built in a temporary directory renamed
-onto the output at the end, so a failed run leaves nothing.
+Steps: read and validate every corpus; carve dev/test from train where a corpus has no such files;
+drop every train pair whose source is a dev/test source of any corpus in the same source language
+(``train_dropped_overlap``), so held-out text is never trained on; train one joint sentencepiece
+model on the train text of both sides, with every ``<2xx>`` target-language tag and every
+``<dom:NAME>`` domain tag as a user-defined symbol whether or not they are used (so tagged and
+untagged preparations of the same corpora share the model byte for byte); encode (optionally
+prefixing each source with its domain tag, then its target-language tag); skip pairs with a side
+longer than ``data.max_len`` tokens (tags included); write one shard per corpus per split and
+``manifest.json``. Everything is built in a temporary directory renamed onto the output at the end,
+so a failed run leaves nothing.
 
 Manifest (``manifest.json``)::
 
@@ -146,13 +148,12 @@ def _carve_sizes(n: int, dev: int, test: int) -> tuple[int, int]:
 
 
 def _carve(files: CorpusFiles, pairs: dict[str, Pairs], cfg: DataConfig, seed: int
-           ) -> tuple[list[str], int]:
-    """Hold out dev/test pairs from train for the splits without files (in place).
+           ) -> list[str]:
+    """Hold out dev/test pairs from train for the splits without files (in place); return
+    the splits carved.
 
     The selection is seeded by `seed` and the file pair (not the direction), so ``de-en`` and
-    ``en-de`` built from the same files hold out the same lines. Train pairs whose source equals
-    a held-out source are dropped as well, so held-out sentences are never trained on. Returns
-    (splits carved, train pairs dropped for overlap).
+    ``en-de`` built from the same files hold out the same lines.
     """
     wanted = {s: n for s, n in (("dev", cfg.dev_per_domain), ("test", cfg.test_per_domain))
               if s not in pairs}
@@ -164,13 +165,26 @@ def _carve(files: CorpusFiles, pairs: dict[str, Pairs], cfg: DataConfig, seed: i
     held = {"dev": np.sort(order[:dev_n]), "test": np.sort(order[dev_n:dev_n + test_n])}
     for split in wanted:
         pairs[split] = ([src[i] for i in held[split]], [tgt[i] for i in held[split]])
-    held_out = np.zeros(len(src), dtype=bool)
-    held_out[order[:dev_n + test_n]] = True
-    held_sources = {s for split in ("dev", "test") if split in pairs for s in pairs[split][0]}
-    keep = [i for i in range(len(src)) if not held_out[i] and src[i] not in held_sources]
-    dropped = len(src) - int(held_out.sum()) - len(keep)
-    pairs["train"] = ([src[i] for i in keep], [tgt[i] for i in keep])
-    return sorted(wanted, key=SPLITS.index), dropped
+    keep = np.ones(len(src), dtype=bool)
+    keep[order[:dev_n + test_n]] = False
+    pairs["train"] = ([s for s, k in zip(src, keep) if k], [t for t, k in zip(tgt, keep) if k])
+    return sorted(wanted, key=SPLITS.index)
+
+
+def _drop_held_out_sources(texts: dict[str, dict[str, Pairs]], src_langs: dict[str, str]
+                           ) -> dict[str, int]:
+    """Drop every train pair whose source is a dev or test source of any corpus with the same
+    source language (in place), so that no held-out sentence is trained on, not even through
+    another domain or direction that shares it; return the pairs dropped per corpus."""
+    held = {(src_langs[name], s) for name, by_split in texts.items()
+            for split in ("dev", "test") if split in by_split for s in by_split[split][0]}
+    dropped = {}
+    for name, by_split in texts.items():
+        src, tgt = by_split["train"]
+        keep = [i for i, s in enumerate(src) if (src_langs[name], s) not in held]
+        by_split["train"] = ([src[i] for i in keep], [tgt[i] for i in keep])
+        dropped[name] = len(src) - len(keep)
+    return dropped
 
 
 EVAL_MAX_LEN = 1000
@@ -224,11 +238,11 @@ def prepare(corpora: list[CorpusFiles], out_dir: str | os.PathLike, data_cfg: Da
 
     texts: dict[str, dict[str, Pairs]] = {}
     carved: dict[str, list[str]] = {}
-    dropped: dict[str, int] = {}
     for name, by_split in groups.items():
         texts[name] = {split: read_pairs(files, data_cfg.max_chars)
                        for split, files in by_split.items()}
-        carved[name], dropped[name] = _carve(train_files[name], texts[name], data_cfg, seed)
+        carved[name] = _carve(train_files[name], texts[name], data_cfg, seed)
+    dropped = _drop_held_out_sources(texts, {n: f.src_lang for n, f in train_files.items()})
 
     domains = sorted({c.domain for c in train_files.values()})
     langs = sorted({lang for c in train_files.values() for lang in (c.src_lang, c.tgt_lang)})

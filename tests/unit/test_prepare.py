@@ -161,6 +161,32 @@ def test_existing_dev_files_are_used_not_carved(tmp_path: Path) -> None:
     assert manifest["splits"]["train"]["corpus_sizes"] == [30 - 3 - overlap]
 
 
+def test_held_out_sources_are_not_trained_on_in_any_corpus(tmp_path: Path) -> None:
+    """Two domains sharing their sentences: what one holds out, the other does not train on
+    (a carved test sentence seen through another domain or direction is a leak)."""
+    root = tmp_path / "data"
+    _corpus(root, "law", 30, seed=6)
+    _corpus(root, "med", 30, seed=6)  # the same 30 pairs
+    _corpus(root, "it", 30, seed=6, src_lang="en", tgt_lang="de")  # en sources: not the same text
+    manifest = prepare(discover(root), tmp_path / "out", _cfg(dev_per_domain=3, test_per_domain=3))
+    vocab, names = load_vocab(tmp_path / "out"), [c["name"] for c in manifest["corpora"]]
+
+    def by_corpus(split: str) -> dict[str, set[str]]:
+        texts = iter(_texts(ShardedDataset(tmp_path / "out", split), vocab, "src"))
+        sizes = manifest["splits"][split]["corpus_sizes"]
+        return {name: {next(texts) for _ in range(n)} for name, n in zip(names, sizes)}
+
+    train, dev, test = by_corpus("train"), by_corpus("dev"), by_corpus("test")
+    held_de = set().union(*(split[n] for split in (dev, test) for n in ("law.de-en", "med.de-en")))
+    assert len(held_de) >= 6 and not (train["law.de-en"] | train["med.de-en"]) & held_de
+    by_name = {c["name"]: c for c in manifest["corpora"]}
+    law_held, med_held = dev["law.de-en"] | test["law.de-en"], dev["med.de-en"] | test["med.de-en"]
+    assert by_name["law.de-en"]["train_dropped_overlap"] == len(med_held - law_held) > 0
+    assert len(train["law.de-en"]) == 30 - 6 - by_name["law.de-en"]["train_dropped_overlap"]
+    # a corpus in another source language is compared in its own language only
+    assert by_name["it.en-de"]["train_dropped_overlap"] == 0
+
+
 def test_zero_dev_split_is_empty_but_loadable(tmp_path: Path,
                                               two_domains: list[CorpusFiles]) -> None:
     prepare(two_domains, tmp_path / "out", _cfg(dev_per_domain=0))
