@@ -233,6 +233,21 @@ def _warn(message: str) -> None:
     print(f"warning: {message}", file=sys.stderr, flush=True)
 
 
+def _translate_raw(inf, args: argparse.Namespace, source: str, lines: list[str], ecfg,
+                   device) -> list[str]:
+    """Translate raw lines as `translate` and `evaluate --src` both do: a decoder-only model
+    gets them as the instruction prompts it trained on, an encoder-decoder its source tags."""
+    from moe_train.eval.decode import translate_lines
+
+    if inf.cfg.decoder_only:
+        lines, prefix = _prompts(inf, args, lines), []
+    else:
+        prefix = _source_prefix(inf, args)
+    return translate_lines(inf.model, inf.vocab, lines, ecfg, device, prefix,
+                           labels=_raw_text_labels(inf, args), source=source,
+                           long_lines=args.long_lines, warn=_warn)
+
+
 def cmd_translate(args: argparse.Namespace) -> int:
     """Read and check the whole input, translate it all, then write (nothing on any error)."""
     from moe_train.data.corpus import read_text_input
@@ -243,18 +258,11 @@ def cmd_translate(args: argparse.Namespace) -> int:
         check_out_file(args.output, "--output")
     import torch
 
-    from moe_train.eval.decode import translate_lines
     from moe_train.train.export import load_for_inference
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     inf = load_for_inference(args.checkpoint, device)
-    if inf.cfg.decoder_only:  # the sources become the instruction prompts it trained on
-        lines, prefix = _prompts(inf, args, lines), []
-    else:
-        prefix = _source_prefix(inf, args)
-    hyps = translate_lines(inf.model, inf.vocab, lines, _eval_config(args, inf.cfg.eval), device,
-                           prefix, labels=_raw_text_labels(inf, args),
-                           source=source, long_lines=args.long_lines, warn=_warn)
+    hyps = _translate_raw(inf, args, source, lines, _eval_config(args, inf.cfg.eval), device)
     text = "".join(h + "\n" for h in hyps)
     if args.output == "-":
         sys.stdout.write(text)
@@ -373,7 +381,6 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
         (source, src), (_, refs) = read_text_input(args.src), read_text_input(args.ref)
         if len(src) != len(refs):
             raise DataError(f"{args.src}: {len(src)} lines but {args.ref} has {len(refs)}")
-    from moe_train.eval.decode import translate_lines
     from moe_train.eval.evaluate import evaluate_dataset, format_table
     from moe_train.eval.metrics import corpus_metrics
     from moe_train.train.export import load_for_inference
@@ -387,10 +394,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     inf = load_for_inference(args.checkpoint, rt.device)
     ecfg = _eval_config(args, inf.cfg.eval)
     if args.src:
-        hyps = translate_lines(inf.model, inf.vocab, src, ecfg, rt.device,
-                               _source_prefix(inf, args),
-                               labels=_raw_text_labels(inf, args), source=source,
-                               long_lines=args.long_lines, warn=_warn)
+        hyps = _translate_raw(inf, args, source, src, ecfg, rt.device)
         metrics = {"all": corpus_metrics(hyps, refs), "domains": {}, "pairs": {}}
         ordered = hyps
     else:

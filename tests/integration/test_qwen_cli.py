@@ -1,6 +1,6 @@
 """The decoder-only Qwen2-MoE through the CLI as a user runs it: prepare with a local Hugging Face
-tokenizer (instruction prompts), train, translate raw text, evaluate a prepared split, count
-parameters; bad tokenizer directories are one-line errors with exit status 2."""
+tokenizer (instruction prompts), train, translate and evaluate raw text, evaluate a prepared
+split, count parameters; bad tokenizer directories are one-line errors with exit status 2."""
 
 from __future__ import annotations
 
@@ -34,6 +34,13 @@ def test_prepare_train_translate_evaluate(qwen_prepared, tmp_path):
         run_cli(["translate", "--checkpoint", str(export), "--input", str(src), "--output",
                  str(out), "--beam", beam], cwd=tmp_path)
         assert len(out.read_text().splitlines()) == 2
+    # raw text scored: the same prompts as translate, so the same hypotheses
+    ref = tmp_path / "ref.txt"
+    ref.write_text("der Patient braucht eine neue Dosis\ndas Gericht wies die Berufung ab\n")
+    proc = run_cli(["evaluate", "--checkpoint", str(export), "--beam", "1", "--src", str(src),
+                    "--ref", str(ref), "--hyps", str(tmp_path / "hyps.txt")], cwd=tmp_path)
+    assert json.loads(proc.stdout.strip().splitlines()[-1])["all"]["sentences"] == 2
+    assert (tmp_path / "hyps.txt").read_text() == (tmp_path / "out1.txt").read_text()
     proc = run_cli(["evaluate", "--checkpoint", str(export), "--beam", "1",
                     "--max-sentences", "16"], cwd=tmp_path)
     report = json.loads(proc.stdout.strip().splitlines()[-1])
