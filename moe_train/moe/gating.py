@@ -90,11 +90,15 @@ def top_p_select(probs_TE: Tensor, p: float) -> tuple[Tensor, Tensor]:
 
 
 class LinearGate(nn.Module):
-    """Router logits x W_g (float32), with optional input jitter and noisy gating in training.
+    """Router logits x W_g, with optional input jitter and noisy gating in training.
 
-    Returns ``(clean_logits_TE, routed_logits_TE)``: the z-loss uses the clean logits, the
-    selection and the probabilities the routed (possibly noisy) ones. Outside training both are
-    the same tensor.
+    The product itself is float32 whatever the model's dtype (ST-MoE's selective precision, as
+    DeepSpeed's gate does): in bf16 the rounding of the logits alone changes a token's top-2 set
+    in about 0.5% of tokens (D 512, E 32), and the softmax, the z-loss and the balance
+    statistics all start from them. The weight stays in the model's dtype. Returns
+    ``(clean_logits_TE, routed_logits_TE)``: the z-loss uses the clean logits, the selection and
+    the probabilities the routed (possibly noisy) ones. Outside training both are the same
+    tensor.
     """
 
     def __init__(self, d_model: int, num_experts: int, noisy: bool = False,
@@ -111,10 +115,11 @@ class LinearGate(nn.Module):
         if self.training and self.jitter_eps > 0:
             x_TD = x_TD * torch.empty_like(x_TD).uniform_(1.0 - self.jitter_eps,
                                                           1.0 + self.jitter_eps)
-        clean_TE = self.weight(x_TD).float()
+        x_TD = x_TD.float()
+        clean_TE = F.linear(x_TD, self.weight.weight.float())
         if not (self.training and self.noise is not None):
             return clean_TE, clean_TE
-        std_TE = F.softplus(self.noise(x_TD).float())
+        std_TE = F.softplus(F.linear(x_TD, self.noise.weight.float()))
         return clean_TE, clean_TE + torch.randn_like(clean_TE) * std_TE
 
 

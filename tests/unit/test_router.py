@@ -138,6 +138,22 @@ def test_noisy_gating_and_jitter_only_in_training() -> None:
     assert torch.allclose(plain.route(X_TD).probs_TE, P_TE, atol=1e-6)
 
 
+@pytest.mark.parametrize("noisy", [False, True])
+def test_gate_logits_are_float32_products_in_a_bf16_model(noisy: bool) -> None:
+    """A bf16 model routes on float32 products of its bf16 weights and states, not on
+    bf16-rounded logits; gradients come back in bf16."""
+    torch.manual_seed(0)
+    router = build_router("topk", 64, 8, RouterConfig(k=2, noisy_gating=noisy)).to(torch.bfloat16)
+    x_TD = torch.randn(32, 64, dtype=torch.bfloat16, requires_grad=True)
+    want_TE = x_TD.detach().float() @ router.gate.weight.weight.detach().float().T
+    clean_TE, logits_TE = router.gate(x_TD)
+    assert clean_TE.dtype == torch.float32 and torch.allclose(clean_TE, want_TE, atol=1e-5)
+    assert not torch.equal(clean_TE, want_TE.bfloat16().float())  # no bf16 rounding
+    router.train()
+    router.route(x_TD).weights_TK.sum().backward()
+    assert x_TD.grad.dtype == torch.bfloat16 and router.gate.weight.weight.grad is not None
+
+
 @pytest.mark.parametrize("name", ["topk", "switch", "gshard", "topp", "sentence"])
 def test_gradients_reach_the_gate_through_weights_and_aux(name: str) -> None:
     torch.manual_seed(0)
