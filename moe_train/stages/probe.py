@@ -2,8 +2,9 @@
 Adapters' encoder domain classifier).
 
 Each step draws one global batch of `batch` rows (fixed by the seed and the step, not by the
-number of ranks); rank r takes rows r, r+P, ... and the DeepSpeed engine averages the gradients,
-so P ranks train the model one rank would.
+number of ranks); rank r takes rows r, r+P, ... and sums its rows' losses over `batch` / P, so
+that the DeepSpeed engine's average of the gradients is the gradient of the global batch's mean
+loss even when P does not divide `batch`: P ranks train the model one rank would.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moe_train.errors import ConfigError
+from moe_train.parallel.collectives import all_reduce_sum
 from moe_train.parallel.runtime import ParallelRuntime
 from moe_train.train.engine import data_parallel_engine
 
@@ -21,7 +23,8 @@ from moe_train.train.engine import data_parallel_engine
 def fit_probe(module: nn.Module, features_ND: np.ndarray, labels_N: np.ndarray, steps: int,
               lr: float, batch: int, seed: int, rt: ParallelRuntime) -> tuple[nn.Module, float]:
     """Train `module` (features -> logits) with cross-entropy and Adam; returns the trained
-    module and the mean loss of the last tenth of the steps. Call it with the same initial
+    module and the mean loss of the last tenth of the steps (over the whole batches, the same
+    on every rank). Call it with the same initial
     `module` on every rank (seed the constructor)."""
     n = len(labels_N)
     batch = min(batch, n)
@@ -34,15 +37,19 @@ def fit_probe(module: nn.Module, features_ND: np.ndarray, labels_N: np.ndarray, 
     y_N = torch.from_numpy(np.asarray(labels_N, dtype=np.int64))
     rng = np.random.default_rng(seed)
     engine.train()
-    losses = []
+    sums = []  # this rank's summed loss per step
     for _ in range(steps):
         rows = torch.from_numpy(rng.choice(n, size=batch, replace=False)[rt.dp_rank::rt.dp_world])
-        loss = F.cross_entropy(engine(x_ND[rows].to(rt.device)), y_N[rows].to(rt.device))
-        engine.backward(loss)
+        loss_sum = F.cross_entropy(engine(x_ND[rows].to(rt.device)), y_N[rows].to(rt.device),
+                                   reduction="sum")
+        engine.backward(loss_sum * (rt.dp_world / batch))
         engine.step()
-        losses.append(loss.item())
-    tail = losses[-max(1, len(losses) // 10):]
-    return engine.module.eval(), float(np.mean(tail)) if tail else float("nan")
+        sums.append(loss_sum.item())
+    if not sums:
+        return engine.module.eval(), float("nan")
+    tail = torch.tensor(sums[-max(1, len(sums) // 10):], dtype=torch.float64, device=rt.device)
+    tail_mean = all_reduce_sum(rt, tail).mean().item() / batch  # over the global batches
+    return engine.module.eval(), tail_mean
 
 
 @torch.no_grad()
