@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from moe_train.parallel.runtime import ParallelRuntime
+from moe_train.parallel.zero3 import local_values
 
 
 def all_reduce_sum(rt: ParallelRuntime, tensor: torch.Tensor) -> torch.Tensor:
@@ -78,8 +79,9 @@ def step_is_finite(rt: ParallelRuntime, loss: float, grad_norm: float | None) ->
 
 
 def parameters_are_finite(rt: ParallelRuntime, model: torch.nn.Module) -> bool:
-    """True when no rank holds a NaN or infinite parameter (experts differ between ranks)."""
-    finite = all(bool(torch.isfinite(p.detach()).all()) for p in model.parameters())
+    """True when no rank holds a NaN or infinite parameter (experts differ between ranks; under
+    ZeRO-3 each rank checks its own partitions)."""
+    finite = all(bool(torch.isfinite(local_values(p)).all()) for p in model.parameters())
     return all_ranks_true(rt, finite)
 
 

@@ -92,6 +92,17 @@ def adam_step(optimizer: Any) -> float:
     return 0.0
 
 
+def local_values(p: nn.Parameter) -> Tensor:
+    """The values of `p` this rank holds, flattened: the parameter itself, or under ZeRO-3
+    outside a forward (when `p` is an empty placeholder) the real elements of its partition
+    ``ds_tensor``, without the last partition's uninitialised padding."""
+    if not hasattr(p, "ds_tensor") or p.numel() > 0:
+        return p.detach().reshape(-1)
+    part = p.ds_tensor.detach().reshape(-1)
+    rank = dist.get_rank(group=p.ds_process_group) if dist.is_initialized() else 0
+    return part[:max(0, min(part.numel(), p.ds_numel - rank * part.numel()))]
+
+
 def full_shape(p: nn.Parameter) -> torch.Size:
     """A parameter's full shape, partitioned (ZeRO-3) or not."""
     return getattr(p, "ds_shape", p.shape)

@@ -7,7 +7,8 @@ parameters, optimizer moments, fp32 master partitions and the lr scheduler bitwi
 `engine.skipped_steps` counting them. Then `fit()` with `optim.max_nonfinite_steps=2` and NaN
 losses from step 4 on stops at step 5 with one MoeTrainError line naming the step 3 checkpoint,
 after logging each skip (console line, train/nonfinite_steps scalar); and `save()` refuses a
-NaN parameter held by one rank only, writing nothing.
+NaN parameter held by one rank only, writing nothing, also when it is in one rank's ZeRO-3
+partition.
 """
 
 import logging
@@ -105,6 +106,23 @@ def _fit(trainer, ckpt: Path) -> dict:
     return rec
 
 
+def _zero3_save(trainer) -> dict:
+    """Under ZeRO-3 `parameters()` are empty placeholders outside a forward: a NaN in rank 1's
+    partition must still stop the save."""
+    from moe_train.errors import CheckpointError
+
+    trainer.train_step()
+    first = next(trainer.engine.module.parameters())
+    rec: dict = {"placeholder_numel": first.numel()}
+    if trainer.rt.rank == 1:
+        first.ds_tensor.view(-1)[0] = float("nan")
+    try:
+        trainer.save()
+    except CheckpointError as exc:
+        rec["save_error"] = str(exc)
+    return rec
+
+
 def _worker(rank: int, port: int, prepared: str, work: str) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
@@ -127,6 +145,11 @@ def _worker(rank: int, port: int, prepared: str, work: str) -> None:
                            "optim.max_nonfinite_steps=2", "train.max_steps=8",
                            "checkpoint.save_every=3")
     out["fit"] = _fit(Trainer(load_config(ROOT / "configs" / "debug-cpu.yaml", over), rt), ckpt)
+    over = debug_overrides(Path(prepared), Path(work) / "z3", *COMMON, "moe.ep_size=1",
+                           "optim.zero_stage=3",  # every parameter partitioned, however small
+                           "deepspeed.zero_optimization.stage3_param_persistence_threshold=0")
+    out["zero3"] = _zero3_save(Trainer(load_config(ROOT / "configs" / "debug-cpu.yaml", over),
+                                       rt))
     torch.save(out, Path(work) / f"rank{rank}.pt")
     shutdown(rt)
 
@@ -177,6 +200,13 @@ def test_save_refuses_a_nonfinite_parameter_on_any_rank(runs):
         assert "refusing to save step 5: a parameter is NaN or infinite" in rec["save_error"]
         assert rec["save_error"].endswith("step_00000003")
         assert rec["dirs_unchanged"]
+
+
+def test_save_refuses_a_nonfinite_zero3_partition(runs):
+    for rank in range(2):
+        rec = runs[rank]["zero3"]
+        assert rec["placeholder_numel"] == 0  # the parameters themselves show nothing
+        assert "refusing to save step 1: a parameter is NaN or infinite" in rec["save_error"]
 
 
 def test_cli_stops_a_diverging_run_with_exit_2(tiny_prepared, tmp_path):

@@ -20,6 +20,7 @@ from moe_train.parallel.collectives import (grad_norm_and_clip, parameters_are_f
                                             step_is_finite)
 from moe_train.parallel.runtime import ParallelRuntime
 from moe_train.parallel.step_guard import loss_scale, skipped_update
+from moe_train.parallel.zero3 import local_values
 
 
 def _model_with_grads(scaler=None) -> torch.nn.Module:
@@ -73,6 +74,20 @@ def test_step_decision_and_parameter_check_single_process():
     assert parameters_are_finite(rt, model)
     model.bias.data[1] = float("-inf")
     assert not parameters_are_finite(rt, model)
+
+
+def test_parameter_check_reads_a_zero3_partition_without_its_padding():
+    """A ZeRO-3 parameter outside a forward is an empty placeholder; its values are the first
+    ds_numel - rank * size elements of its partition, the rest uninitialised padding."""
+    p = torch.nn.Parameter(torch.empty(0))
+    p.ds_numel, p.ds_process_group = 5, None
+    p.ds_tensor = torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0, float("nan")])  # 5 values + padding
+    assert local_values(p).tolist() == [1.0, 2.0, 3.0, 4.0, 5.0]
+    model = torch.nn.Module()
+    model.w = p
+    assert parameters_are_finite(ParallelRuntime(), model)
+    p.ds_tensor[4] = float("inf")
+    assert not parameters_are_finite(ParallelRuntime(), model)
 
 
 def test_skipped_update_on_a_plain_optimizer_restores_it():
