@@ -432,12 +432,15 @@ class Trainer:
                     tc.patience > 0 and tc.early_stop_metric == "bleu")
                 plateau = self._note_validation(self._validate(with_bleu=bleu_due))
                 validated_at = self.step
-            if self.step % self.cfg.checkpoint.save_every == 0:
-                self.save()
-            window_start += time.time() - pause
             out_of_time = tc.max_minutes and (time.time() - start) / 60 >= tc.max_minutes
             if self.rt.world_size > 1:  # all ranks must agree to stop together
                 out_of_time = all_reduce_floats(self.rt, float(bool(out_of_time)))[0] > 0
+            # the last step is saved after the run's final validation, so that its checkpoint
+            # holds the early-stopping state that validation leaves
+            last = out_of_time or self.step >= tc.max_steps
+            if self.step % self.cfg.checkpoint.save_every == 0 and not last:
+                self.save()
+            window_start += time.time() - pause
             if out_of_time:
                 self.monitor.print(f"| time limit of {tc.max_minutes} min reached at step {self.step}")
                 break

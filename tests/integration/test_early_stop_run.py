@@ -1,6 +1,7 @@
 """A training run with early stopping stops on its dev plateau and exports its best validation's
 weights (train.export_best), or the last step's when that is off (CPU)."""
 
+import pytest
 import torch
 
 from moe_train.train.checkpoint import consolidated_state_dict, read_meta
@@ -52,11 +53,15 @@ def test_export_best_off_exports_the_last_step(tiny_prepared, tmp_path):
     assert all(torch.equal(exported[k], last[k]) for k in exported if k in last)
 
 
-def test_a_resumed_run_keeps_its_best_and_its_patience(tiny_prepared, tmp_path):
+@pytest.mark.parametrize("save_every", [50, 5])
+def test_a_resumed_run_keeps_its_best_and_its_patience(tiny_prepared, tmp_path, save_every):
     # 10 steps: best at step 5, one validation without a gain; resumed to 100 steps, the
-    # count carries on (patience 2 ends the run at step 15, not 20) and step 5 is exported
+    # count carries on (patience 2 ends the run at step 15, not 20) and step 5 is exported.
+    # save_every 5: the last step is also a save step, and its checkpoint must still hold the
+    # final validation's count
     common = ["train.validate_every=5", "train.patience=2", "train.early_stop_metric=loss",
-              "train.min_delta=1e9", "checkpoint.save_every=50", "checkpoint.keep_last=1",
+              "train.min_delta=1e9", f"checkpoint.save_every={save_every}",
+              "checkpoint.keep_last=1",
               "train.bleu_sentences=4", "data.max_tokens=400"]
     run_cli(["train", "--config", CONFIG,
              *debug_overrides(tiny_prepared, tmp_path, "train.max_steps=10", *common)], cwd=ROOT)
