@@ -23,7 +23,7 @@ from moe_train.parallel.zero3 import gathered_tensors, is_partitioned
 from moe_train.train.checkpoint import (latest_tag, load_checkpoint, read_meta, save_checkpoint,
                                         step_tag, verify)
 from moe_train.train.export import export_inference, export_streamed
-from moe_train.train.resume import check_resume_config
+from moe_train.train.resume import check_resume_config, check_resume_data
 
 
 class Checkpointer:
@@ -68,10 +68,12 @@ class Checkpointer:
 
     def load(self, tag: str, check_config: bool = True) -> dict[str, Any]:
         """Load `tag` into the engine; its meta. `check_config`: refuse a checkpoint whose
-        config differs from the run's in what a resume must keep (train/resume.py)."""
+        config or prepared data differs from the run's in what a resume must keep
+        (train/resume.py)."""
         if check_config:
             check_resume_config(read_meta(self.dir / tag)["config"], self.cfg.to_dict(),
                                 str(self.dir / tag), log=self.log)
+            check_resume_data(self.dir / tag, self.manifest, self.tokenizer_files)
         with without_deepspeed_moe_checkpointing(self.engine):
             return load_checkpoint(self.engine, self.rt, self.dir, tag=tag,
                                    load_extra=self._load_experts, log=self.log)

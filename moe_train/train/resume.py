@@ -3,12 +3,16 @@
 Everything that shapes the model, the data order or the optimisation must be unchanged; the
 fields in `RESUME_MAY_CHANGE` (schedule length, logging, evaluation, checkpoint cadence, the
 expert-parallel layout, ...) may change, and each change is logged. Anything else that differs
-is one `CheckpointError` line naming every differing field (old -> new).
+is one `CheckpointError` line naming every differing field (old -> new). `data.prepared_dir`
+may move, but must hold the same prepared data: the checkpoint's copies of the tokenizer and the
+manifest are compared with it (`check_resume_data`).
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import json
+from pathlib import Path
+from typing import Any, Callable, Sequence
 
 from moe_train.errors import CheckpointError
 
@@ -71,3 +75,37 @@ def check_resume_config(stored: dict[str, Any], current: dict[str, Any], where: 
     if refused:
         raise CheckpointError(f"{where}: the config differs from the checkpoint's in fields that "
                               f"cannot change on resume: {'; '.join(refused)}")
+
+
+DATA_IDENTITY: tuple[str, ...] = ("tokenizer", "vocab_size", "pad_id", "unk_id", "bos_id",
+                                  "eos_id", "lang_tags", "domain_tags", "domains", "langs")
+"""Manifest fields that a resumed run's prepared data must share with the checkpoint's."""
+
+
+def _data_identity(manifest: dict[str, Any]) -> dict[str, Any]:
+    train = manifest.get("splits", {}).get("train", {})
+    return {**{k: manifest.get(k) for k in DATA_IDENTITY},
+            "corpora": [c.get("name") for c in manifest.get("corpora", [])],
+            **{f"train {k}": train.get(k) for k in ("corpus_sizes", "src_tokens", "tgt_tokens")}}
+
+
+def check_resume_data(tag_dir: Path, manifest: dict[str, Any], tokenizer_files: Sequence[Path]
+                      ) -> None:
+    """Refuse to resume from `tag_dir` on other prepared data than it trained on: a tokenizer
+    file that differs from the checkpoint's copy, or a manifest that differs in the vocabulary,
+    the tags, the corpora or the training split's sizes (one CheckpointError line). The data may
+    have moved: file paths are not compared."""
+    for path in tokenizer_files:
+        stored = tag_dir / path.name
+        if stored.is_file() and stored.read_bytes() != path.read_bytes():
+            raise CheckpointError(f"{path}: not the tokenizer that {tag_dir} trained with; "
+                                  "expected data.prepared_dir to hold the same prepared data "
+                                  "on resume")
+    if not (tag_dir / "manifest.json").is_file():
+        return
+    old = _data_identity(json.loads((tag_dir / "manifest.json").read_text(encoding="utf-8")))
+    new = _data_identity(manifest)
+    differ = [f"{k} {old[k]!r} -> {new[k]!r}" for k in old if _norm(old[k]) != _norm(new[k])]
+    if differ:
+        raise CheckpointError(f"{tag_dir}: data.prepared_dir holds other prepared data than the "
+                              f"checkpoint trained on: {'; '.join(differ)}")

@@ -181,3 +181,29 @@ def test_strict_resume_names_every_refused_field_and_logs_allowed_ones():
     ok = load_config(ROOT / "configs" / "debug-cpu.yaml", ["train.max_steps=7"]).to_dict()
     check_resume_config(old, ok, "ck/step_1", log=logged.append)  # allowed change: no error
     assert "moe.ep_size" in RESUME_MAY_CHANGE
+
+
+def test_resume_data_check_compares_the_tokenizer_and_the_manifest(tmp_path):
+    from moe_train.train.resume import check_resume_data
+
+    tag, prepared = tmp_path / "step_1", tmp_path / "prepared"
+    tag.mkdir()
+    prepared.mkdir()
+    manifest = {"vocab_size": 300, "pad_id": 0, "domains": ["law"], "langs": ["de", "en"],
+                "corpora": [{"name": "law.en-de", "files": {"train": {"src": "/a/x"}}}],
+                "splits": {"train": {"corpus_sizes": [100], "src_tokens": 900,
+                                     "tgt_tokens": 950}}}
+    (tag / "manifest.json").write_text(json.dumps(manifest))
+    (tag / "spm.model").write_bytes(b"model A")
+    (prepared / "spm.model").write_bytes(b"model A")
+    moved = json.loads(json.dumps(manifest))
+    moved["corpora"][0]["files"]["train"]["src"] = "/b/x"  # the data moved: fine
+    check_resume_data(tag, moved, [prepared / "spm.model"])
+    fewer = json.loads(json.dumps(manifest))
+    fewer["splits"]["train"]["corpus_sizes"] = [99]
+    with pytest.raises(CheckpointError, match=r"other prepared data .*train corpus_sizes "
+                                              r"\[100\] -> \[99\]"):
+        check_resume_data(tag, fewer, [prepared / "spm.model"])
+    (prepared / "spm.model").write_bytes(b"model B")
+    with pytest.raises(CheckpointError, match="spm.model: not the tokenizer that"):
+        check_resume_data(tag, manifest, [prepared / "spm.model"])

@@ -1,5 +1,6 @@
 """A run killed in the middle and resumed ends bitwise equal to an uninterrupted run (CPU)."""
 
+import shutil
 import signal
 import subprocess
 import sys
@@ -59,3 +60,30 @@ def test_resume_after_kill_is_bitwise_equal(tiny_prepared, tmp_path):
         assert torch.equal(a[name], b[name]), name
     meta_full = (full / "ckpt" / "latest").read_text()
     assert meta_full.strip() == f"step_{STEPS:08d}"
+
+
+def test_resume_needs_the_same_prepared_data_wherever_it_lives(tiny_corpus, tiny_prepared,
+                                                               tmp_path):
+    """data.prepared_dir may move on resume, but must hold the data the checkpoint trained on:
+    other prepared data is one line and exit status 2, before any step."""
+    from moe_train.config import load_config
+    from moe_train.data.corpus import discover
+    from moe_train.data.prepare import prepare
+
+    def train(prepared, steps, *flags):
+        return run_cli(["train", "--config", CONFIG, *flags, *debug_overrides(
+            prepared, tmp_path, f"train.max_steps={steps}", "checkpoint.save_every=2",
+            "train.validate_every=0", "data.max_tokens=400")], cwd=ROOT, check=False)
+
+    assert train(tiny_prepared, 2).returncode == 0
+    moved = tmp_path / "moved"
+    shutil.copytree(tiny_prepared, moved)
+    assert train(moved, 3, "--resume").returncode == 0  # the same data, moved
+    other = tmp_path / "other"  # the same corpus, another sentencepiece model
+    prepare(discover(tiny_corpus), other,
+            load_config(CONFIG, ["data.vocab_size=280", "data.pairs=[en-de]"]).data, seed=1)
+    proc = train(other, 4, "--resume")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert proc.stderr.strip().count("\n") == 0
+    assert f"{other / 'spm.model'}: not the tokenizer that" in proc.stderr
+    assert (tmp_path / "ckpt" / "latest").read_text().strip() == "step_00000003"
