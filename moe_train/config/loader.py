@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 import types
 import typing
 from pathlib import Path
@@ -47,6 +48,8 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
                 pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{path}: expected a number, got {value!r}")
+        if not math.isfinite(value):  # no field means "unbounded" by inf; NaN passes no bound
+            raise ConfigError(f"{path}: expected a finite number, got {value!r}")
         return float(value)
     if tp is str:
         if not isinstance(value, str):

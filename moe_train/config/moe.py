@@ -218,7 +218,7 @@ class MoEConfig(RouterConfig):
                     f"one of {', '.join(TASK_SOURCES)}", getattr(self, name))
         if self.layers not in LAYER_PATTERNS:
             parts = [p.strip() for p in self.layers.split(",")]
-            _expect(all(p.isdigit() for p in parts) and parts, "moe.layers",
+            _expect(all(p.isascii() and p.isdigit() for p in parts) and parts, "moe.layers",
                     "every_other, all, or a comma list of layer indices such as 0,2,4",
                     self.layers)
 
