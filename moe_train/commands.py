@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from moe_train.config.loader import load_config
-from moe_train.config.schema import EvalConfig
+from moe_train.config.schema import EvalConfig, check_deepspeed_entries
 from moe_train.errors import CheckpointError, ConfigError, DataError
 
 
@@ -132,6 +132,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         if not isinstance(extra, dict):
             raise ConfigError(f"{path}: expected a JSON object (DeepSpeed config keys), got "
                               f"{type(extra).__name__}")
+        check_deepspeed_entries(extra, f"{path}: ")
         cfg.deepspeed.update(extra)
     summary = run_training(cfg, args.resume)
     if summary.pop("rank") == 0:

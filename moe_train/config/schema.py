@@ -300,6 +300,24 @@ class EvalConfig:
                "non-negative max_len_a and max_len_b", (self.max_len_a, self.max_len_b))
 
 
+DEEPSPEED_OWNED: dict[str, str] = {
+    "train_micro_batch_size_per_gpu": "data.max_tokens (token-budget batches)",
+    "train_batch_size": "data.max_tokens and optim.grad_accum (token-budget batches)",
+    "gradient_accumulation_steps": "optim.grad_accum",
+    "gradient_clipping": "optim.clip_norm",
+}
+"""DeepSpeed config keys that moe_train sets from its own fields (train/ds_config.py)."""
+
+
+def check_deepspeed_entries(entries: dict[str, Any], where: str) -> None:
+    """Refuse raw DeepSpeed entries that would override what moe_train sets itself: DeepSpeed
+    would assert or fail at the first step on them, and our batching does not follow them."""
+    for key, field_ in DEEPSPEED_OWNED.items():
+        if key in entries:
+            raise ConfigError(f"{where}{key}: set by moe_train from {field_}; expected it "
+                              f"absent, got {entries[key]!r}")
+
+
 @dataclass
 class ExperimentConfig:
     """A whole training run."""
@@ -322,6 +340,7 @@ class ExperimentConfig:
 
     def __post_init__(self) -> None:
         _check(isinstance(self.deepspeed, dict), "deepspeed", "a mapping", self.deepspeed)
+        check_deepspeed_entries(self.deepspeed, "deepspeed.")
         _check(self.adapters.router in ROUTER_NAMES, "adapters.router",
                f"one of {', '.join(ROUTER_NAMES)}", self.adapters.router)
         if self.uses_thor:
