@@ -44,7 +44,7 @@ from moe_train.data.shards import MANIFEST, RAW_TEXT_SPLITS, ShardedDataset, rea
 from moe_train.data.vocab import Vocab, domain_tag, lang_tag, \
     train_sentencepiece
 from moe_train.errors import ConfigError, DataError
-from moe_train.utils.atomic import atomic_dir, write_json
+from moe_train.utils.atomic import atomic_dir, check_parent_writable, write_json
 
 MANIFEST_VERSION = 1
 SPM_PREFIX = "spm"
@@ -105,8 +105,10 @@ def tokenizer_files(directory: Path, manifest: dict[str, Any]) -> list[Path]:
 
 
 def _check_out_dir(out_dir: Path, overwrite: bool) -> None:
-    """Refuse to clobber prepared data (unless `overwrite`) or anything that is not ours."""
+    """Refuse to clobber prepared data (unless `overwrite`) or anything that is not ours, and a
+    place where the directory cannot be made (before any work)."""
     if not out_dir.exists():
+        check_parent_writable(out_dir, "--out")
         return
     if not out_dir.is_dir():
         raise DataError(f"{out_dir}: exists and is not a directory")
