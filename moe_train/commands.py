@@ -256,7 +256,7 @@ def cmd_translate(args: argparse.Namespace) -> int:
 
     source, lines = read_text_input(args.input)  # before the model: bad input fails fast
     if args.output != "-":
-        check_out_file(args.output, "--output")
+        check_out_file(args.output, "--output", {"--input": args.input})
     import torch
 
     from moe_train.train.export import load_for_inference
@@ -387,7 +387,8 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     from moe_train.train.export import load_for_inference
     from moe_train.utils.atomic import atomic_path, check_out_file
 
-    outputs = {flag: check_out_file(path, flag)
+    inputs = {"--src": args.src, "--ref": args.ref}
+    outputs = {flag: check_out_file(path, flag, inputs)
                for flag, path in (("--hyps", args.hyps), ("--json", args.json)) if path}
     if len({p.resolve() for p in outputs.values()}) < len(outputs):
         raise ConfigError("--hyps and --json: expected two different files")

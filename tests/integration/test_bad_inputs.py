@@ -317,6 +317,13 @@ CASES: dict[str, Case] = {
     # evaluate
     "evaluate_line_counts_differ": Case(RAW, ("{tmp}/src.txt", "2 lines", "{tmp}/ref.txt"),
                                         {"src.txt": "a b\nc d\n", "ref.txt": "x y\n"}),
+    "evaluate_hyps_over_the_ref": Case([*RAW, "--hyps", "{tmp}/ref.txt"],
+                                       ("--hyps {tmp}/ref.txt", "--ref input"),
+                                       {"src.txt": "a b\n", "ref.txt": "x y\n"}),
+    "translate_output_over_the_input": Case(translate("--input", "{tmp}/in.txt", "--output",
+                                                      "{tmp}/./in.txt"),
+                                            ("--output {tmp}/in.txt", "--input input"),
+                                            {"in.txt": ONE}),
     "evaluate_src_without_ref": Case(evaluate("--src", "{tmp}/src.txt"), ("--src", "--ref"),
                                      {"src.txt": "a b\n"}),
     "evaluate_non_utf8_ref": Case(RAW, ("{tmp}/ref.txt:2", "UTF-8"),
