@@ -105,3 +105,10 @@ def test_cluster_projection_defaults_follow_the_clusterer(clusterer, auto) -> No
     cfg = load_config(overrides=[f"moa.clusterer={clusterer}", f"moa.whiten={flip}",
                                  "moa.unit_norm=null"])
     assert (cfg.moa.whiten, cfg.moa.unit_norm) == (not auto, auto)
+
+
+def test_a_key_given_twice_is_refused_with_its_line(tmp_path):
+    path = tmp_path / "dup.yaml"
+    path.write_text("model:\n  d_model: 64\n  n_heads: 4\n  d_model: 128\n")
+    with pytest.raises(ConfigError, match=r"dup.yaml:4: duplicate key 'd_model'"):
+        load_config(path)
