@@ -1,4 +1,4 @@
-"""`moe-train`: synth, prepare, train, translate, evaluate, demo, params, routing-stats, pipeline.
+"""`moe-train`: Mixture-of-Experts machine translation, from corpus to served sub-network.
 
 User errors (bad config field, bad data line, missing artifact) print one line, ``error: ...``,
 and exit with status 2; no traceback.
