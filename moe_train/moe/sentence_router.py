@@ -31,6 +31,10 @@ from moe_train.moe.gating import (
 )
 from moe_train.moe.routing import Routing, RoutingContext
 
+RAW_TEXT_FLAGS = {"domain": "--domain", "tgt_lang": "--tgt-lang", "src_lang": "--src-lang",
+                  "lang_pair": "--src-lang and --tgt-lang"}
+"""The translate / evaluate flags that give raw text the ids a task source reads."""
+
 
 class SentenceRouter(Router):
     """Sentence-level routing (Switch-SL / SGMoE-SL): one top-k decision per sentence.
@@ -149,8 +153,10 @@ class TaskRouter(Router):
     def _task_ids(self, rctx: RoutingContext) -> Tensor:
         task_ids_B = rctx.task_ids_B
         if task_ids_B is None:
+            flags = RAW_TEXT_FLAGS.get(self.task_source)
             raise ConfigError(f"moe.task_source: task routing by {self.task_source} needs task "
-                              "ids, but the data has no task ids for this batch")
+                              "ids, but the data has no task ids for this batch" +
+                              (f" (raw text: give {flags})" if flags else ""))
         if tuple(task_ids_B.shape) != (rctx.num_sentences,):
             raise ValueError(f"task_ids_B has shape {tuple(task_ids_B.shape)}, expected "
                              f"({rctx.num_sentences},)")

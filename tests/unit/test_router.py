@@ -261,7 +261,7 @@ def test_fixed_table_task_router() -> None:
 
 def test_task_router_errors() -> None:
     router = build_router("task", 8, E, RouterConfig(num_tasks=2, task_source="domain"))
-    with pytest.raises(ConfigError, match=r"^moe\.task_source: .*no task ids"):
+    with pytest.raises(ConfigError, match=r"^moe\.task_source: .*no task ids .*give --domain\)"):
         router.route(torch.randn(4, 8), RoutingContext.from_batch(2, 2))
     with pytest.raises(ConfigError, match=r"^moe\.num_tasks: .*largest task id \(2\)"):
         router.route(torch.randn(4, 8),
