@@ -201,10 +201,12 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 
 
 def _override_of(message: str, overrides: list[str]) -> str | None:
-    """The last override that set the field a config error names (``field: ...``), if any."""
+    """The last override that set the field a config error names (``field: ...``), or one
+    under it (``nosuch.x=1`` when ``nosuch`` is unknown), if any."""
     field = message.split(":", 1)[0]
     for item in reversed(overrides):
         key = item.split("=", 1)[0]
-        if field == key or field.startswith((f"{key}.", f"{key}[")):
+        if field == key or field.startswith((f"{key}.", f"{key}[")) or \
+                key.startswith(f"{field}."):  # the override reaches under the bad field
             return item
     return None

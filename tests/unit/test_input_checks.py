@@ -328,3 +328,12 @@ def test_synth_and_demo_helpers_accept_good_input(tmp_path: Path) -> None:
     check_workdir(tmp_path)
     check_workdir(tmp_path / "not" / "yet")
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("item,field", [("nosuch.x.y=1", "nosuch"),
+                                        ("model.d_model.x=1", "model.d_model")])
+def test_an_override_under_a_bad_field_is_named(item: str, field: str) -> None:
+    """The error comes from the command line, not the config file: it names the override."""
+    with pytest.raises(ConfigError) as info:
+        load_config(CONFIG, [item])
+    assert str(info.value).startswith(f"override {item}: {field}: ")
