@@ -47,10 +47,10 @@ def _num_domains(cfg: ExperimentConfig) -> int:
     return len(read_manifest(cfg.data.prepared_dir)["domains"])
 
 
-def adapter_stage_config(ctx: StageContext, stage: str) -> ExperimentConfig:
-    """AD (oracle task routing) or GAD (the config's gated router): one adapter per domain on
-    both sides, gated.lr, gated.{ad,gad}_steps, up-sampled corpora."""
-    cfg, g = ctx.cfg, ctx.cfg.gated
+def check_recipe_config(cfg: ExperimentConfig) -> int:
+    """The gad recipe's adapters: the gated router, one adapter per domain of the prepared
+    data (checked before the first stage runs, and again by each adapter stage). Returns the
+    number of domains."""
     E = _num_domains(cfg)
     if cfg.adapters.router != "gated":
         raise ConfigError(f"adapters.router: the gad recipe trains the gated router, got "
@@ -58,6 +58,14 @@ def adapter_stage_config(ctx: StageContext, stage: str) -> ExperimentConfig:
     if cfg.adapters.num_experts != E:
         raise ConfigError(f"adapters.num_experts: expected one adapter per domain ({E} in "
                           f"{cfg.data.prepared_dir}), got {cfg.adapters.num_experts}")
+    return E
+
+
+def adapter_stage_config(ctx: StageContext, stage: str) -> ExperimentConfig:
+    """AD (oracle task routing) or GAD (the config's gated router): one adapter per domain on
+    both sides, gated.lr, gated.{ad,gad}_steps, up-sampled corpora."""
+    cfg, g = ctx.cfg, ctx.cfg.gated
+    E = check_recipe_config(cfg)
     adapters: dict[str, Any] = {"sides": "both"}
     if stage == "ad":
         adapters |= {"router": "task", "task_source": "domain", "k": 1, "num_tasks": 0,

@@ -70,6 +70,8 @@ def run_pipeline(ctx: StageContext, recipe: str = "moa", stage: str | None = Non
     """Run the recipe (or one `stage` of it); returns {stage: summary}."""
     check_request(recipe, stage)
     ctx = recipe_context(ctx, recipe)
+    if recipe == "gad":  # what the later stages need, before the first one trains
+        gad.check_recipe_config(ctx.cfg)
     order = recipe_stages(ctx, recipe)
     if stage is not None:
         look = dataclasses.replace(ctx, upstream_of=stage, read={})

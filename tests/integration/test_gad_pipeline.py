@@ -126,6 +126,11 @@ def test_bad_input_fails_in_one_line(gad_run, tmp_path):
         "--stage", "gad", *base, f"moa.workdir={tmp_path / 'a'}")
     assert "adapters.num_experts: expected one adapter per domain (4" in fails(
         "--stage", "ad", *base, f"moa.workdir={tmp_path / 'b'}", "adapters.num_experts=3")
+    # the whole recipe checks its adapters before the backbone trains
+    assert "adapters.num_experts: expected one adapter per domain (4" in fails(
+        f"data.prepared_dir={root / 'prepared'}", f"moa.workdir={tmp_path / 'd'}",
+        "adapters.num_experts=3")
+    assert not (tmp_path / "d" / "backbone").exists()
     assert "was prepared without domain tags" in fails(
         "--stage", "tag", *base, f"moa.workdir={tmp_path / 'c'}",
         f"gated.tag_prepared_dir={root / 'prepared'}")
