@@ -159,6 +159,13 @@ def run_demo(workdir: Path, minutes: float | None = None, overrides: list[str] |
     check_workdir(workdir)
     workdir = workdir.resolve()
     cfg = demo_config(workdir, minutes, overrides or [])
+    from moe_train.eval.params import count_parameters
+
+    # the model on the meta device, with the corpus's languages and domains: a bad override
+    # fails here, before the corpus is made
+    count_parameters(cfg, cfg.data.vocab_size,
+                     {"langs": sorted({"en", *CORPUS["target_langs"]}),
+                      "domains": [str(d) for d in range(CORPUS["num_domains"])]})
     prepared = _data(workdir, cfg)
     _say(f"training a hybrid MoE: encoder {cfg.moe.encoder_router} routing over "
          f"{cfg.moe.side_experts('encoder')} experts, decoder {cfg.moe.decoder_router} routing "

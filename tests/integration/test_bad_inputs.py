@@ -183,6 +183,9 @@ RAW = evaluate("--src", "{tmp}/src.txt", "--ref", "{tmp}/ref.txt")
 ONE = b"a b\n"
 
 CASES: dict[str, Case] = {
+    # demo: a bad override fails before the corpus is made
+    "demo_k_above_the_experts": Case(["demo", "--workdir", "{tmp}/dm", "moe.num_experts=3",
+                                      "moe.k=4"], ("moe.k", "at most moe.num_experts (3)")),
     # synth
     "synth_unknown_language": Case(["synth", "--out", "{tmp}/c", "--langs", "de,xx"],
                                    ("target_langs", "de, fr, es, cs, ja", "xx")),
@@ -501,5 +504,5 @@ def test_router_names_match_registry():
 def test_every_command_has_cases():
     commands = {case.args[0] for case in CASES.values()}
     assert len(CASES) >= 20
-    assert commands == {"synth", "prepare", "train", "translate", "evaluate", "routing-stats",
-                        "params", "pipeline", "extract", "convert"}
+    assert commands == {"demo", "synth", "prepare", "train", "translate", "evaluate",
+                        "routing-stats", "params", "pipeline", "extract", "convert"}
