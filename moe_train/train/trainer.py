@@ -411,6 +411,7 @@ class Trainer:
         start = time.time()
         window = {"loss": 0.0, "nll": 0.0, "tokens": 0.0}
         window_start = time.time()
+        paused = 0.0  # seconds in validation and checkpoints: not training time
         train_tokens_local = 0.0
         early, validated_at = self.early, -1
         stopped_early = False
@@ -425,7 +426,7 @@ class Trainer:
                 self._log(window, time.time() - window_start)
                 window = {k: 0.0 for k in window}
                 window_start = time.time()
-            pause = time.time()  # validation and checkpoints do not count as training time
+            paused_at = time.time()  # validation and checkpoints do not count as training time
             plateau = False
             if tc.validate_every and self.step % tc.validate_every == 0 and self.step < tc.max_steps:
                 bleu_due = (bool(tc.bleu_every) and self.step % tc.bleu_every == 0) or (
@@ -440,7 +441,9 @@ class Trainer:
             last = out_of_time or self.step >= tc.max_steps
             if self.step % self.cfg.checkpoint.save_every == 0 and not last:
                 self.save()
-            window_start += time.time() - pause
+            pause_s = time.time() - paused_at
+            window_start += pause_s
+            paused += pause_s
             if out_of_time:
                 self.monitor.print(f"| time limit of {tc.max_minutes} min reached at step {self.step}")
                 break
@@ -451,7 +454,8 @@ class Trainer:
                                    f"improvement in {tc.patience} validations")
                 stopped_early = True
                 break
-        elapsed = time.time() - start
+        wall = time.time() - start
+        elapsed = wall - paused  # the training steps alone
         (tokens,) = all_reduce_floats(self.rt, train_tokens_local)
         final = self._validate(with_bleu=True)
         if validated_at != self.step:  # the last step's validation competes for the best
@@ -468,7 +472,8 @@ class Trainer:
         exported: dict[str, Any] = {"exported_step": self.step}
         if source != path:
             exported = {"exported_step": early.best_step, "exported_dev": early.best_values}
-        return {"step": self.step, "train_seconds": elapsed, "stopped_early": stopped_early,
+        return {"step": self.step, "train_seconds": elapsed, "wall_seconds": wall,
+                "stopped_early": stopped_early,
                 **({"early_stop": early.state()} if tc.patience else {}), **exported,
                 "train_tokens_per_s": tokens / max(elapsed, 1e-9),
                 "checkpoint": str(path), "export": str(self.checkpoints.export_dir), **final}

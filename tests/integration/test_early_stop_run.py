@@ -1,6 +1,8 @@
 """A training run with early stopping stops on its dev plateau and exports its best validation's
 weights (train.export_best), or the last step's when that is off (CPU)."""
 
+import json
+
 import pytest
 import torch
 
@@ -22,6 +24,9 @@ def test_training_stops_after_patience_validations_without_a_gain(tiny_prepared,
     proc = run_cli(["train", "--config", CONFIG, *overrides], cwd=ROOT)
     out = proc.stdout + proc.stderr
     assert "| early stop at step 15: dev/loss best" in out and "at step 5," in out, out[-2000:]
+    # training time leaves out the three validations (greedy BLEU) and the checkpoints
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert 0 < summary["train_seconds"] < summary["wall_seconds"] - 0.05
     assert (tmp_path / "ckpt" / "latest").read_text().strip() == "step_00000015"
     assert (tmp_path / "ckpt" / "export" / "model.safetensors").is_file()
     assert read_meta(tmp_path / "ckpt" / "step_00000015")["step"] == 15
