@@ -93,12 +93,16 @@ def config_from_hf(hf: dict[str, Any], source: Path) -> ExperimentConfig:
         "rms_norm_eps", "tie_word_embeddings", "initializer_range", "qkv_bias") if key in hf}
     qwen["num_key_value_heads"] = hf.get("num_key_value_heads") or qwen["num_attention_heads"]
     qwen["rope_theta"] = float(theta)
+    from moe_train.models.hf_qwen2moe import aux_coef_from_hf
+
     moe = {"num_experts": hf["num_experts"], "k": k,
            "expert_ffn_dim": hf.get("moe_intermediate_size", 1408),
            "renormalize": bool(hf.get("norm_topk_prob", False)),
            "layers": "all" if len(sparse) == n else ",".join(map(str, sparse)),
            "encoder_router": "dense", "decoder_router": "topk",
-           "aux_loss_coef": hf.get("router_aux_loss_coef", 0.001), "z_loss_coef": 0.0}
+           "aux_loss_coef": aux_coef_from_hf(hf.get("router_aux_loss_coef", 0.001), k,
+                                             len(sparse)),
+           "z_loss_coef": 0.0}
     try:
         return config_from_dict({"model": {"arch": "hf_qwen2_moe"}, "qwen": qwen, "moe": moe})
     except MoeTrainError as exc:

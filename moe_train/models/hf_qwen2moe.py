@@ -55,6 +55,20 @@ def _transformers():
     return Qwen2MoeConfig, Qwen2MoeForCausalLM
 
 
+def aux_coef_from_hf(router_aux_loss_coef: float, k: int, sparse_layers: int) -> float:
+    """Our moe.aux_loss_coef for transformers' router_aux_loss_coef, so that the balance term
+    added to the loss is the same at balanced routing. transformers computes one loss over all
+    sparse layers' tokens pooled, with top-k fractions summing to k (k at balance); ours is a
+    loss per layer with fractions summing to 1 (1 at balance), summed over the layers."""
+    return float(f"{router_aux_loss_coef * k / sparse_layers:.12g}")
+
+
+def aux_coef_to_hf(aux_loss_coef: float, k: int, sparse_layers: int) -> float:
+    """transformers' router_aux_loss_coef for our moe.aux_loss_coef (`aux_coef_from_hf`'s
+    inverse)."""
+    return float(f"{aux_loss_coef * sparse_layers / k:.12g}")
+
+
 def sparse_layers(cfg: ExperimentConfig) -> list[int]:
     """Indices of the layers whose MLP is an MoE block (`moe.layers` over the decoder)."""
     n = cfg.qwen.num_hidden_layers
@@ -79,7 +93,8 @@ def qwen_hf_config(cfg: ExperimentConfig, **overrides: Any):
         num_experts=moe.num_experts, num_experts_per_tok=moe.k,
         moe_intermediate_size=moe.expert_ffn_dim,
         shared_expert_intermediate_size=q.shared_expert_intermediate_size,
-        norm_topk_prob=moe.renormalize, router_aux_loss_coef=moe.aux_loss_coef,
+        norm_topk_prob=moe.renormalize,
+        router_aux_loss_coef=aux_coef_to_hf(moe.aux_loss_coef, moe.k, len(sparse)),
         output_router_logits=False)
     values.update(overrides)
     return Qwen2MoeConfig(**values)

@@ -90,7 +90,9 @@ def trim(state: dict[str, Tensor], cfg: ExperimentConfig, keep: dict[int, list[i
     for name, t in state.items():
         m = _EXPERT.match(name)
         out[name] = t if m is None else t.index_select(0, torch.tensor(keep[int(m.group(2))]))
-    moe = dataclasses.replace(cfg.moe, num_experts=n, k=k)
+    # the same transformers router_aux_loss_coef at the new k (aux_coef_from_hf)
+    aux = float(f"{cfg.moe.aux_loss_coef * k / cfg.moe.k:.12g}")
+    moe = dataclasses.replace(cfg.moe, num_experts=n, k=k, aux_loss_coef=aux)
     return out, dataclasses.replace(cfg, moe=moe)
 
 

@@ -207,3 +207,26 @@ def test_decoder_only_batches_budget_prompt_plus_target(qwen_prepared) -> None:
         lengths_B = batch.src_tokens_BS.ne(pad).sum(1) + batch.tgt_in_BT.ne(pad).sum(1) - 2
         assert int(lengths_B.max()) * len(batch) <= 600 or len(batch) == 1
         assert ids_BL.size(1) >= int(lengths_B.max())
+
+
+def test_aux_loss_coefficient_means_what_transformers_means() -> None:
+    """transformers pools one balance loss over all sparse layers (k at balance); ours is one
+    per layer (1 at balance), summed. Its router_aux_loss_coef maps to ours times k / layers,
+    so at uniform router probabilities both add the same term to the loss."""
+    from moe_train.models.hf_qwen2moe import aux_coef_from_hf, aux_coef_to_hf
+
+    coef_hf = 0.01
+    cfg = tiny(f"moe.aux_loss_coef={aux_coef_from_hf(coef_hf, 2, 3)}")
+    ours, hf = ours_and_hf(cfg, seed=2)
+    assert qwen_hf_config(cfg).router_aux_loss_coef == pytest.approx(coef_hf, rel=1e-9)
+    assert aux_coef_to_hf(aux_coef_from_hf(0.001, 4, 24), 4, 24) == 0.001
+    with torch.no_grad():
+        for block in moe_blocks(ours):
+            block.moe.router.gate.weight.weight.zero_()  # uniform router probabilities
+    hf.load_state_dict(ours_to_hf(ours.state_dict(), "test"), strict=True)
+    ids_BT = torch.randint(1, V, (2, 7))
+    ours.train()
+    with torch.no_grad():
+        balance = float(ours(ids_BT).aux_losses["load_balance"])
+        hf_out = hf(input_ids=ids_BT, output_router_logits=True)
+    assert balance == pytest.approx(coef_hf * float(hf_out.aux_loss), rel=1e-5)
