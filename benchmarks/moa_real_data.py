@@ -45,7 +45,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -153,7 +153,14 @@ def stage_record(stage: dict[str, Any]) -> dict[str, Any]:
     git, machine = prov.get("git") or {}, prov.get("machine") or {}
     return {"minutes": stage["minutes"], "reused": stage["reused"],
             "commit": git.get("commit"), "dirty": git.get("dirty"),
-            "torch_threads": machine.get("torch_threads"), "finished_at": prov.get("started_at")}
+            "torch_threads": machine.get("torch_threads"), "finished_at": prov.get("finished_at")}
+
+
+def total_minutes(minutes: Iterable[float | None]) -> float | None:
+    """The sum of stage minutes, or None when a stage's time is unknown (run by an earlier
+    invocation that kept no timing): a partial sum would read as the whole."""
+    minutes = list(minutes)
+    return None if any(m is None for m in minutes) else round(sum(minutes), 2)
 
 
 def _pur_nmi(report: dict[str, Any]) -> dict[str, float]:
@@ -381,7 +388,7 @@ def main(argv: list[str] | None = None) -> None:
         for name, st in runs.items() if "backbone" in st}
     record["checks"] = checks(record)
     every = [backbone, *(v for st in runs.values() for v in st.values())]
-    record["total_stage_minutes"] = round(sum(v["minutes"] or 0.0 for v in every), 2)
+    record["total_stage_minutes"] = total_minutes(v["minutes"] for v in every)
     write_record(out, record, prov, show=lambda record: record)
 
 

@@ -57,6 +57,7 @@ from moa_real_data import (  # noqa: E402
     paired_hypotheses,
     run_stage,
     stage_record,
+    total_minutes,
 )
 from real_data import check_overrides as check_run_overrides  # noqa: E402
 from real_data import write_record  # noqa: E402
@@ -314,7 +315,7 @@ def seed_record(corpus: dict[str, Any], runs: dict[str, dict[str, Any]],
             "training": training, "checks": checks(models, routing, sig),
             "paired_bootstrap_moa_vs": sig,
             "minutes": minutes,
-            "moa_recipe_minutes": round(sum(m or 0.0 for m in minutes["moa"].values()), 2),
+            "moa_recipe_minutes": total_minutes(minutes["moa"].values()),
             "stages": {name: {s: stage_record(v) for s, v in stages.items()}
                        for name, stages in runs.items()}}
 
@@ -447,6 +448,8 @@ def main(argv: list[str] | None = None) -> None:
     check_overrides(args.overrides)
     if args.profile == "test" and (args.synth or args.preset != PRESET):
         ap.error("--preset/--synth: --profile test runs the integration test's own corpus")
+    if args.profile == "test" and args.quick:  # it would run in full and replace the record
+        ap.error("--quick: --profile test has no quick form (it runs the integration test)")
     prov = provenance(command_line(__file__, argv))
     suffix = "_quick" if args.quick else ""
     if args.profile == "test":
@@ -481,7 +484,7 @@ def main(argv: list[str] | None = None) -> None:
                          "synth_overrides": args.synth,
                          "synth_options": dataclasses.asdict(options),
                          "sizes": QUICK_SIZES if args.quick else SIZES, "seeds": seeds,
-                         "runs": runs, "anchors_per_domain_di": args.anchors,
+                         "runs": runs, "anchors_per_domain_di": 2 if args.quick else args.anchors,
                          "overrides": args.overrides,
                          "quick_overrides": QUICK if args.quick else []},
               "per_seed": per_seed, "across_seeds": summary(per_seed),

@@ -102,7 +102,7 @@ def run_variant(args, variant: str, work: Path, prepared: Path, common: list[str
         "config": str(config(variant).relative_to(ROOT)),
         "steps": summary["step"], "train_seconds": round(summary["train_seconds"], 1),
         "train_tokens_per_s": round(summary["train_tokens_per_s"], 1),
-        "dev_loss": summary.get("valid_loss"),
+        "dev_loss": summary.get("dev/loss"), "dev_ppl": summary.get("dev/ppl"),
         "params": {k: v for k, v in last_json(cli(["params", "--checkpoint", str(export)],
                                                   vdir / "params.log")).items()
                    if k in ("total", "serving_all", "serving_decoder", "active_all")},
