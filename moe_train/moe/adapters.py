@@ -29,6 +29,8 @@ class AdapterExperts(StackedExperts):
     router's combine weight scales the adapter's contribution, never the residual stream.
     """
 
+    no_weight_decay = ("ln_weight_ED", "ln_bias_ED", "b_down_ER", "b_up_ED")
+
     def __init__(self, num_experts: int, d_model: int, adapter_dim: int = 128, *,
                  eps: float = 1e-5, backend: str = "auto") -> None:
         super().__init__()

@@ -48,6 +48,9 @@ class StackedExperts(nn.Module):
     """Base of expert modules: `num_experts` local experts, all parameters stacked on dim 0."""
 
     num_experts: int
+    no_weight_decay: tuple[str, ...] = ()
+    """Parameters that are biases or norm affines per expert: stacked, they are 2-D, so the
+    optimizer's groups cannot tell them from weights by their shape."""
 
     def expert_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         """(name, parameter) of every expert parameter: all of this module's parameters."""
@@ -72,6 +75,8 @@ class Experts(StackedExperts):
     gradients are written into `grad_buffers`, reused from step to step (see
     kernels/grad_buffers.py); `grad_buffers.clear()` gives that memory back.
     """
+
+    no_weight_decay = ("b1_EF", "b2_ED")
 
     def __init__(self, num_experts: int, d_model: int, ffn_dim: int, activation: str = "relu",
                  activation_dropout: float = 0.0, *, backend: str = "auto") -> None:

@@ -50,12 +50,15 @@ from moe_train.train.schedule import inverse_sqrt_scheduler
 
 
 def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
-    """No weight decay on biases, norms and embeddings."""
+    """No weight decay on biases, norms and embeddings; stacked expert parameters say which of
+    theirs are biases or norms (`no_weight_decay`: 2-D, they look like weights)."""
+    declared = {id(getattr(m, name)) for m in model.modules()
+                for name in getattr(m, "no_weight_decay", ())}
     decay, no_decay = [], []
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
-        (no_decay if p.ndim < 2 or "embed" in name else decay).append(p)
+        (no_decay if p.ndim < 2 or "embed" in name or id(p) in declared else decay).append(p)
     groups = [{"name": "decay", "params": decay, "weight_decay": weight_decay}]
     if no_decay:
         groups.append({"name": "no_decay", "params": no_decay, "weight_decay": 0.0})

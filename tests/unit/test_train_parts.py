@@ -75,3 +75,28 @@ def test_deepspeed_config_mapping():
     with pytest.raises(ConfigError, match="optim.precision: fp16 needs a GPU"):
         build_deepspeed_config(load_config(overrides=["optim.precision=fp16"]), 1,
                                torch.device("cpu"))
+
+
+def test_no_weight_decay_on_stacked_expert_and_adapter_biases_and_norms():
+    """Stacked per expert, biases and norm affines are 2-D: they must still skip decay."""
+    from moe_train.models.build import build_model
+    from moe_train.train.trainer import _param_groups
+
+    def split(*overrides: str) -> tuple[set[str], set[str]]:
+        cfg = load_config(None, ["model.encoder_layers=1", "model.decoder_layers=1",
+                                 "model.d_model=32", "model.n_heads=4", "model.ffn_dim=64",
+                                 *overrides])
+        model = build_model(cfg, {"vocab_size": 40, "pad_id": 0})
+        groups = {g["name"]: g for g in _param_groups(model, 0.1)}
+        assert groups["decay"]["weight_decay"] == 0.1
+        assert groups["no_decay"]["weight_decay"] == 0.0
+        names = {id(p): n.rsplit(".", 1)[-1] for n, p in model.named_parameters()}
+        return ({names[id(p)] for p in groups["decay"]["params"]},
+                {names[id(p)] for p in groups["no_decay"]["params"]})
+
+    decay, no_decay = split("moe.num_experts=4", "moe.layers=all")
+    assert {"b1_EF", "b2_ED"} <= no_decay and {"w1_EDF", "w2_EFD"} <= decay
+    decay, no_decay = split("adapters.num_experts=2", "adapters.dim=8", "adapters.router=sentence",
+                            "adapters.k=1")
+    assert {"ln_weight_ED", "ln_bias_ED", "b_down_ER", "b_up_ED"} <= no_decay
+    assert {"w_down_EDR", "w_up_ERD"} <= decay
