@@ -51,9 +51,11 @@ from moe_train.train.schedule import inverse_sqrt_scheduler
 
 def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
     """No weight decay on biases, norms and embeddings; stacked expert parameters say which of
-    theirs are biases or norms (`no_weight_decay`: 2-D, they look like weights)."""
+    theirs are biases or norms (`no_weight_decay`: 2-D, they look like weights). Without weight
+    decay the groups keep the layout they had before experts declared theirs, so optimizer
+    states saved then still load."""
     declared = {id(getattr(m, name)) for m in model.modules()
-                for name in getattr(m, "no_weight_decay", ())}
+                for name in getattr(m, "no_weight_decay", ())} if weight_decay > 0 else set()
     decay, no_decay = [], []
     for name, p in model.named_parameters():
         if not p.requires_grad:
