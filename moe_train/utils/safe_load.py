@@ -82,7 +82,7 @@ def load_torch(path: str | os.PathLike, what: str = "torch file",
             return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001  (torch.load raises many types on bad data)
         text = str(exc)
-        refused = re.search(r"(Unsupported global: GLOBAL \S+)", text)
+        refused = re.search(r"(Unsupported global: GLOBAL \S+|unsupported GLOBAL \S+)", text)
         if refused:  # a class or function reference: the file wants to run code
             raise CheckpointError(f"{path}: refused by weights-only loading ({refused.group(1)});"
                                   f" expected {what} of tensors and plain values") from None
@@ -90,6 +90,9 @@ def load_torch(path: str | os.PathLike, what: str = "torch file",
         if unpickler:  # not a pickle stream torch wrote (garbage, truncated)
             raise CheckpointError(f"{path}: not a readable {what} ({unpickler.group(1).strip()})"
                                   ) from None
+        if "Weights only load failed" in text:  # never pass on its advice to unpickle
+            raise CheckpointError(f"{path}: refused by weights-only loading; expected {what} "
+                                  "of tensors and plain values") from None
         raise _unreadable(path, what, exc) from None
 
 

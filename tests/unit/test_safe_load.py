@@ -242,6 +242,27 @@ def test_load_torch_allows_only_named_globals(tmp_path):
     assert isinstance(load_torch(tmp_path / "foreign.pt", safe_globals=[Foreign]), Foreign)
 
 
+class RunsCode:
+    """A pickle that would run a shell command when unpickled."""
+
+    def __reduce__(self):
+        import os
+
+        return (os.system, ("true",))
+
+
+def test_a_file_that_calls_a_blocked_function_is_refused_by_name(tmp_path):
+    """A global in a module torch blocks outright (posix.system) has another message than a
+    class it merely does not know: both are refused naming the global, and the message never
+    passes on torch's advice to retry with weights_only=False."""
+    torch.save({"w": RunsCode()}, tmp_path / "evil.pt")
+    with pytest.raises(CheckpointError) as exc:
+        load_torch(tmp_path / "evil.pt", "the distilled gate's weights")
+    message = one_line(exc)
+    assert "refused by weights-only loading (unsupported GLOBAL posix.system)" in message
+    assert "weights_only" not in message.split("loading", 1)[1]
+
+
 def test_read_json_errors(tmp_path):
     (tmp_path / "a.json").write_text('{"x": 1}')
     assert read_json_object(tmp_path / "a.json") == {"x": 1}
