@@ -112,6 +112,8 @@ def atomic_path(final: str | os.PathLike) -> Iterator[Path]:
     try:
         with _naming(final, tmp_path):
             yield tmp_path
+            # again: a writer that made its own file there (safetensors) made it 0600
+            os.chmod(tmp_path, 0o666 & ~_umask())
             os.replace(tmp_path, target)  # EBUSY on a bind-mounted file, EPERM under sticky bit
         _fsync_dir(target.parent)
     finally:

@@ -219,6 +219,19 @@ def test_save_tensors_unshares_views_and_ties(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["w.safetensors"]  # no temporary left
 
 
+def test_saved_files_get_the_usual_permissions(tmp_path):
+    """safetensors makes its own 0600 file: the written file still gets 0666 minus the umask,
+    so an export shared with a team can be read by it."""
+    import os
+
+    umask = os.umask(0o022)
+    try:
+        save_tensors(tmp_path / "w.safetensors", {"w": torch.ones(2)})
+    finally:
+        os.umask(umask)
+    assert (tmp_path / "w.safetensors").stat().st_mode & 0o777 == 0o644
+
+
 def test_load_tensors_pt_and_refusals(tmp_path):
     torch.save({"w": torch.ones(2)}, tmp_path / "ok.pt")
     assert torch.equal(load_tensors(tmp_path / "ok.pt")["w"], torch.ones(2))
