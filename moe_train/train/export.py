@@ -166,6 +166,8 @@ def _check_manifest(manifest: dict[str, Any], source: Path) -> None:
         value = manifest.get(key)
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise bad(key, "a non-negative integer")
+    if manifest["pad_id"] >= manifest["vocab_size"]:
+        raise bad("pad_id", f"an id below vocab_size ({manifest['vocab_size']})")
     names: dict[str, list[str]] = {}
     for key in ("langs", "domains"):
         value = manifest.get(key, [])
@@ -194,8 +196,16 @@ def _short(value: Any) -> str:
 
 
 def check_weights(model: torch.nn.Module, state: dict[str, torch.Tensor], source: Path) -> None:
-    """Same names and shapes as the model built from the config, else one line naming them."""
+    """Same names and shapes as the model built from the config (on any device, the meta one
+    included), and floating-point values where the model has them (an integer or boolean
+    tensor would be cast silently into nonsense weights); else one line naming them."""
     check_shapes(model_shapes(model), {k: tuple(v.shape) for k, v in state.items()}, source)
+    own = model.state_dict(keep_vars=True)
+    cast = [f"{k} {v.dtype}" for k, v in state.items()
+            if own[k].is_floating_point() and not v.is_floating_point()]
+    if cast:
+        raise CheckpointError(f"{source}: {len(cast)} weights are not floating-point "
+                              f"({', '.join(cast[:3])}); expected the float weights of an export")
 
 
 def checkpoint_dir(path: str | Path) -> Path:
@@ -238,8 +248,9 @@ def load_for_inference(path: str | Path, device: torch.device | str = "cpu") -> 
                               f"{manifest['vocab_size']} (manifest vocab_size); expected the "
                               "tokenizer it was trained with")
     state = load_export_weights(where) if kind == "export" else consolidated_state_dict(where)
+    with torch.device("meta"):  # checked before any memory is given to it
+        check_weights(build_model(cfg, manifest), state, weights)
     model = build_model(cfg, manifest)
-    check_weights(model, state, weights)
     model.load_state_dict(state, strict=True)
     model.to(device).eval()
     return InferenceModel(model=model, vocab=vocab, cfg=cfg, manifest=manifest, source=where)

@@ -114,6 +114,35 @@ def manifest_without_langs(ckpt: Path) -> dict:
     return {}
 
 
+def huge_vocab_size(ckpt: Path) -> dict:
+    """A manifest vocabulary of 10**12: refused by the weights' shapes before any memory."""
+    path = ckpt / "export" / "manifest.json"
+    manifest = json.loads(path.read_text())
+    manifest["vocab_size"] = 10**12
+    path.write_text(json.dumps(manifest))
+    return {}
+
+
+def pad_id_past_vocab(ckpt: Path) -> dict:
+    path = ckpt / "export" / "manifest.json"
+    manifest = json.loads(path.read_text())
+    manifest["pad_id"] = manifest["vocab_size"]
+    path.write_text(json.dumps(manifest))
+    return {}
+
+
+def integer_weights(ckpt: Path) -> dict:
+    """One weight stored as int64: loading would cast it into nonsense silently."""
+    from safetensors.torch import load_file, save_file
+
+    path = ckpt / "export" / "model.safetensors"
+    state = load_file(path)
+    name = next(k for k, v in state.items() if v.is_floating_point() and v.dim() == 2)
+    state[name] = state[name].long()
+    save_file(state, path)
+    return {"name": name}
+
+
 def smaller_vocab_size(ckpt: Path) -> dict:
     """An export whose sentencepiece model is larger than its model's vocabulary (the tokenizer
     of another preparation): translating would index past the embeddings."""
@@ -299,6 +328,16 @@ CASES: dict[str, Case] = {
     "translate_manifest_without_langs": Case(translate(ckpt="{export}"),
                                              ("{export}/manifest.json", "'langs'"),
                                              breaks=manifest_without_langs, stdin=ONE),
+    "translate_huge_manifest_vocab": Case(translate(ckpt="{export}"),
+                                          ("{export}/model.safetensors", "of other shape"),
+                                          breaks=huge_vocab_size, stdin=ONE),
+    "translate_pad_id_past_vocab": Case(translate(ckpt="{export}"),
+                                        ("{export}", "'pad_id'", "below vocab_size"),
+                                        breaks=pad_id_past_vocab, stdin=ONE),
+    "translate_integer_weights": Case(translate(ckpt="{export}"),
+                                      ("{export}/model.safetensors", "not floating-point",
+                                       "{name} torch.int64"),
+                                      breaks=integer_weights, stdin=ONE),
     "translate_tokenizer_larger_than_model": Case(translate(ckpt="{export}"),
                                                   ("{export}", "tokenizer", "vocab_size"),
                                                   breaks=smaller_vocab_size, stdin=ONE),
