@@ -77,9 +77,14 @@ def read_manifest(prepared_dir: str | os.PathLike) -> dict[str, Any]:
     if not path.is_file():
         raise DataError(f"{path}: not found (no prepared data); run `moe-train prepare` first")
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        manifest = json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise DataError(f"{path}: not valid JSON ({err}); run `moe-train prepare` again") from None
+    splits = manifest.get("splits", {}) if isinstance(manifest, dict) else None
+    if not isinstance(splits, dict) or not all(isinstance(v, dict) for v in splits.values()):
+        raise DataError(f"{path}: not a manifest `moe-train prepare` writes (expected an object "
+                        "whose splits are objects); run `moe-train prepare` again")
+    return manifest
 
 
 def _open_tokens(path: Path, n_tokens: int) -> np.ndarray:
