@@ -20,6 +20,7 @@ from moe_train.stages.cluster_core import (FittedClusterer, cluster_report, fit_
 from moe_train.stages.common import StageContext
 from moe_train.stages.features import load_features
 from moe_train.utils.atomic import atomic_path
+from moe_train.utils.safe_load import load_array
 
 STAGE = "cluster"
 CLUSTERER, LABELS = "clusterer.skops", "labels.npy"
@@ -76,4 +77,10 @@ def load_cluster(ctx: StageContext, by: str) -> tuple[FittedClusterer, np.ndarra
         raise CheckpointError(f"{where / CLUSTERER}: missing (this run has the old, unsafe "
                               f"{LEGACY_CLUSTERER}, which is not loaded); delete {where} and run "
                               "the cluster stage again")
-    return load_clusterer(where / CLUSTERER), np.load(where / LABELS)
+    labels_N = load_array(where / LABELS, "the cluster labels", "i", 1)
+    k = ctx.cfg.moa.num_clusters
+    if len(labels_N) and not 0 <= int(labels_N.min()) <= int(labels_N.max()) < k:
+        raise CheckpointError(f"{where / LABELS}: labels {int(labels_N.min())}.."
+                              f"{int(labels_N.max())}; expected cluster ids below "
+                              f"moa.num_clusters ({k})")
+    return load_clusterer(where / CLUSTERER), labels_N

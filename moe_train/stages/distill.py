@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from moe_train.data.shards import read_manifest
+from moe_train.errors import CheckpointError
 from moe_train.moe.moa_router import MoAGate
 from moe_train.stages.cluster import load_cluster
 from moe_train.stages.cluster_core import cluster_report
@@ -45,6 +46,10 @@ def run(ctx: StageContext) -> dict[str, Any]:
     moa, rt = ctx.cfg.moa, ctx.rt
     features_ND, meta = load_features(ctx, STAGE)
     _, labels_N = load_cluster(ctx, STAGE)
+    if len(labels_N) != len(features_ND):
+        raise CheckpointError(f"{ctx.stage_dir('cluster')}: {len(labels_N)} cluster labels for "
+                              f"{len(features_ND)} feature rows; expected one label per row "
+                              "(run the cluster stage again)")
     torch.manual_seed(moa.seed)  # the same initial gate on every rank
     gate_module, final_loss = fit_probe(
         MoAGate(features_ND.shape[1], moa.num_clusters), features_ND, labels_N,

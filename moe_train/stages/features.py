@@ -26,6 +26,7 @@ from moe_train.parallel.collectives import all_gather_object, barrier
 from moe_train.stages.common import StageContext
 from moe_train.train.export import load_for_inference
 from moe_train.utils.atomic import atomic_path
+from moe_train.utils.safe_load import load_array, load_arrays
 
 STAGE = "features"
 FEATURES, META = "features.npy", "meta.npz"
@@ -122,5 +123,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
 def load_features(ctx: StageContext, by: str) -> tuple[np.ndarray, dict[str, np.ndarray]]:
     """(features_ND, meta) of the finished features stage."""
     where = ctx.require(STAGE, by)
-    with np.load(where / META) as meta:
-        return np.load(where / FEATURES), {k: meta[k] for k in meta.files}
+    features_ND = load_array(where / FEATURES, "the sentence features", "f", 2)
+    meta = load_arrays(where / META, "the features' sentence ids", ("split", "index", "domain"),
+                       len(features_ND))
+    return features_ND, meta

@@ -143,6 +143,51 @@ def save_tensors(path: str | os.PathLike, tensors: Mapping[str, torch.Tensor],
         save_file(_unshared(tensors), str(tmp), metadata=dict(metadata or {}))
 
 
+# ---------------------------------------------------------------------------------- numpy
+def load_array(path: str | os.PathLike, what: str, kind: str, ndim: int,
+               rows: int | None = None, error: type[MoeTrainError] = CheckpointError
+               ) -> Any:
+    """A ``.npy`` array never unpickled, with `ndim` dimensions, `rows` rows when given and
+    values of numpy kind `kind` ("f" float, "i" integer: "i" also takes unsigned); anything
+    else is one `error` line naming `path`."""
+    import numpy as np
+
+    path = require_file(path, what, error)
+    try:
+        array = np.load(path, allow_pickle=False)
+    except (OSError, ValueError, EOFError) as exc:
+        raise _unreadable(path, what, exc, error) from None
+    kinds = "iu" if kind == "i" else kind
+    if not isinstance(array, np.ndarray) or array.ndim != ndim or array.dtype.kind not in kinds \
+            or (rows is not None and len(array) != rows):
+        shape = getattr(array, "shape", None)
+        dtype = getattr(array, "dtype", None)
+        raise error(f"{path}: an array of shape {shape} and dtype {dtype}; expected {what} "
+                    f"({ndim}-D, {'float' if kind == 'f' else 'integer'}"
+                    + (f", {rows} rows)" if rows is not None else ")"))
+    return array
+
+
+def load_arrays(path: str | os.PathLike, what: str, keys: Iterable[str], rows: int,
+                error: type[MoeTrainError] = CheckpointError) -> dict[str, Any]:
+    """The 1-D integer arrays `keys` of a ``.npz`` file, each of `rows` entries, never
+    unpickled; anything else is one `error` line naming `path`."""
+    import numpy as np
+
+    path = require_file(path, what, error)
+    try:
+        with np.load(path, allow_pickle=False) as npz:
+            arrays = {k: npz[k] for k in npz.files}
+    except (OSError, ValueError, EOFError) as exc:
+        raise _unreadable(path, what, exc, error) from None
+    for key in keys:
+        a = arrays.get(key)
+        if a is None or a.ndim != 1 or a.dtype.kind not in "iu" or len(a) != rows:
+            raise error(f"{path}: {key!r} is {'missing' if a is None else f'{a.dtype} {a.shape}'}"
+                        f"; expected {what} with {rows} integers under {key!r}")
+    return arrays
+
+
 # ---------------------------------------------------------------------------- scikit-learn
 def dump_skops(path: str | os.PathLike, obj: Any) -> None:
     """Write `obj` (dicts, numpy arrays, scikit-learn estimators) with skops, atomically."""

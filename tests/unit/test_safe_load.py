@@ -294,3 +294,27 @@ def test_load_skops_trusted_list(tmp_path):
         load_skops(tmp_path / "c.skops", [])
     assert "holds untrusted types collections.Counter" in one_line(exc)
     assert load_skops(tmp_path / "c.skops", ["collections.Counter"])["c"]["a"] == 2
+
+
+def test_numpy_arrays_are_loaded_without_pickles_and_checked(tmp_path):
+    import numpy as np
+
+    from moe_train.utils.safe_load import load_array, load_arrays
+
+    np.save(tmp_path / "f.npy", np.ones((3, 2), np.float32))
+    assert load_array(tmp_path / "f.npy", "features", "f", 2, rows=3).shape == (3, 2)
+    np.save(tmp_path / "obj.npy", np.array([{"a": 1}], dtype=object), allow_pickle=True)
+    (tmp_path / "cut.npy").write_bytes((tmp_path / "f.npy").read_bytes()[:-4])
+    np.save(tmp_path / "int.npy", np.ones((3, 2), np.int64))
+    for name, says in (("obj.npy", "not a readable features"), ("cut.npy", "not a readable"),
+                       ("int.npy", "dtype int64; expected features (2-D, float, 3 rows)")):
+        with pytest.raises(CheckpointError) as exc:
+            load_array(tmp_path / name, "features", "f", 2, rows=3)
+        assert one_line(exc).startswith(str(tmp_path / name)) and says in one_line(exc), name
+    with pytest.raises(CheckpointError, match="expected features .*4 rows"):
+        load_array(tmp_path / "f.npy", "features", "f", 2, rows=4)
+    np.savez(tmp_path / "m.npz", split=np.zeros(3, np.int64), index=np.arange(3))
+    with pytest.raises(CheckpointError, match=r"m\.npz: 'domain' is missing; expected ids"):
+        load_arrays(tmp_path / "m.npz", "ids", ("split", "index", "domain"), 3)
+    assert set(load_arrays(tmp_path / "m.npz", "ids", ("split", "index"), 3)) == {"split",
+                                                                                   "index"}
