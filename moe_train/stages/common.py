@@ -75,10 +75,16 @@ class StageContext:
         if not path.is_file():
             return None
         try:
-            return json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError) as err:
+            record = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
             raise DataError(f"{path}: unreadable stage record ({err}); delete it to rerun "
                             f"the stage") from None
+        made = record.get("made_from", {"inputs": {}}) if isinstance(record, dict) else None
+        if not isinstance(made, dict) or not isinstance(made.get("inputs"), dict):
+            raise DataError(f"{path}: not a stage record (expected an object whose made_from "
+                            "is an object with the inputs' digests); delete it to rerun the "
+                            "stage")
+        return record
 
     def done(self, stage: str) -> dict[str, Any] | None:
         """The summary a finished stage recorded, or None. The running stage depends on what

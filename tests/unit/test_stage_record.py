@@ -10,7 +10,7 @@ import json
 import pytest
 
 from moe_train.config import load_config
-from moe_train.errors import ConfigError
+from moe_train.errors import ConfigError, DataError
 from moe_train.parallel.runtime import ParallelRuntime
 from moe_train.stages.backbone import backbone_config
 from moe_train.stages.common import DONE, StageContext
@@ -142,6 +142,18 @@ def test_records_without_made_from_are_reused_with_a_warning(tmp_path, capsys) -
     (where / DONE).write_text('{"steps": 3}')
     assert ctx.reuse("distill", ctx.cfg) == {"steps": 3}
     assert "reusing it unchecked" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("content", [b"[1]", b'{"made_from": "x"}', b'{"made_from": {}}',
+                                     b'{"made_from": {"inputs": ["cluster"]}}', b"\xff\xfe{}"])
+def test_a_broken_stage_record_is_one_line_naming_it(tmp_path, content: bytes) -> None:
+    ctx = _ctx(tmp_path)
+    where = ctx.stage_dir("distill")
+    where.mkdir(parents=True)
+    (where / DONE).write_bytes(content)
+    with pytest.raises(DataError) as exc:
+        ctx.reuse("distill", ctx.cfg)
+    assert str(exc.value).startswith(f"{where / DONE}: ") and "delete it" in str(exc.value)
 
 
 def test_made_from_is_json_and_tracks_reads(tmp_path) -> None:
