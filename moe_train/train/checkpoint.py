@@ -294,8 +294,12 @@ def load_checkpoint(engine: Any, rt: ParallelRuntime, ckpt_dir: str | Path,
     if why is not None:
         raise CheckpointError(f"{tag_dir}: not a complete checkpoint ({why})")
     meta = read_meta(tag_dir)
-    old_world = int(meta.get("world_size", 1))
-    old_ep = int(meta.get("config", {}).get("moe", {}).get("ep_size", 1))
+    try:
+        old_world = int(meta.get("world_size", 1))
+        old_ep = int(meta.get("config", {}).get("moe", {}).get("ep_size", 1))
+    except (TypeError, ValueError, AttributeError):
+        raise CheckpointError(f"{tag_dir}: meta.json's world_size or config.moe.ep_size is not "
+                              "an integer; expected the metadata a save writes") from None
     same_world = old_world == rt.world_size
     portable = is_zero_partitioned(engine.optimizer) and not (same_world and old_ep == rt.ep_size)
     path, _ = engine.load_checkpoint(str(ckpt_dir), tag=tag, load_optimizer_states=not portable,
@@ -312,7 +316,13 @@ def load_checkpoint(engine: Any, rt: ParallelRuntime, ckpt_dir: str | Path,
         load_extra(tag_dir)
     rng_file = tag_dir / f"rng_rank{rt.rank}.pt"
     if same_world and rng_file.is_file():
-        set_rng_state(load_torch(rng_file, "RNG states"))
+        state = load_torch(rng_file, "RNG states")
+        try:
+            set_rng_state(state)
+        except (KeyError, TypeError, ValueError, RuntimeError, AttributeError) as exc:
+            raise CheckpointError(f"{rng_file}: not the RNG states a checkpoint holds "
+                                  f"({type(exc).__name__}: {exc}); expected python, numpy and "
+                                  "torch generator states") from None
     else:
         seed_rng(int(meta["config"]["train"]["seed"]) + rt.rank)
         log(f"| resume: checkpoint written at world size {old_world}, resumed at "

@@ -88,6 +88,31 @@ def corrupt_meta(ckpt: Path) -> dict:
     return {}
 
 
+def _rewrite(step: Path, name: str, write) -> None:
+    """Replace a file of a complete step and list its new size, so the step still verifies."""
+    write(step / name)
+    complete = json.loads((step / "complete.json").read_text())
+    complete["files"][name] = (step / name).stat().st_size
+    (step / "complete.json").write_text(json.dumps(complete))
+
+
+def empty_rng_states(ckpt: Path) -> dict:
+    import torch
+
+    _rewrite(_step(ckpt), "rng_rank0.pt", lambda path: torch.save({}, path))
+    return {}
+
+
+def text_world_size(ckpt: Path) -> dict:
+    def write(path: Path) -> None:
+        meta = json.loads(path.read_text())
+        meta["world_size"] = "x"
+        path.write_text(json.dumps(meta))
+
+    _rewrite(_step(ckpt), "meta.json", write)
+    return {}
+
+
 def corrupt_weights(ckpt: Path) -> dict:
     """Truncate the export's weights file (model.safetensors, or model.pt of older exports)."""
     weights = next(p for p in (ckpt / "export" / n for n in ("model.safetensors", "model.pt"))
@@ -295,6 +320,10 @@ CASES: dict[str, Case] = {
     "train_resume_dangling_latest": Case(resume(), ("{ckpt}/latest", "step_00000099"),
                                          breaks=dangling_latest),
     "train_resume_garbage_latest": Case(resume(), ("{ckpt}/latest",), breaks=garbage_latest),
+    "train_resume_empty_rng_states": Case(resume(), ("{step}/rng_rank0.pt", "RNG states"),
+                                          breaks=empty_rng_states),
+    "train_resume_text_world_size": Case(resume(), ("{step}", "world_size"),
+                                         breaks=text_world_size),
     "train_resume_corrupt_meta": Case(resume(), ("{ckpt}", "meta.json"), breaks=corrupt_meta),
     "train_init_from_missing": Case(train("train.init_from={tmp}/none"),
                                     ("train.init_from", "{tmp}/none", "not found")),
