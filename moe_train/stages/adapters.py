@@ -22,7 +22,7 @@ from torch import nn
 from moe_train.config.schema import ExperimentConfig
 from moe_train.moe.adapters import AdapterSlot
 from moe_train.stages.common import StageContext, load_matching, stage_config, training_summary
-from moe_train.stages.distill import load_gate
+from moe_train.stages.distill import GATE, load_gate
 from moe_train.train.checkpoint import latest_tag
 from moe_train.train.export import load_export_weights
 from moe_train.train.trainer import Trainer
@@ -90,6 +90,7 @@ def make_init(ctx: StageContext, cfg: ExperimentConfig):
     export = ctx.require("backbone", STAGE) / "checkpoints" / "export"
     backbone = load_export_weights(export)
     gate = load_gate(ctx, STAGE) if cfg.adapters.router == "gumbel" else None
+    gate_file = ctx.stage_dir("distill") / GATE
 
     def init_model(model: nn.Module) -> None:
         load_backbone(model, backbone, export)
@@ -97,7 +98,7 @@ def make_init(ctx: StageContext, cfg: ExperimentConfig):
         if gate is not None:
             for module in model.modules():
                 if isinstance(module, AdapterSlot):
-                    module.moe.router.inner.gate.load_state_dict(gate)
+                    load_matching(module.moe.router.inner.gate, gate, gate_file, set())
         freeze_base(model, cfg)
 
     return init_model

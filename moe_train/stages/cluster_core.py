@@ -166,13 +166,14 @@ def load_clusterer(path: str | Path) -> FittedClusterer:
     if not path.is_file():
         raise CheckpointError(f"{path}: clusterer file not found; run the cluster stage first")
     state = load_skops(path, TRUSTED_TYPES, "clusterer file (skops)")
-    if not isinstance(state, dict) or state.get("format_version") != FORMAT_VERSION:
+    version = state.get("format_version") if isinstance(state, dict) else None
+    if not isinstance(version, (int, str)) or version != FORMAT_VERSION:
         found = state.get("format_version") if isinstance(state, dict) else type(state).__name__
         raise CheckpointError(f"{path}: not a clusterer file of format {FORMAT_VERSION} "
                               f"(found {found!r}); run the cluster stage again")
     names = [f.name for f in fields(FittedClusterer)]
     missing = [n for n in names if n not in state]
-    if missing or state["method"] not in MODEL_TYPES:
+    if missing or not isinstance(state["method"], str) or state["method"] not in MODEL_TYPES:
         what = f"missing {', '.join(missing)}" if missing else f"method {state['method']!r}"
         raise CheckpointError(f"{path}: malformed clusterer file ({what}); "
                               "run the cluster stage again")
