@@ -55,7 +55,7 @@ from real_data import (  # noqa: E402
 
 from moe_train.eval.significance import paired_bootstrap  # noqa: E402
 from moe_train.stages.evaluate import hypotheses_file, read_lines  # noqa: E402
-from moe_train.utils.atomic import write_json  # noqa: E402
+from moe_train.utils.atomic import write_json, write_text  # noqa: E402
 from moe_train.utils.provenance import provenance  # noqa: E402
 from moe_train.utils.cli_args import (  # noqa: E402
     comma_list, command_line, exit_bad_input, int_at_least, non_negative_float, script_parser)
@@ -98,7 +98,7 @@ def run_stage(config: str, workdir: Path, stage: str, overrides: list[str]) -> d
     if proc.returncode != 0 or not done.is_file():
         log = workdir / f"{stage}.failed.log"
         log.parent.mkdir(parents=True, exist_ok=True)
-        log.write_text(proc.stdout)
+        write_text(log, proc.stdout)
         sys.stdout.write(proc.stdout[-6000:])
         raise SystemExit(f"{workdir.name}/{stage} failed with status {proc.returncode} "
                          f"(log: {log})")
@@ -106,7 +106,7 @@ def run_stage(config: str, workdir: Path, stage: str, overrides: list[str]) -> d
     if reused:
         print("   reused (finished earlier from the same config and inputs)", flush=True)
     else:
-        (workdir / f"{stage}.log").write_text(proc.stdout)
+        write_text(workdir / f"{stage}.log", proc.stdout)
         timings[stage] = round(minutes, 2)
         write_json(timings_path, timings)
         print(f"   done in {minutes:.2f} min", flush=True)

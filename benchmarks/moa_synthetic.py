@@ -63,7 +63,7 @@ from real_data import check_overrides as check_run_overrides  # noqa: E402
 from real_data import write_record  # noqa: E402
 
 from moe_train.eval.significance import paired_bootstrap  # noqa: E402
-from moe_train.utils.atomic import write_json  # noqa: E402
+from moe_train.utils.atomic import atomic_dir, write_json  # noqa: E402
 from moe_train.utils.provenance import finish, provenance  # noqa: E402
 from moe_train.utils.cli_args import (  # noqa: E402
     command_line, exit_bad_input, int_at_least, script_parser)
@@ -175,7 +175,10 @@ def copy_gate(src: Path, dst: Path) -> None:
     """Reuse a finished run's features, clusters and distilled gate in another workdir."""
     for stage in ("features", "cluster", "distill"):
         if not (dst / stage / "done.json").is_file():
-            shutil.copytree(src / stage, dst / stage, dirs_exist_ok=True)
+            # whole or not at all: a copy cut short must not leave a done.json that marks it
+            # finished (copytree's order is the file system's)
+            with atomic_dir(dst / stage, overwrite=True) as tmp:
+                shutil.copytree(src / stage, tmp, dirs_exist_ok=True)
 
 
 def run_seed(work: Path, common: list[str], anchors: int, runs: list[str]

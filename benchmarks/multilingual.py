@@ -36,6 +36,7 @@ for _path in (ROOT, ROOT / "benchmarks"):
 from real_data import (  # noqa: E402
     DEFAULT_DATA, QUICK_DATA, QUICK_TRAIN, last_json, opus_test_dir, write_record)
 
+from moe_train.utils.atomic import write_text  # noqa: E402
 from moe_train.utils.provenance import provenance  # noqa: E402
 from moe_train.utils.cli_args import (  # noqa: E402
     comma_list, command_line, int_at_least, positive_float, script_parser)
@@ -57,7 +58,7 @@ def cli(args: list[str], log: Path) -> str:
     proc = subprocess.run([sys.executable, "-m", "moe_train", *args], cwd=ROOT, text=True,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     log.parent.mkdir(parents=True, exist_ok=True)
-    log.write_text(proc.stdout)
+    write_text(log, proc.stdout)
     if proc.returncode != 0:
         sys.stdout.write(proc.stdout[-6000:])
         raise SystemExit(f"moe-train {args[0]} failed with status {proc.returncode} (log: {log})")

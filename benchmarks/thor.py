@@ -45,7 +45,7 @@ for _path in (ROOT, ROOT / "benchmarks"):
 from real_data import QUICK_DATA, QUICK_MODEL, add_record_arguments, check_overrides, \
     start_record, write_record  # noqa: E402
 
-from moe_train.utils.atomic import write_json  # noqa: E402
+from moe_train.utils.atomic import write_json, write_text  # noqa: E402
 from moe_train.utils.cli_args import (  # noqa: E402
     comma_list, exit_bad_input, int_at_least, positive_float, script_parser)
 
@@ -123,7 +123,7 @@ def cli(args: list[str], log: Path | None = None) -> str:
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     if log is not None:
         log.parent.mkdir(parents=True, exist_ok=True)
-        log.write_text(proc.stdout)
+        write_text(log, proc.stdout)
     if proc.returncode != 0:
         sys.stdout.write(proc.stdout[-6000:])
         raise SystemExit(f"moe-train {args[0]} failed with status {proc.returncode}"
