@@ -100,6 +100,9 @@ class Extraction:
 def extract(model: torch.nn.Module, cfg: ExperimentConfig, manifest: dict[str, Any],
             task: str) -> Extraction:
     """`task`'s sub-network of a loaded full model (see the module docstring)."""
+    if cfg.decoder_only:
+        raise ConfigError("--checkpoint: a decoder-only (Qwen2-MoE) model; task sub-network "
+                          "extraction is for the encoder-decoder Transformer")
     if cfg.moe.extracted_task:
         raise ConfigError(f"--checkpoint: already a sub-network (of task "
                           f"{cfg.moe.extracted_task!r}); extract from the full model")

@@ -20,6 +20,7 @@ from moe_train.models.build import build_model, moe_layers
 from moe_train.models.context import ForwardContext
 from moe_train.moe.dispatcher import DenseDispatcher
 from moe_train.moe.routing import NUM_LANGS_KEY
+from tests.conftest import ROOT
 
 V, PAD, BOS, EOS = 40, 0, 1, 2
 LANGS, DOMAINS = ["de", "en", "fr"], ["it", "law", "med"]
@@ -142,6 +143,9 @@ def test_extraction_errors_name_the_problem() -> None:
     ext = extract(model, cfg, MANIFEST, "en")
     with pytest.raises(ConfigError, match="already a sub-network"):
         extract(load_extracted(ext, MANIFEST), ext.cfg, MANIFEST, "en")
+    qwen = load_config(ROOT / "configs" / "qwen-moe-tiny-cpu.yaml")
+    with pytest.raises(ConfigError, match="decoder-only .* for the encoder-decoder"):
+        extract(None, qwen, MANIFEST, "en")  # refused before the model is read
 
 
 def test_learned_gate_frozen_into_a_table_is_what_forward_uses() -> None:
