@@ -22,6 +22,7 @@ from torch import Tensor
 
 from moe_train.config.schema import ExperimentConfig
 from moe_train.errors import ConfigError
+from moe_train.models.hf_qwen2moe import aux_coef_from_hf, aux_coef_to_hf, sparse_layers
 
 _EXPERT = re.compile(r"(hf\.model\.layers\.(\d+)\.mlp\.moe\.)(experts\.w_\w+|router\.gate\.weight"
                      r"\.weight)$")
@@ -90,8 +91,8 @@ def trim(state: dict[str, Tensor], cfg: ExperimentConfig, keep: dict[int, list[i
     for name, t in state.items():
         m = _EXPERT.match(name)
         out[name] = t if m is None else t.index_select(0, torch.tensor(keep[int(m.group(2))]))
-    # the same transformers router_aux_loss_coef at the new k (aux_coef_from_hf)
-    aux = float(f"{cfg.moe.aux_loss_coef * k / cfg.moe.k:.12g}")
+    layers = len(sparse_layers(cfg))  # the same transformers coefficient at the new k
+    aux = aux_coef_from_hf(aux_coef_to_hf(cfg.moe.aux_loss_coef, cfg.moe.k, layers), k, layers)
     moe = dataclasses.replace(cfg.moe, num_experts=n, k=k, aux_loss_coef=aux)
     return out, dataclasses.replace(cfg, moe=moe)
 

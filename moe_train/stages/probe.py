@@ -24,8 +24,8 @@ def fit_probe(module: nn.Module, features_ND: np.ndarray, labels_N: np.ndarray, 
               lr: float, batch: int, seed: int, rt: ParallelRuntime) -> tuple[nn.Module, float]:
     """Train `module` (features -> logits) with cross-entropy and Adam; returns the trained
     module and the mean loss of the last tenth of the steps (over the whole batches, the same
-    on every rank). Call it with the same initial
-    `module` on every rank (seed the constructor)."""
+    on every rank). Call it with the same initial `module` on every rank (seed the
+    constructor)."""
     n = len(labels_N)
     batch = min(batch, n)
     if batch < rt.dp_world:  # a rank without rows would average a NaN loss into every rank

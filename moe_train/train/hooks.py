@@ -25,6 +25,7 @@ from moe_train.errors import DataError
 from moe_train.models.transformer import ModelOutput
 from moe_train.moe.gated_router import TEACHER_PROBS_KEY
 from moe_train.moe.thor_router import GOLD_TASK_KEY, TASK_PROBS_KEY
+from moe_train.utils.safe_load import load_array
 
 Ratio = tuple[float, float]
 """A metric as (numerator, denominator), e.g. (correct, total), so windows and ranks sum."""
@@ -135,10 +136,7 @@ def load_probability_rows(path: str | Path, rows: int, cols: int, what: str, lay
     """An (rows, cols) array of per-row probability distributions saved with numpy, never
     unpickled; a file that is unreadable, of another shape (`layout` says which is expected) or
     whose rows are not distributions is one DataError naming it."""
-    try:
-        probs = np.load(path, allow_pickle=False)
-    except (OSError, ValueError) as exc:
-        raise DataError(f"{path}: not a readable numpy array of {what} ({exc})") from None
+    probs = load_array(path, what, "f", 2, error=DataError)
     if probs.shape != (rows, cols):
         raise DataError(f"{path}: {what} of shape {probs.shape}, expected ({rows}, {cols}): "
                         f"{layout}")

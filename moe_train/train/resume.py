@@ -10,11 +10,11 @@ manifest are compared with it (`check_resume_data`).
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from moe_train.errors import CheckpointError
+from moe_train.utils.safe_load import read_json_object
 
 RESUME_MAY_CHANGE: tuple[str, ...] = (
     "train.max_steps", "train.max_minutes", "train.log_every", "train.validate_every",
@@ -103,7 +103,8 @@ def check_resume_data(tag_dir: Path, manifest: dict[str, Any], tokenizer_files: 
                                   "on resume")
     if not (tag_dir / "manifest.json").is_file():
         return
-    old = _data_identity(json.loads((tag_dir / "manifest.json").read_text(encoding="utf-8")))
+    old = _data_identity(read_json_object(tag_dir / "manifest.json",
+                                          "the manifest of the data it trained on"))
     new = _data_identity(manifest)
     differ = [f"{k} {old[k]!r} -> {new[k]!r}" for k in old if _norm(old[k]) != _norm(new[k])]
     if differ:

@@ -107,12 +107,12 @@ def atomic_path(final: str | os.PathLike) -> Iterator[Path]:
     except OSError as exc:  # a full disk or a read-only directory: name the output
         raise OSError(exc.errno, exc.strerror, str(final)) from exc
     os.close(fd)
-    os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; give the usual permissions
     tmp_path = Path(tmp)
     try:
         with _naming(final, tmp_path):
             yield tmp_path
-            # again: a writer that made its own file there (safetensors) made it 0600
+            # mkstemp makes 0600, and so may a writer that makes its own file there
+            # (safetensors): give the usual permissions once the content is written
             os.chmod(tmp_path, 0o666 & ~_umask())
             os.replace(tmp_path, target)  # EBUSY on a bind-mounted file, EPERM under sticky bit
         _fsync_dir(target.parent)
