@@ -184,6 +184,13 @@ def check_parent_writable(path: Path, flag: str) -> None:
         raise DataError(f"{flag} {path}: {parent} is not a directory")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise DataError(f"{flag} {path}: cannot write into {parent}")
+    try:  # permission bits do not tell: /proc, /sys and some mounts refuse new files anyway
+        fd, probe = tempfile.mkstemp(prefix=".moe-train-probe-", dir=parent)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise DataError(f"{flag} {path}: cannot create files in {parent} "
+                        f"({exc.strerror})") from None
 
 
 def check_out_file(path: str | os.PathLike, flag: str,

@@ -285,3 +285,19 @@ def _raising(exc: BaseException):
         raise exc
 
     return command
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux /proc")
+def test_a_directory_that_refuses_new_files_is_found_before_the_work() -> None:
+    """/proc passes the permission bits for root yet refuses new files: the check creates
+    (and removes) a probe file, so the command fails at once in one line."""
+    for check in (lambda: check_out_dir("/proc/moe-out", "--out", "done.json", "run"),
+                  lambda: check_out_file("/proc/moe-out/result.json", "--json"),
+                  lambda: check_dir_setting("/proc/moe-out", "train.out_dir")):
+        with pytest.raises(DataError, match="cannot (create files in|write into) /proc"):
+            check()
+
+
+def test_the_probe_leaves_nothing_behind(tmp_path) -> None:
+    check_out_file(tmp_path / "sub" / "out.json", "--json")
+    assert list(tmp_path.iterdir()) == []
