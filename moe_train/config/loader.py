@@ -156,6 +156,16 @@ def read_yaml(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
     merges this one over it, so a variant states only what it changes.
     """
     path = Path(path)
+    data, parent_path = _read_one(path)
+    if parent_path is None:
+        return data
+    if parent_path in _seen or parent_path == path.resolve():
+        raise ConfigError(f"{path}: extends: {parent_path.name} leads back to itself")
+    return merge(read_yaml(parent_path, (*_seen, path.resolve())), data)
+
+
+def _read_one(path: Path) -> tuple[dict[str, Any], Path | None]:
+    """One YAML file's own mapping (without its ``extends``) and the file it extends."""
     if not path.is_file():
         raise ConfigError(f"{path}: " + ("a directory; expected a YAML config file"
                                           if path.is_dir() else "config file not found"))
@@ -172,13 +182,30 @@ def read_yaml(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
         raise ConfigError(f"{path}: expected a mapping at the top level")
     parent = data.pop("extends", None)
     if parent is None:
-        return data
+        return data, None
     if not isinstance(parent, str):
         raise ConfigError(f"{path}: extends: expected a YAML file name, got {parent!r}")
-    parent_path = (path.parent / parent).resolve()
-    if parent_path in _seen or parent_path == path.resolve():
-        raise ConfigError(f"{path}: extends: {parent} leads back to itself")
-    return merge(read_yaml(parent_path, (*_seen, path.resolve())), data)
+    return data, (path.parent / parent).resolve()
+
+
+def _file_setting(field: str, path: Path) -> Path:
+    """The file of `path`'s ``extends`` chain that sets `field` (``a.b[2]``): the nearest one
+    that holds it, where a merge takes it from; `path` if none does (a default)."""
+    keys = [part.split("[", 1)[0] for part in field.split(".")]
+    seen: set[Path] = set()
+    current: Path | None = path
+    while current is not None and current.resolve() not in seen:
+        seen.add(current.resolve())
+        data, parent = _read_one(current)
+        node: Any = data
+        for key in keys:
+            if not isinstance(node, dict) or key not in node:
+                break
+            node = node[key]
+        else:
+            return current
+        current = parent
+    return path
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
@@ -196,7 +223,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         if item is not None:  # name where the bad value came from: the command line
             raise ConfigError(f"override {item}: {exc}") from None
         if path is not None:
-            raise ConfigError(f"{path}: {exc}") from None
+            source = _file_setting(str(exc).split(":", 1)[0], Path(path))
+            where = str(path) if source == Path(path) else f"{source} (extended by {path})"
+            raise ConfigError(f"{where}: {exc}") from None
         raise
 
 

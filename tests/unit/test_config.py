@@ -82,6 +82,22 @@ def test_to_dict_round_trips():
     assert again == cfg
 
 
+def test_a_bad_field_names_the_file_of_the_chain_that_sets_it(tmp_path) -> None:
+    """A typo in the extended file is blamed on that file, not on the variant that extends
+    it; a bad value the variant sets (over its parent's) on the variant."""
+    (tmp_path / "base.yaml").write_text("model:\n  d_modle: 64\n  d_model: 32\n")
+    (tmp_path / "child.yaml").write_text("extends: base.yaml\ntrain:\n  max_steps: 5\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(tmp_path / "child.yaml")
+    assert str(err.value).startswith(f"{tmp_path / 'base.yaml'} (extended by "
+                                      f"{tmp_path / 'child.yaml'}): model.d_modle: unknown")
+    (tmp_path / "base.yaml").write_text("model:\n  d_model: 32\n")
+    (tmp_path / "child.yaml").write_text("extends: base.yaml\nmodel:\n  d_model: -3\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(tmp_path / "child.yaml")
+    assert str(err.value).startswith(f"{tmp_path / 'child.yaml'}: model.d_model")
+
+
 def test_extends_merges_over_the_parent_and_refuses_cycles(tmp_path) -> None:
     (tmp_path / "base.yaml").write_text("model:\n  d_model: 64\n  n_heads: 4\ntrain:\n  max_steps: 7\n")
     (tmp_path / "child.yaml").write_text("extends: base.yaml\nmodel:\n  d_model: 32\n")
