@@ -385,12 +385,13 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     from moe_train.eval.evaluate import evaluate_dataset, format_table
     from moe_train.eval.metrics import corpus_metrics
     from moe_train.train.export import load_for_inference
-    from moe_train.utils.atomic import atomic_path, check_out_file
+    from moe_train.utils.atomic import atomic_path, check_out_file, write_target
 
     inputs = {"--src": args.src, "--ref": args.ref}
     outputs = {flag: check_out_file(path, flag, inputs)
                for flag, path in (("--hyps", args.hyps), ("--json", args.json)) if path}
-    if len({p.resolve() for p in outputs.values()}) < len(outputs):
+    files = [p.resolve() for p in outputs.values() if not write_target(p)[1]]  # not /dev/null
+    if len(set(files)) < len(files):
         raise ConfigError("--hyps and --json: expected two different files")
     rt = _runtime()
     inf = load_for_inference(args.checkpoint, rt.device)

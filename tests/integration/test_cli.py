@@ -1,6 +1,7 @@
 """The `moe-train` command end to end: errors in one line, prepare -> train -> evaluate -> translate."""
 
 import json
+import os
 
 import pytest
 
@@ -116,6 +117,11 @@ def test_prepare_train_evaluate_translate(tiny_corpus, tmp_path):
     assert domains  # the generator recorded its domains
 
     src_file = next(tiny_corpus.glob("*/*.test.en"))
+    ref_file = src_file.with_suffix(".de")
+    quiet = run_cli(["evaluate", "--checkpoint", str(work / "ckpt"), "--beam", "1",
+                     "--src", str(src_file), "--ref", str(ref_file),
+                     "--hyps", os.devnull, "--json", os.devnull], cwd=tmp_path)  # both discarded
+    assert json.loads(quiet.stdout.strip().splitlines()[-1])["all"]["sentences"] == 8
     out_file = tmp_path / "out.txt"
     run_cli(["translate", "--checkpoint", str(work / "ckpt" / "export"), "--input",
              str(src_file), "--output", str(out_file), "--beam", "3"], cwd=tmp_path)
