@@ -9,7 +9,7 @@ and the expert-parallel degree. Errors name the field as ``moe.<field>``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from moe_train.errors import ConfigError
 
@@ -18,6 +18,21 @@ TASK_SOURCES = ("lang_pair", "tgt_lang", "src_lang", "domain", "task_ids")
 domain, or explicit task ids supplied with the batch."""
 
 LAYER_PATTERNS = ("every_other", "all")
+
+
+def _layer_list(layers: Any) -> str:
+    """moe.layers as its string form: a YAML integer (``layers: 3``, ``moe.layers=3``) or list
+    of integers (``[1, 3]``) becomes ``"3"`` / ``"1,3"``."""
+    def index(v: Any) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+    if index(layers):
+        return str(layers)
+    if isinstance(layers, (list, tuple)) and layers and all(index(v) for v in layers):
+        return ",".join(str(v) for v in layers)
+    if not isinstance(layers, str):
+        raise ConfigError("moe.layers: expected every_other, all, or layer indices such as "
+                          f"0,2,4, [0, 2, 4] or 3, got {layers!r}")
+    return layers
 
 
 def task_count(source: str, manifest: dict) -> int:
@@ -153,9 +168,10 @@ class MoEConfig(RouterConfig):
 
     num_experts: int = 0
     """Experts per MoE layer; 0 keeps the model dense (no MoE layer anywhere)."""
-    layers: str = "every_other"
+    layers: str | int | list[int] = "every_other"
     """Which layers of a side are MoE: every_other (layers 1, 3, 5, ... counting from 0, as in
-    GShard and seed 002), all, or a comma-separated list of 0-based layer indices."""
+    GShard and seed 002), all, or 0-based layer indices: ``1,3``, a YAML list ``[1, 3]`` or one
+    index ``3`` (kept as the string ``"1,3"`` / ``"3"``)."""
     encoder_router: str = "topk"
     """Router of the encoder's MoE layers (see moe_train.moe.registry.ROUTERS); "dense" keeps
     the encoder dense."""
@@ -216,6 +232,7 @@ class MoEConfig(RouterConfig):
             name = f"{side}_task_source"
             _expect(getattr(self, name) in TASK_SOURCES, f"moe.{name}",
                     f"one of {', '.join(TASK_SOURCES)}", getattr(self, name))
+        self.layers = _layer_list(self.layers)
         if self.layers not in LAYER_PATTERNS:
             parts = [p.strip() for p in self.layers.split(",")]
             _expect(all(p.isascii() and p.isdigit() for p in parts) and parts, "moe.layers",

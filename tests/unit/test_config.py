@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from moe_train.config import load_config, parse_overrides
+from moe_train.config import config_from_dict, load_config, parse_overrides
 from moe_train.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -38,6 +38,8 @@ def test_parse_overrides_nested():
     ("moe.capacity_factor=.inf", "moe.capacity_factor: expected a finite number, got inf"),
     ("optim.lr=.nan", "optim.lr: expected a finite number, got nan"),
     ("moe.layers=0,²", "moe.layers: expected every_other, all, or a comma list"),
+    ("moe.layers=true", "moe.layers: expected every_other, all, or layer indices"),
+    ("moe.layers=[1,-1]", "moe.layers: expected every_other, all, or layer indices"),
     ("train.max_steps=abc", "train.max_steps: expected an integer"),
     ("train.max_steps=0", "train.max_steps: expected a positive number"),
     ("data.pairs=[deen]", "data.pairs[0]: expected src-tgt"),
@@ -55,6 +57,15 @@ def test_bad_values_name_the_field(override, message):
     text = str(err.value)
     assert message in text
     assert "\n" not in text
+
+
+@pytest.mark.parametrize("value, stored", [("3", "3"), ("[1, 3]", "1,3"), ("1,3", "1,3"),
+                                           ("all", "all")])
+def test_moe_layers_takes_an_index_a_list_or_a_comma_list(value, stored) -> None:
+    """YAML reads ``layers: 3`` as an integer and ``[1, 3]`` as a list: both mean indices."""
+    cfg = load_config(overrides=[f"moe.layers={value}"])
+    assert cfg.moe.layers == stored
+    assert config_from_dict(cfg.to_dict()) == cfg
 
 
 def test_yaml_errors_name_file_and_line(tmp_path):
