@@ -120,8 +120,10 @@ def _add_synth(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("synth", help="write the synthetic multi-domain corpus (OPUS layout)",
                        description="Write the embedded synthetic corpus (English source; domains "
                        f"{', '.join(DOMAINS)}; targets {', '.join(TARGET_LANGS)}) as "
-                       "{domain}/{domain}.en-{xx}.{split}.{lang} files plus domains.json, ready "
-                       "for `moe-train prepare --data DIR`. The same seed gives the same corpus.")
+                       "{domain}/{domain}.{l1}-{l2}.{split}.{lang} files (l1, l2: English and the "
+                       "target in alphabetical order, as OPUS names them) plus domains.json, "
+                       "ready for `moe-train prepare --data DIR data.pairs=[en-xx]` (without "
+                       "pairs each file is read l1 -> l2). The same seed gives the same corpus.")
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--domains", type=int_at_least(1), default=5,
                    help=f"how many domains, the first N of the list (1..{len(DOMAINS)}; default 5)")

@@ -52,8 +52,10 @@ def cmd_synth(args: argparse.Namespace) -> int:
         print(f"| difficulty: bag-of-words domain accuracy {diff['bow_domain_accuracy']:.3f} | "
               f"BLEU of the right translation in the wrong domain {diff['wrong_domain_bleu']:.1f}"
               f" ({diff['held_out_split']}, {diff['sentences']} sentences)")
+    en_xx = ",".join(f"en-{lang}" for lang in info["target_langs"])
     print(f"| pairs {', '.join(info['pairs'])} | seed {info['seed']} | wrote {args.out} "
-          f"(next: moe-train prepare --data {args.out} --out PREPARED --config CONFIG)")
+          f"(next: moe-train prepare --data {args.out} --out PREPARED --config CONFIG "
+          f"data.pairs=[{en_xx}])")
     return 0
 
 

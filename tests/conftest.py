@@ -62,7 +62,7 @@ def tiny_prepared(tiny_corpus, tmp_path_factory) -> Path:
 
     cfg = load_config(ROOT / "configs" / "debug-cpu.yaml", ["data.vocab_size=300", "data.pairs=[en-de]"])
     out = tmp_path_factory.mktemp("prepared") / "prepared"
-    prepare(discover(tiny_corpus), out, cfg.data, seed=1)
+    prepare(discover(tiny_corpus, cfg.data.pairs), out, cfg.data, seed=1)
     return out
 
 
@@ -80,7 +80,7 @@ def qwen_prepared(tiny_corpus, tmp_path_factory) -> tuple[Path, Path]:
              for line in f.read_text(encoding="utf-8").splitlines()]
     tok = train_bpe_tokenizer(texts, work / "tokenizer", 400)
     cfg = load_config(ROOT / "configs" / "qwen-moe-tiny-cpu.yaml", [f"data.tokenizer={tok}"])
-    prepare(discover(tiny_corpus), work / "prepared", cfg.data, seed=1)
+    prepare(discover(tiny_corpus, cfg.data.pairs), work / "prepared", cfg.data, seed=1)
     return work / "prepared", tok
 
 

@@ -65,8 +65,8 @@ class SynthOptions:
                 raise ConfigError(f"synthetic {name}: expected {what}, got {value!r}")
 
         if self.shared_rate is not None:
-            expect(0 <= self.shared_rate <= 1, "shared_rate", "a probability in [0, 1]",
-                   self.shared_rate)
+            expect(0 <= self.shared_rate < 1, "shared_rate", "a probability in [0, 1) (at 1 no "
+                   "sentence could carry its domain's own words)", self.shared_rate)
         expect(0 <= self.shared_words <= MAX_SHARED_WORDS, "shared_words",
                f"0..{MAX_SHARED_WORDS} words", self.shared_words)
         most = BUILTIN_AMBIGUOUS + max(0, min(self.shared_words, MAX_SHARED_WORDS))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 from typing import Literal
 
+import torch
 from torch import Tensor
 
 Backend = Literal["auto", "torch", "triton"]
@@ -33,7 +34,10 @@ def use_triton(tensor: Tensor, backend: str) -> bool:
     if backend == "triton":
         if not triton_available():
             raise RuntimeError("backend='triton' was asked for but triton is not installed")
+        if tensor.dtype == torch.float64:  # the kernels compute in fp32 at most
+            raise ValueError("backend='triton' takes fp32, bf16 and fp16 tensors, not float64; "
+                             "use backend='torch'")
         return True
     if backend != "auto":
         raise ValueError(f"backend: expected one of {', '.join(BACKENDS)}, got {backend!r}")
-    return tensor.is_cuda and triton_available()
+    return tensor.is_cuda and tensor.dtype != torch.float64 and triton_available()

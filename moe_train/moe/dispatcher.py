@@ -48,7 +48,8 @@ def apply_capacity(expert_ids_TK: Tensor, num_experts: int, capacity_factor: flo
     """
     ids_S = expert_ids_TK.reshape(-1)
     routed = ids_S >= 0
-    capacity = math.ceil(capacity_factor * int(routed.sum()) / num_experts)
+    # rounded first: 1.1 * 100 / 2 is 55.000000000000007 in floating point, not 56 slots
+    capacity = math.ceil(round(capacity_factor * int(routed.sum()) / num_experts, 9))
     keys_S = torch.where(routed, ids_S, torch.full_like(ids_S, num_experts))
     order_S = torch.sort(keys_S, stable=True).indices
     counts = torch.bincount(keys_S, minlength=num_experts + 1)

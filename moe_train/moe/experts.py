@@ -135,7 +135,7 @@ class Experts(StackedExperts):
             counts_E = torch.full((E,), T, dtype=torch.long)  # on the host: no device sync
             return expert_ffn(x_TD.repeat(E, 1), self.w1_EDF, self.b1_EF, self.w2_EFD,
                               self.b2_ED, counts_E, self.activation_name,
-                              self.grad_buffers).view(E, T, -1)
+                              self.grad_buffers).unflatten(0, (E, T))  # T may be 0
         h_ETF = self.activation(torch.baddbmm(self.b1_EF[:, None], x_TD.expand(E, T, -1),
                                               self.w1_EDF))
         if dropout > 0:

@@ -14,7 +14,9 @@ from torch import nn
 
 from moe_train.errors import ConfigError
 from moe_train.moe.adapters import AdapterExperts
+from moe_train.moe.dispatcher import DenseDispatcher, LocalDispatcher
 from moe_train.moe.experts import Experts, StackedExperts, rows_expert
+from moe_train.moe.routing import Routing
 
 COUNTS = [[3, 0, 5, 1], [0, 0, 9, 0], [2, 2, 2, 2], [0, 0, 0, 0]]
 
@@ -163,3 +165,16 @@ def test_all_experts_equals_the_grouped_rows(activation):
     torch.testing.assert_close(x2.grad, x1.grad, atol=1e-5, rtol=1e-5)
     for (name, p), q in zip(m.named_parameters(), gpu_formula.parameters()):
         torch.testing.assert_close(q.grad, p.grad, atol=1e-5, rtol=1e-5, msg=name)
+
+
+def test_all_experts_on_no_rows() -> None:
+    """A batch of padding only reaches every expert with zero rows: (E, 0, D), as the sorting
+    dispatcher gives (it was a reshape error)."""
+    E, D = 3, 4
+    m = Experts(E, D, 5)
+    assert m(torch.zeros(0, D), None).shape == (E, 0, D)
+    routing = Routing(torch.full((2, E), -1), torch.rand(2, E), None, E)  # every token padding
+    x = torch.randn(2, D)
+    for dispatcher in (LocalDispatcher(E), DenseDispatcher(E)):
+        x_ND, counts_E, meta = dispatcher.dispatch(x, routing)
+        assert torch.equal(dispatcher.combine(m(x_ND, counts_E), meta), torch.zeros(2, D))

@@ -392,3 +392,16 @@ def test_triton_dot_precision_follows_torch():
             assert dot_precision(torch.bfloat16) == "tf32"
     finally:
         torch.set_float32_matmul_precision(before)
+
+
+def test_float64_never_takes_the_triton_path() -> None:
+    """The Triton kernels compute in fp32 at most: "auto" keeps float64 on torch (gradcheck on
+    a GPU), and asking for Triton with float64 is one clear error, not fp32-rounded results."""
+    from moe_train.kernels.backend import triton_available, use_triton
+
+    x64 = torch.zeros(2, 2, dtype=torch.float64)
+    assert use_triton(x64, "auto") is False
+    if triton_available():
+        with pytest.raises(ValueError, match="not float64"):
+            use_triton(x64, "triton")
+        assert use_triton(x64.float(), "triton") is True

@@ -216,3 +216,13 @@ def test_builder_gives_task_layers_keeping_k_experts_the_dense_dispatcher():
                               "domains": ["news"]})
     kinds = {name.split("_layers.")[0]: type(layer.dispatcher) for name, layer in moe_layers(model)}
     assert kinds == {"encoder": LocalDispatcher, "decoder": DenseDispatcher}
+
+
+@pytest.mark.parametrize("factor, routed, experts, capacity", [
+    (1.1, 100, 2, 55), (1.1, 50, 5, 11), (1.1, 90, 3, 33), (1.25, 10, 4, 4), (1.0, 7, 2, 4)])
+def test_capacity_is_the_ceiling_of_the_exact_product(factor, routed, experts, capacity):
+    """ceil(c * routed / E) of the exact value: 1.1 * 100 / 2 is 55, though floating point
+    makes it 55.000000000000007 (56 slots before)."""
+    ids = torch.zeros(routed, 1, dtype=torch.long)  # every slot to expert 0
+    kept, dropped = apply_capacity(ids, num_experts=experts, capacity_factor=factor)
+    assert int((kept >= 0).sum()) == capacity and int(dropped) == routed - capacity

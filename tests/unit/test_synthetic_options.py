@@ -70,7 +70,7 @@ def test_ambiguous_words_translate_by_domain_only_when_asked() -> None:
     assert AMBIGUITY_ORDER[:len(AMBIGUOUS)] == AMBIGUOUS
 
 
-@pytest.mark.parametrize("field,value", [("shared_rate", 1.5), ("ambiguous", 25),
+@pytest.mark.parametrize("field,value", [("shared_rate", 1.5), ("shared_rate", 1.0), ("ambiguous", 25),
                                          ("ambiguous_rate", -0.1), ("cue_rate", 0.0),
                                          ("shared_words", -1), ("shared_words", 97)])
 def test_bad_options_name_the_field(field: str, value: float) -> None:
