@@ -20,6 +20,15 @@ from moe_train.config.moe import _expect
 CLASSIFIERS = ("encoder", "tfidf")
 """encoder: the frozen backbone encoder's mean-pooled states plus a linear head, trained
 data-parallel; tfidf: TF-IDF over subword n-grams plus logistic regression (scikit-learn)."""
+GAD_INITS = ("mix", "ad")
+"""mix: GAD starts from the MIX backbone with new adapters and gates (004 Sec. 3.2.2, as AD
+does); ad: from the trained AD adapters (gates new), which gives GAD's adapters AD's updates
+on top of its own."""
+ENCODER_LOSS_NORMS = ("target_tokens", "sentences")
+"""How the encoder gates' loss (one row per sentence) is normalised: target_tokens divides its
+sum over sentences by the batch's target tokens, as the reference code (which adds it to the
+summed translation loss) and seed-notes OD-G4; sentences averages over sentences (about the
+mean target length stronger)."""
 GATE_LOSSES = ("kl", "ce", "none")
 """kl: distil the teacher's domain distribution (Eq. 4); ce: train the gate as a classifier on
 the gold domain (004 Table 9 ablation); none: the translation loss alone."""
@@ -54,7 +63,13 @@ class GatedConfig:
     ad_steps: int = 2000
     """Updates of the AD stage (one adapter per domain, oracle routing, base frozen)."""
     gad_steps: int = 2000
-    """Updates of the GAD stage (initialised from AD; adapters and gates train)."""
+    """Updates of the GAD stage (adapters and gates train; see gad_init)."""
+    gad_init: str = "mix"
+    """Where GAD starts: mix (004: the MIX backbone, adapters and gates new) or ad (the AD
+    stage's adapters; gates new)."""
+    encoder_loss_norm: str = "target_tokens"
+    """Normaliser of the encoder gates' loss: target_tokens (reference code, OD-G4) or
+    sentences (see ENCODER_LOSS_NORMS)."""
     lr: float = 5e-4
     """Peak learning rate of the AD, GAD and TAG stages."""
     upsample: bool = True
@@ -77,6 +92,10 @@ class GatedConfig:
                 f"one of {', '.join(GATE_LOSSES)}", self.gate_loss)
         _expect(self.alpha >= 0, "gated.alpha", "a non-negative number", self.alpha)
         _expect(self.tau > 0, "gated.tau", "a positive number", self.tau)
+        _expect(self.gad_init in GAD_INITS, "gated.gad_init", f"one of {', '.join(GAD_INITS)}",
+                self.gad_init)
+        _expect(self.encoder_loss_norm in ENCODER_LOSS_NORMS, "gated.encoder_loss_norm",
+                f"one of {', '.join(ENCODER_LOSS_NORMS)}", self.encoder_loss_norm)
         _expect(self.classifier in CLASSIFIERS, "gated.classifier",
                 f"one of {', '.join(CLASSIFIERS)}", self.classifier)
         for name in ("classifier_steps", "classifier_batch_sentences", "tfidf_ngrams",

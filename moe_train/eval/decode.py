@@ -22,7 +22,7 @@ from moe_train.eval.search import beam_search, greedy_search
 from moe_train.models.lm_batch import left_padded_prompts
 from moe_train.parallel.zero3 import is_partitioned
 from moe_train.models.context import ForwardContext
-from moe_train.moe.routing import NUM_LANGS_KEY
+from moe_train.moe.routing import NUM_LANGS_KEY, TARGET_TOKENS_KEY
 from moe_train.parallel.collectives import all_gather_object, all_ranks_true
 from moe_train.parallel.runtime import ParallelRuntime
 
@@ -53,8 +53,11 @@ class RawTextLabels:
 
 def batch_context(batch: Batch, pad_id: int, num_langs: int | None = None) -> ForwardContext:
     """The routing context of a batch (padding mask, domain and language ids; the number of
-    languages lets task routers number language pairs)."""
-    extras = {} if num_langs is None else {NUM_LANGS_KEY: num_langs}
+    languages lets task routers number language pairs; the real target tokens normalise
+    sentence-level gate losses as the translation loss is)."""
+    extras: dict = {TARGET_TOKENS_KEY: batch.n_tgt_tokens}
+    if num_langs is not None:
+        extras[NUM_LANGS_KEY] = num_langs
     return ForwardContext(src_pad_mask_BS=batch.src_tokens_BS.eq(pad_id),
                           domain_ids_B=batch.domain_ids_B, src_lang_B=batch.src_lang_B,
                           tgt_lang_B=batch.tgt_lang_B, extras=extras)

@@ -10,12 +10,14 @@ a `DenseDispatcher` (no sort) and the adapters run as one batched GEMM per proje
 The gate is trained by distillation from a domain classifier: with the teacher's per-sentence
 distribution in ``ForwardContext.extras[TEACHER_PROBS_KEY]`` (a trainer hook puts it there),
 each gate adds alpha * tau^2 * KL(P_clf,tau || P_g,tau) (Eqs. 4-5), P_g,tau = softmax(W_g agg /
-tau), averaged over the gate's rows (sentences in the encoder, real target positions in the
-decoder) and summed over gates; or alpha * CE(W_g agg, gold domain) (gate_loss ce). Without the
-teacher (inference, evaluation) there is no gate loss. Normalisation: the reference sums every
-row's KL and divides by the batch's target tokens; decoder gates weigh the same here, encoder
-gates (one row per sentence, averaged over sentences) about the mean target length more: a
-sentence-level gate's loss does not shrink with the length of the translation.
+tau), summed over gates; or alpha * CE(W_g agg, gold domain) (gate_loss ce). Normalisation,
+as the reference code (which adds the gate losses to the summed translation loss) and seed-notes
+OD-G4: a decoder gate's loss is its mean over the real target positions, an encoder gate's (one
+row per sentence) its sum over sentences divided by the batch's real target tokens
+(``extras[TARGET_TOKENS_KEY]``); ``gated.encoder_loss_norm: sentences`` averages the encoder's
+over sentences instead (about the mean target length stronger). Evaluation and inference have
+no gate loss; training without the teacher's probabilities is refused (the gates would train
+on translation alone while the config says kl).
 
 Shape legend: T tokens (flattened B x length), B sentences, D model dim, E adapters (domains).
 """
@@ -31,7 +33,8 @@ from moe_train.config.moe import RouterConfig
 from moe_train.errors import ConfigError
 from moe_train.moe import losses
 from moe_train.moe.gating import Router, _require_sentences, _sentence_pad_mask
-from moe_train.moe.routing import Routing, RoutingContext, context_rows, expand_rows
+from moe_train.moe.routing import (TARGET_TOKENS_KEY, Routing, RoutingContext, context_rows,
+                                    expand_rows)
 
 TEACHER_PROBS_KEY = "teacher_probs_BE"
 """Extras key of the domain classifier's distribution over the E domains, per sentence."""
@@ -93,10 +96,12 @@ class GatedRouter(Router):
             if not per_sentence:
                 gold_N = gold_N.index_select(0, rctx.sentence_ids_T)
             ce_N = F.cross_entropy(logits_NE, gold_N, reduction="none")
-            return {"gad_gate_ce": g.alpha * losses.masked_mean(ce_N, pad_N)}
+            return {"gad_gate_ce": g.alpha * self._normalised(ce_N, pad_N, rctx)}
         teacher_BE = rctx.extras.get(TEACHER_PROBS_KEY)
         if teacher_BE is None:
-            return {}  # no teacher for this batch (e.g. a dev pass): translation loss alone
+            raise ConfigError("gated.gate_loss: kl distils the domain classifier's "
+                              "probabilities, which this training batch lacks; train GAD with "
+                              "`moe-train pipeline gad`, or set gated.gate_loss to ce or none")
         if teacher_BE.shape != (rctx.num_sentences, self.num_experts):
             raise ConfigError(f"gated: teacher probabilities of shape {tuple(teacher_BE.shape)}"
                               f", expected ({rctx.num_sentences}, {self.num_experts}): one "
@@ -104,5 +109,18 @@ class GatedRouter(Router):
         if not per_sentence:
             teacher_BE = teacher_BE.index_select(0, rctx.sentence_ids_T)
         kl_N = losses.distillation_kl(logits_NE, teacher_BE, g.tau, g.teacher_as_logits)
-        return {"gad_gate_kd": g.alpha * g.tau ** 2 * losses.masked_mean(kl_N, pad_N)}
+        return {"gad_gate_kd": g.alpha * g.tau ** 2 * self._normalised(kl_N, pad_N, rctx)}
+
+    def _normalised(self, loss_N: Tensor, pad_N: Tensor | None, rctx: RoutingContext) -> Tensor:
+        """A gate loss over its real rows: the mean over target positions (decoder); over
+        sentences, their sum per real target token of the batch (encoder, target_tokens) or
+        their mean (sentences)."""
+        if rctx.side != "encoder" or self.gated.encoder_loss_norm == "sentences":
+            return losses.masked_mean(loss_N, pad_N)
+        tokens = rctx.extras.get(TARGET_TOKENS_KEY)
+        if tokens is None:
+            raise ConfigError("gated.encoder_loss_norm: target_tokens needs the batch's target "
+                              "token count, which this forward lacks; use sentences")
+        keep_N = 1.0 if pad_N is None else (~pad_N).to(torch.float32)
+        return (loss_N.float() * keep_N).sum() / max(int(tokens), 1)
 

@@ -26,6 +26,9 @@ from moe_train.models.context import SENTENCE_REPR_KEY, SIDES, ForwardContext, S
 
 NUM_LANGS_KEY = "num_langs"
 """`ForwardContext.extras` key of the number of languages (needed by task_source lang_pair)."""
+TARGET_TOKENS_KEY = "target_tokens"
+"""`ForwardContext.extras` key of a batch's real target tokens (the translation loss's
+normaliser)."""
 
 
 @dataclass(frozen=True, eq=False)

@@ -3,7 +3,8 @@
 - `ad` (AD): one adapter per domain after every encoder and decoder layer, routed by the gold
   domain (`task` router, identity assignment), on the frozen MIX backbone.
 - `gad` (GAD): the same adapters mixed by the per-layer soft gates (``adapters.router: gated``),
-  initialised from AD (gates fresh), base frozen, gates distilled from the classifier's
+  initialised from MIX as AD is (004 Sec. 3.2.2; ``gated.gad_init: ad`` starts from AD's
+  adapters), gates new, base frozen, gates distilled from the classifier's
   training-split probabilities (`TeacherProbs`) or trained with CE on the gold domain.
 - `tag` (TAG): MIX fine-tuned, every parameter, on the same corpora prepared with a domain tag
   in the source (``gated.tag_prepared_dir``, same sentencepiece model).
@@ -98,7 +99,7 @@ class FrozenCheck:
 
 
 def _train(ctx: StageContext, stage: str, cfg: ExperimentConfig, init: Any,
-           extra: list[TrainerHooks]) -> dict[str, Any]:
+           extra: list[TrainerHooks], source: Path) -> dict[str, Any]:
     trainer = Trainer(cfg, ctx.rt, resume=latest_tag(cfg.checkpoint.dir) is not None,
                       hooks=[InitModel(init), *extra])
     model = trainer.engine.module
@@ -107,7 +108,8 @@ def _train(ctx: StageContext, stage: str, cfg: ExperimentConfig, init: Any,
     summary = trainer.fit()
     return ctx.finish(stage, training_summary(summary) | check.report(model)
                       | {"router": cfg.adapters.router, "trainable_parameters": trainable,
-                         "precision": str(next(model.parameters()).dtype)}, cfg)
+                         "precision": str(next(model.parameters()).dtype),
+                         "initialised_from": str(source)}, cfg)
 
 
 def run_ad(ctx: StageContext) -> dict[str, Any]:
@@ -122,7 +124,7 @@ def run_ad(ctx: StageContext) -> dict[str, Any]:
         load_backbone(model, backbone, source)
         freeze_base(model, cfg)
 
-    return _train(ctx, "ad", cfg, init, [])
+    return _train(ctx, "ad", cfg, init, [], source)
 
 
 def run_gad(ctx: StageContext) -> dict[str, Any]:
@@ -130,18 +132,22 @@ def run_gad(ctx: StageContext) -> dict[str, Any]:
     done = ctx.reuse("gad", cfg)
     if done is not None:
         return done
-    ctx.require("ad", "gad")
-    source = export_dir(ctx, "ad")
-    ad = load_export_weights(source)
+    from_ad = cfg.gated.gad_init == "ad"
+    source = (export_dir(ctx, "ad") if from_ad
+              else ctx.require("backbone", "gad") / "checkpoints" / "export")
+    start = load_export_weights(source)
     extra: list[TrainerHooks] = []
     if cfg.gated.gate_loss == "kl":  # one row per training sentence, one column per adapter
         extra.append(TeacherProbs(load_probs(ctx, "train", "gad")))
 
     def init(model: nn.Module) -> None:
-        load_matching(model, ad, source, new=_gate_keys(model))
+        if from_ad:  # AD's adapters, new gates
+            load_matching(model, start, source, new=_gate_keys(model))
+        else:  # MIX, new adapters and gates, as AD starts
+            load_backbone(model, start, source)
         freeze_base(model, cfg)
 
-    return _train(ctx, "gad", cfg, init, extra)
+    return _train(ctx, "gad", cfg, init, extra, source)
 
 
 def run_tag(ctx: StageContext) -> dict[str, Any]:
@@ -170,4 +176,4 @@ def run_tag(ctx: StageContext) -> dict[str, Any]:
     def init(model: nn.Module) -> None:
         load_matching(model, backbone, source, new=set())
 
-    return _train(ctx, "tag", cfg, init, [])
+    return _train(ctx, "tag", cfg, init, [], source)

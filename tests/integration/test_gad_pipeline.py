@@ -36,8 +36,9 @@ def gad_run(tmp_path_factory):
     generate_synthetic(root / "corpus", num_domains=4, train_per_domain=200, dev_per_domain=10,
                        test_per_domain=10, seed=5)
     cfg = load_config(CONFIG, ["data.domain_tags=true"])
-    prepare(discover(root / "corpus"), root / "prepared", load_config(CONFIG).data, seed=1)
-    prepare(discover(root / "corpus"), root / "tagged", cfg.data, seed=1)
+    pairs = cfg.data.pairs  # en -> de, as the recipe reads the de-en files
+    prepare(discover(root / "corpus", pairs), root / "prepared", load_config(CONFIG).data, seed=1)
+    prepare(discover(root / "corpus", pairs), root / "tagged", cfg.data, seed=1)
     overrides = [f"data.prepared_dir={root / 'prepared'}", f"moa.workdir={root / 'run'}",
                  f"gated.tag_prepared_dir={root / 'tagged'}", *SHORT]
     proc = run_cli(["pipeline", "gad", "--config", CONFIG, *overrides], ROOT, timeout=900)
@@ -87,6 +88,8 @@ def test_frozen_parameters_are_bitwise_unchanged(gad_run):
     assert base and all(".adapter." not in k for k in base)
     assert all(torch.equal(mix[k], ad[k]) and torch.equal(mix[k], gad[k]) for k in base)
     assert summary["ad"]["frozen_unchanged"] and summary["gad"]["frozen_unchanged"]
+    mix_export = str(root / "run" / "backbone" / "checkpoints" / "export")
+    assert summary["ad"]["initialised_from"] == summary["gad"]["initialised_from"] == mix_export
     gates = [k for k in gad if k.endswith("router.gate.weight")]
     assert len(gates) == 4 and not any(k in ad for k in gates)  # one gate per layer, new
     adapter = "encoder_layers.0.adapter.moe.experts.w_down_EDR"
@@ -122,7 +125,7 @@ def test_bad_input_fails_in_one_line(gad_run, tmp_path):
         assert len(lines) == 1, proc.stderr[-2000:]
         return lines[0]
 
-    assert "stage gad: needs the output of stage ad" in fails(
+    assert "stage gad: needs the output of stage classifier" in fails(
         "--stage", "gad", *base, f"moa.workdir={tmp_path / 'a'}")
     assert "adapters.num_experts: expected one adapter per domain (4" in fails(
         "--stage", "ad", *base, f"moa.workdir={tmp_path / 'b'}", "adapters.num_experts=3")

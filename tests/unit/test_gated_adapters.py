@@ -22,9 +22,10 @@ from moe_train.moe.adapters import AdapterExperts, AdapterSlot
 from moe_train.moe.dispatcher import DenseDispatcher
 from moe_train.moe.gated_router import TEACHER_PROBS_KEY, GatedRouter
 from moe_train.moe.layer import MoELayer
-from moe_train.moe.routing import RoutingContext
+from moe_train.moe.routing import TARGET_TOKENS_KEY, RoutingContext
 
 D = E = 4
+TOKENS = {TARGET_TOKENS_KEY: 10}  # the batch's real target tokens: the encoder loss normaliser
 # Sentence 0: three real tokens; sentence 1: one real token, then padding (50s).
 X_TD = torch.tensor([[4.0, 0, 0, 0], [0, 4, 0, 0], [0, 0, 0, 8],
                      [2.0, 2, 2, 2], [50.0, 50, 50, 50], [50.0, 50, 50, 50]])
@@ -63,7 +64,7 @@ def test_encoder_gate_is_one_softmax_of_the_masked_source_mean_per_sentence() ->
     assert routing.aux_losses == {}
     assert routing.stats["tokens_per_expert"].tolist() == [4, 4, 4, 4]  # the real tokens
     assert "routing_entropy" not in routing.stats  # logged for training steps only
-    train_stats = _router().train()(X_TD, _rctx()).stats
+    train_stats = _router(gate_loss="none").train()(X_TD, _rctx()).stats
     assert train_stats["tokens_per_expert"].tolist() == [4, 4, 4, 4]
     assert 0 < train_stats["routing_entropy"] < math.log(4)
 
@@ -156,18 +157,26 @@ def _kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor, tau: float) 
 
 @pytest.mark.parametrize("as_logits", [False, True])
 def test_kd_loss_encoder_is_alpha_tau2_kl_per_sentence(as_logits: bool) -> None:
-    """Encoder rows are sentences: mean over the two real sentences of KL(teacher_tau ||
-    softmax(agg / tau)); the teacher softened from log p (default) or from p (reference)."""
+    """Encoder rows are sentences: KL(teacher_tau || softmax(agg / tau)) summed over the two
+    real sentences per real target token of the batch (the reference code, OD-G4), or averaged
+    over sentences (encoder_loss_norm sentences); the teacher softened from log p or from p."""
     router = _router(alpha=0.5, tau=0.5, teacher_as_logits=as_logits).train()
-    routing = router(X_TD, _rctx(**{TEACHER_PROBS_KEY: TEACHER_BE}))
+    routing = router(X_TD, _rctx(**{TEACHER_PROBS_KEY: TEACHER_BE}, **TOKENS))
     aggs = [torch.tensor([4 / 3, 4 / 3, 0, 8 / 3]), torch.full((4,), 2.0)]
     t_logits = TEACHER_BE if as_logits else TEACHER_BE.log()
-    want = 0.5 * 0.5 ** 2 * (_kl(aggs[0], t_logits[0], 0.5) + _kl(aggs[1], t_logits[1], 0.5)) / 2
+    kl_sum = _kl(aggs[0], t_logits[0], 0.5) + _kl(aggs[1], t_logits[1], 0.5)
+    want = 0.5 * 0.5 ** 2 * kl_sum / 10
     assert abs(routing.aux_losses["gad_gate_kd"].item() - want) < 1e-6
+    per_sentence = _router(alpha=0.5, tau=0.5, teacher_as_logits=as_logits,
+                           encoder_loss_norm="sentences").train()
+    assert abs(per_sentence(X_TD, _rctx(**{TEACHER_PROBS_KEY: TEACHER_BE})).aux_losses[
+        "gad_gate_kd"].item() - 0.5 * 0.5 ** 2 * kl_sum / 2) < 1e-6
     # The gate temperature beta does not enter the distillation (it is W_g agg / tau).
     other = _router(alpha=0.5, tau=0.5, teacher_as_logits=as_logits, temperature=7.0).train()
-    assert abs(other(X_TD, _rctx(**{TEACHER_PROBS_KEY: TEACHER_BE})).aux_losses[
+    assert abs(other(X_TD, _rctx(**{TEACHER_PROBS_KEY: TEACHER_BE}, **TOKENS)).aux_losses[
         "gad_gate_kd"].item() - want) < 1e-6
+    with pytest.raises(ConfigError, match="encoder_loss_norm"):  # no token count given
+        router(X_TD, _rctx(**{TEACHER_PROBS_KEY: TEACHER_BE}))
 
 
 def test_kd_loss_decoder_averages_every_real_target_position() -> None:
@@ -185,29 +194,33 @@ def test_kd_loss_is_zero_when_the_gate_matches_the_teacher() -> None:
     router = _router(tau=1.0, teacher_as_logits=False).train()
     teacher = torch.stack([torch.tensor([4 / 3, 4 / 3, 0, 8 / 3]).softmax(-1),
                            torch.full((4,), 0.25)])
-    loss = router(X_TD, _rctx(**{TEACHER_PROBS_KEY: teacher})).aux_losses["gad_gate_kd"]
+    loss = router(X_TD, _rctx(**{TEACHER_PROBS_KEY: teacher}, **TOKENS)).aux_losses["gad_gate_kd"]
     assert abs(loss.item()) < 1e-6
     assert losses.distillation_kl(torch.zeros(1, 4), torch.full((1, 4), 0.25), 0.1).item() == \
         pytest.approx(0.0, abs=1e-6)
 
 
 def test_ce_gate_loss_on_the_gold_domain() -> None:
-    """gate_loss ce (004 Table 9): alpha * CE(W_g agg, gold) over real rows; needs the gold."""
+    """gate_loss ce (004 Table 9): alpha * CE(W_g agg, gold) over real rows, normalised as the
+    KL is (encoder: per target token); needs the gold."""
     router = _router(gate_loss="ce", alpha=0.5).train()
     assert router.task_source == "domain"
     gold = torch.tensor([3, 1])
-    routing = router(X_TD, _rctx(task_ids_B=gold))
+    routing = router(X_TD, _rctx(task_ids_B=gold, **TOKENS))
     aggs = torch.stack([torch.tensor([4 / 3, 4 / 3, 0, 8 / 3]), torch.full((4,), 2.0)])
-    want = 0.5 * F.cross_entropy(aggs, gold).item()
+    want = 0.5 * F.cross_entropy(aggs, gold, reduction="sum").item() / 10
     assert abs(routing.aux_losses["gad_gate_ce"].item() - want) < 1e-6
     with pytest.raises(ConfigError, match="gold domain"):
-        router(X_TD, _rctx())
+        router(X_TD, _rctx(**TOKENS))
     with pytest.raises(ConfigError, match="adapters.num_experts: domain id 4"):
-        router(X_TD, _rctx(task_ids_B=torch.tensor([4, 0])))
+        router(X_TD, _rctx(task_ids_B=torch.tensor([4, 0]), **TOKENS))
 
 
-def test_no_gate_loss_without_teacher_in_eval_or_when_off() -> None:
-    assert _router().train()(X_TD, _rctx()).aux_losses == {}  # no teacher in this batch
+def test_no_gate_loss_in_eval_or_when_off_and_no_kl_training_without_teacher() -> None:
+    """Training gates with kl but no teacher (`moe-train train` of a gated config, outside the
+    gad recipe) is refused: they would learn from translation alone."""
+    with pytest.raises(ConfigError, match="pipeline gad"):
+        _router().train()(X_TD, _rctx(**TOKENS))
     assert _router()(X_TD, _rctx(**{TEACHER_PROBS_KEY: TEACHER_BE})).aux_losses == {}  # eval
     for off in ({"gate_loss": "none"}, {"alpha": 0.0}):
         routing = _router(**off).train()(X_TD, _rctx(**{TEACHER_PROBS_KEY: TEACHER_BE}))
@@ -222,7 +235,9 @@ def test_teacher_of_the_wrong_width_is_a_clear_error() -> None:
 def test_config_checks() -> None:
     for bad, field in (({"temperature": 0.0}, "gated.temperature"),
                        ({"gate_loss": "mse"}, "gated.gate_loss"),
-                       ({"alpha": -1.0}, "gated.alpha"), ({"tau": 0.0}, "gated.tau")):
+                       ({"alpha": -1.0}, "gated.alpha"), ({"tau": 0.0}, "gated.tau"),
+                       ({"gad_init": "tag"}, "gated.gad_init"),
+                       ({"encoder_loss_norm": "tokens"}, "gated.encoder_loss_norm")):
         with pytest.raises(ConfigError, match=field):
             GatedConfig(**bad)
     with pytest.raises(ConfigError, match="moe.ep_size"):
