@@ -275,15 +275,23 @@ def cmd_translate(args: argparse.Namespace) -> int:
 
 
 def _prepared_split(inf, prepared_arg: str | None, split: str):
-    """The prepared split to score, checked against the model's sentencepiece model."""
-    from moe_train.data.shards import ShardedDataset
+    """The prepared split to score, checked against the model: its sentencepiece model, and
+    its domain and language lists (the ids of the data are read with the model's names)."""
+    from moe_train.data.shards import nonempty_split
 
     prepared = Path(prepared_arg or inf.cfg.data.prepared_dir)
     if (prepared / "spm.model").is_file() and \
             (prepared / "spm.model").read_bytes() != (inf.source / "spm.model").read_bytes():
         raise DataError(f"{prepared}: prepared with another sentencepiece model than "
                         f"{inf.source}")
-    return ShardedDataset(prepared, split)
+    dataset = nonempty_split(prepared, split)
+    for key in ("domains", "langs"):
+        ours, theirs = dataset.manifest.get(key, []), inf.manifest.get(key, [])
+        if list(ours) != list(theirs):
+            raise DataError(f"{prepared}: its {key} {', '.join(ours) or 'none'} are not the "
+                            f"model's ({', '.join(theirs) or 'none'}, {inf.source}); prepare "
+                            "the data with the model's data settings")
+    return dataset
 
 
 def cmd_params(args: argparse.Namespace) -> int:

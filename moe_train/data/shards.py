@@ -275,3 +275,13 @@ class ShardedDataset:
         """Original (whitespace-normalised) target text of sentence i: the BLEU reference."""
         c, j = self._locate(i)
         return self._raw_lines("tgt", c)[j]
+
+
+def nonempty_split(prepared_dir: str | os.PathLike, split: str) -> ShardedDataset:
+    """`split` of the prepared data, refused in one line when it holds no sentence (a split
+    carved with ``data.<split>_per_domain=0``): nothing to train on, validate or score."""
+    dataset = ShardedDataset(prepared_dir, split)
+    if len(dataset) == 0:
+        knob = "" if split == "train" else f" (prepared with data.{split}_per_domain=0?)"
+        raise DataError(f"{dataset.prepared_dir / split}: holds no sentences{knob}")
+    return dataset

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from moe_train.data.shards import ShardedDataset
+from moe_train.data.shards import ShardedDataset, nonempty_split
 from moe_train.errors import ConfigError
 from moe_train.parallel.collectives import barrier
 from moe_train.stages.classifier_core import (DomainClassifier, EncoderClassifier,
@@ -44,7 +44,9 @@ def _datasets(ctx: StageContext) -> dict[str, ShardedDataset]:
     if missing:
         raise ConfigError(f"stage {STAGE}: {prepared} has no {missing[0]} split (prepare "
                           "carves dev and test from train when the data has none)")
-    return {"train": train, **{s: ShardedDataset(prepared, s) for s in SPLITS[1:]}}
+    if len(train) == 0:
+        nonempty_split(prepared, "train")  # the one-line error
+    return {"train": train, **{s: nonempty_split(prepared, s) for s in SPLITS[1:]}}
 
 
 def _fit(ctx: StageContext, train: ShardedDataset, num_domains: int) -> tuple[

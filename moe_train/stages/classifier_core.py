@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from moe_train.errors import CheckpointError
+from moe_train.errors import CheckpointError, ConfigError
 from moe_train.stages.common import StageContext
 from moe_train.stages.features import encode_sentences
 from moe_train.stages.probe import predict_probs
@@ -53,6 +53,11 @@ class TfidfClassifier:
         from sklearn.linear_model import LogisticRegression
         from sklearn.pipeline import make_pipeline
 
+        present = np.unique(labels_N)
+        if len(present) < 2:
+            raise ConfigError(f"gated.classifier: tfidf needs sentences of at least two domains "
+                              f"in the training split, got {len(present)}; use the encoder "
+                              "classifier")
         pipeline = make_pipeline(
             TfidfVectorizer(token_pattern=r"\S+", ngram_range=(1, ngrams), sublinear_tf=True,
                             min_df=2, lowercase=False),

@@ -22,7 +22,7 @@ import torch
 from moe_train.config.schema import ExperimentConfig
 from moe_train.data.batching import Batch, TrainBatchIterator, eval_batches
 from moe_train.data.prepare import load_manifest, load_vocab, tokenizer_files
-from moe_train.data.shards import ShardedDataset
+from moe_train.data.shards import ShardedDataset, nonempty_split
 from moe_train.errors import MoeTrainError
 from moe_train.eval.decode import batch_context
 from moe_train.eval.evaluate import evaluate_dataset
@@ -90,8 +90,9 @@ class Trainer:
         self.manifest = load_manifest(prepared)
         self.vocab = load_vocab(prepared)
         self.tokenizer_files = tokenizer_files(prepared, self.manifest)
-        self.train_set = ShardedDataset(prepared, "train")
-        self.dev_set = ShardedDataset(prepared, "dev") if "dev" in self.manifest["splits"] else None
+        self.train_set = nonempty_split(prepared, "train")
+        dev = ShardedDataset(prepared, "dev") if "dev" in self.manifest["splits"] else None
+        self.dev_set = dev if dev is not None and len(dev) else None  # empty: no validation
 
         if cfg.uses_experts:
             check_moe_against_data(cfg, self.manifest)

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from moe_train.errors import CheckpointError
+from moe_train.errors import CheckpointError, ConfigError
 from moe_train.stages import gad_efficiency
 from moe_train.stages.classifier_core import EncoderClassifier, TfidfClassifier, domain_report
 from moe_train.stages.common import load_matching
@@ -56,6 +56,12 @@ def test_tfidf_classifier_learns_domains_and_round_trips(tmp_path):
     clf.save(tmp_path / "clf.skops")
     np.testing.assert_array_equal(TfidfClassifier.load(tmp_path / "clf.skops")
                                   .predict_proba(test, idx), probs)
+
+
+def test_tfidf_classifier_of_one_domain_is_one_line() -> None:
+    """scikit-learn's logistic regression refuses one class: a config error, not a traceback."""
+    with pytest.raises(ConfigError, match="tfidf needs sentences of at least two domains"):
+        TfidfClassifier.fit(["1 2 3", "1 2 4"], np.array([0, 0]), num_domains=1, ngrams=1)
 
 
 def test_encoder_classifier_head_round_trips_and_refuses_other_files(tmp_path):

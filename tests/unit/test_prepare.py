@@ -14,7 +14,7 @@ from moe_train.config.schema import DataConfig
 from moe_train.data.corpus import CorpusFiles, discover, plain_corpus, read_pairs
 from moe_train.data.prepare import _carve_sizes, _encode_split, load_manifest, load_vocab, \
     prepare
-from moe_train.data.shards import ShardedDataset, write_shard
+from moe_train.data.shards import ShardedDataset, nonempty_split, write_shard
 from moe_train.data.vocab import Vocab, train_sentencepiece
 from moe_train.errors import DataError
 from moe_train.utils.atomic import write_json
@@ -430,3 +430,22 @@ def test_real_opus_de_en_two_domains(tmp_path: Path) -> None:
     dev, vocab = ShardedDataset(tmp_path / "out", "dev"), load_vocab(tmp_path / "out")
     assert dev.corpus_sizes == [200 - splits["dev"]["skipped_too_long"][c] for c in range(2)]
     assert list(dev.src(0)) == vocab.encode(dev.raw_src(0))
+
+
+def test_an_empty_split_is_one_line_where_it_must_hold_sentences(tmp_path: Path) -> None:
+    """dev/test carved with 0 per domain are listed but empty: training validates nothing on
+    them; scoring or classifying them is one DataError, not an IndexError from sacrebleu."""
+    folder = tmp_path / "data"
+    folder.mkdir()
+    src, tgt = _sentences(20, seed=9)
+    (folder / "s.de").write_text("\n".join(src) + "\n", encoding="utf-8")
+    (folder / "s.en").write_text("\n".join(tgt) + "\n", encoding="utf-8")
+    corpus = plain_corpus(folder / "s.de", folder / "s.en", "d", "de", "en")
+    manifest = prepare([corpus], tmp_path / "out", _cfg(dev_per_domain=0, test_per_domain=0))
+    assert {"dev", "test"} <= set(manifest["splits"])
+    assert len(nonempty_split(tmp_path / "out", "train")) == 20
+    for split in ("dev", "test"):
+        assert len(ShardedDataset(tmp_path / "out", split)) == 0
+        with pytest.raises(DataError, match=f"out/{split}: holds no sentences .*"
+                                            f"data.{split}_per_domain=0"):
+            nonempty_split(tmp_path / "out", split)

@@ -1,0 +1,36 @@
+"""`evaluate` / `routing-stats` read a prepared split with the model's domain and language
+names: data prepared with other lists (a domain subset, another language set) would be
+scored under the wrong names, so it is refused in one line."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from types import SimpleNamespace
+
+import pytest
+
+from moe_train.commands import _prepared_split
+from moe_train.errors import DataError
+
+
+def _model(prepared, tmp_path, **manifest_changes):
+    """An inference bundle of a model trained on `prepared`, its manifest changed."""
+    manifest = {**json.loads((prepared / "manifest.json").read_text()), **manifest_changes}
+    source = tmp_path / "export"
+    source.mkdir()
+    shutil.copy(prepared / "spm.model", source / "spm.model")
+    return SimpleNamespace(source=source, manifest=manifest,
+                           cfg=SimpleNamespace(data=SimpleNamespace(prepared_dir=str(prepared))))
+
+
+def test_the_model_s_own_data_is_read(tiny_prepared, tmp_path) -> None:
+    assert len(_prepared_split(_model(tiny_prepared, tmp_path), None, "test")) > 0
+
+
+@pytest.mark.parametrize("key", ["domains", "langs"])
+def test_data_with_other_names_is_refused(tiny_prepared, tmp_path, key) -> None:
+    theirs = json.loads((tiny_prepared / "manifest.json").read_text())[key]
+    inf = _model(tiny_prepared, tmp_path, **{key: list(reversed(theirs))})
+    with pytest.raises(DataError, match=f"its {key} .* are not the model's"):
+        _prepared_split(inf, str(tiny_prepared), "test")
