@@ -254,7 +254,7 @@ def _translate_raw(inf, args: argparse.Namespace, source: str, lines: list[str],
 def cmd_translate(args: argparse.Namespace) -> int:
     """Read and check the whole input, translate it all, then write (nothing on any error)."""
     from moe_train.data.corpus import read_text_input
-    from moe_train.utils.atomic import check_out_file, write_text
+    from moe_train.utils.atomic import check_out_file, lines_text, write_text
 
     source, lines = read_text_input(args.input)  # before the model: bad input fails fast
     if args.output != "-":
@@ -266,7 +266,7 @@ def cmd_translate(args: argparse.Namespace) -> int:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     inf = load_for_inference(args.checkpoint, device)
     hyps = _translate_raw(inf, args, source, lines, _eval_config(args, inf.cfg.eval), device)
-    text = "".join(h + "\n" for h in hyps)
+    text = lines_text(hyps)
     if args.output == "-":
         sys.stdout.write(text)
     else:
@@ -395,7 +395,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     from moe_train.eval.evaluate import evaluate_dataset, format_table
     from moe_train.eval.metrics import corpus_metrics
     from moe_train.train.export import load_for_inference
-    from moe_train.utils.atomic import atomic_path, check_out_file, write_target
+    from moe_train.utils.atomic import atomic_path, check_out_file, lines_text, write_target
 
     inputs = {"--src": args.src, "--ref": args.ref}
     outputs = {flag: check_out_file(path, flag, inputs)
@@ -408,7 +408,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     ecfg = _eval_config(args, inf.cfg.eval)
     if args.src:
         hyps = _translate_raw(inf, args, source, src, ecfg, rt.device)
-        metrics = {"all": corpus_metrics(hyps, refs), "domains": {}, "pairs": {}}
+        metrics = {"all": corpus_metrics(hyps, refs, args.tgt_lang), "domains": {}, "pairs": {}}
         ordered = hyps
     else:
         dataset = _prepared_split(inf, args.prepared, args.split)
@@ -419,7 +419,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
         if metrics["domains"]:
             print(format_table(metrics))
         result = {"checkpoint": str(inf.source), "beam": ecfg.beam, **metrics}
-        texts = {"--hyps": "".join(h + "\n" for h in ordered),
+        texts = {"--hyps": lines_text(ordered),
                  "--json": json.dumps(result, indent=2, sort_keys=True) + "\n"}
         with contextlib.ExitStack() as stack:  # both files are renamed once both are written
             for flag, path in outputs.items():

@@ -30,6 +30,8 @@ def evaluate_dataset(model: torch.nn.Module, dataset: Any, vocab: Vocab, manifes
     `routing` and an MoE model, see `add_routing_metrics` (one teacher-forced forward per batch
     of the same sentences, much cheaper than the search).
     """
+    if len(dataset):  # the references exist (dev / test keep raw text) before hours of search
+        dataset.raw_tgt(0 if indices is None or not len(indices) else int(indices[0]))
     hyps = translate_dataset(model, dataset, vocab, rt, ecfg, max_tokens, indices=indices,
                              beam=beam)
     order = sorted(hyps)
@@ -43,7 +45,9 @@ def evaluate_dataset(model: torch.nn.Module, dataset: Any, vocab: Vocab, manifes
         by_pair[pair].append(i)
 
     def score(ids: list[int]) -> dict[str, Any]:
-        return corpus_metrics([hyps[i] for i in ids], [refs[i] for i in ids])
+        targets = {int(dataset.tgt_lang_ids[i]) for i in ids}  # one: its tokenizer; mixed: 13a
+        tgt = langs[targets.pop()] if len(targets) == 1 else None
+        return corpus_metrics([hyps[i] for i in ids], [refs[i] for i in ids], tgt)
 
     metrics = {"all": score(order),
                "domains": {d: score(ids) for d, ids in sorted(by_domain.items())},

@@ -2,16 +2,42 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any, Sequence
 
 from sacrebleu.metrics import BLEU, CHRF
 
+SCRIPT_TOKENIZERS = {"zh": ("zh", r"[\u4e00-\u9fff]"),
+                     "ja": ("ja-mecab", r"[\u3040-\u30ff\u4e00-\u9fff]"),
+                     "ko": ("ko-mecab", r"[\uac00-\ud7af]")}
+"""Target languages whose text has no spaces between words: sacreBLEU's tokenizer for each
+(what its command line picks for ``-l xx-zh`` and so on) and the script that needs it."""
 
-def corpus_metrics(hyps: Sequence[str], refs: Sequence[str]) -> dict[str, Any]:
-    """Corpus BLEU and chrF of `hyps` against one reference each (sacreBLEU defaults: 13a)."""
+
+def bleu_tokenizer(tgt_lang: str | None, refs: Sequence[str]) -> str:
+    """sacreBLEU's tokenizer for references in `tgt_lang`: its own for Chinese, Japanese and
+    Korean text in their scripts (Japanese and Korean fall back to characters where MeCab is not
+    installed), 13a for everything else (romanised text included)."""
+    name, script = SCRIPT_TOKENIZERS.get(tgt_lang or "", ("13a", None))
+    if script is None or not any(re.search(script, r) for r in refs):
+        return "13a"
+    if name.endswith("mecab"):
+        try:
+            BLEU(tokenize=name)
+        except (RuntimeError, ImportError):  # sacrebleu[ja] / [ko] not installed
+            return "char"
+    return name
+
+
+def corpus_metrics(hyps: Sequence[str], refs: Sequence[str],
+                   tgt_lang: str | None = None) -> dict[str, Any]:
+    """Corpus BLEU and chrF of `hyps` against one reference each (sacreBLEU defaults; BLEU's
+    tokenizer by the target language, `bleu_tokenizer`; the signature records it)."""
     if len(hyps) != len(refs):
         raise ValueError(f"{len(hyps)} hypotheses but {len(refs)} references")
-    bleu, chrf = BLEU(), CHRF()
+    if not hyps:
+        raise ValueError("no sentences to score")
+    bleu, chrf = BLEU(tokenize=bleu_tokenizer(tgt_lang, refs)), CHRF()
     b = bleu.corpus_score(list(hyps), [list(refs)])
     c = chrf.corpus_score(list(hyps), [list(refs)])
     return {"bleu": round(b.score, 2), "chrf": round(c.score, 2), "sentences": len(hyps),

@@ -133,9 +133,15 @@ def _ratios(num: np.ndarray, den: np.ndarray, names: list[str]) -> dict[str, flo
 
 
 def _side(layer: str) -> str:
+    """encoder / decoder of a layer name; a decoder-only model's layers are its decoder."""
+    from moe_train.eval.params import DECODER_ONLY_PREFIXES
+
     head = layer.split(".", 1)[0]
-    return "encoder" if head.startswith("encoder") else "decoder" \
-        if head.startswith("decoder") else "other"
+    if head.startswith("encoder"):
+        return "encoder"
+    if head.startswith("decoder") or layer.startswith(DECODER_ONLY_PREFIXES):
+        return "decoder"
+    return "other"
 
 
 def _mean(values: list[float | None]) -> float | None:

@@ -50,7 +50,7 @@ from moe_train.stages.common import StageContext, quality_decoding
 from moe_train.stages.distill import gate_labels, load_gate
 from moe_train.stages.features import encode_sentences
 from moe_train.train.export import InferenceModel, load_for_inference
-from moe_train.utils.atomic import write_json, write_text
+from moe_train.utils.atomic import lines_text, write_json, write_text
 from moe_train.utils.provenance import digest_files, digest_tree
 
 STAGE = "evaluate"
@@ -169,7 +169,7 @@ def hypotheses_file(stage_dir: Path, model: str) -> Path:
 
 
 def _write_lines(path: Path, lines: list[str]) -> None:
-    write_text(path, "".join(" ".join(line.splitlines()) + "\n" for line in lines))
+    write_text(path, lines_text(lines))
 
 
 def read_lines(path: Path) -> list[str]:

@@ -8,7 +8,8 @@ Every stage's ``done.json`` records ``made_from``:
   are the parts of the config a MoA stage never reads (`STAGE_IGNORES`, `MOA_READS`): the
   backbone does not depend on MoA's clustering or adapter-stage settings, so a baseline may
   share it, and a new adapter step count leaves the features, clusters and gate current.
-  The gad recipe's stages depend on the whole config.
+  The gad recipe's backbone (MIX, the same stage) follows the same rules; its other stages
+  depend on the whole config.
 - ``data``: a digest of the prepared data's ``manifest.json`` (its path may change, its
   content may not).
 - ``inputs``: a digest of the record of every other stage whose output it read.
@@ -83,8 +84,9 @@ def _jsonable(value: Any) -> Any:
 
 def config_fields(stage: str, cfg: ExperimentConfig, recipe: str = "moa") -> dict[str, Any]:
     """The flattened config fields `stage` of `recipe` depends on."""
-    moa_reads = MOA_READS.get(stage) if recipe == "moa" else None
-    patterns = IGNORED + (STAGE_IGNORES.get(stage, ()) if recipe == "moa" else ())
+    shared = recipe == "moa" or stage == "backbone"  # every recipe's backbone is one stage
+    moa_reads = MOA_READS.get(stage) if shared else None
+    patterns = IGNORED + (STAGE_IGNORES.get(stage, ()) if shared else ())
     return {name: value for name, value in flatten_config(_jsonable(cfg.to_dict())).items()
             if not _ignored(name, patterns) and not (
                 moa_reads is not None and name.startswith("moa.")

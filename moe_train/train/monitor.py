@@ -33,7 +33,9 @@ class Monitor:
         if tensorboard_dir:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.writer = SummaryWriter(log_dir=tensorboard_dir)
+            # A resumed run drops what an interrupted one logged after its checkpoint.
+            self.writer = SummaryWriter(log_dir=tensorboard_dir,
+                                        purge_step=initial_step + 1 if initial_step else None)
         if progress_bar and sys.stderr.isatty():
             from tqdm import tqdm
 

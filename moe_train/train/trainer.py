@@ -135,6 +135,8 @@ class Trainer:
         self.tokens_seen = 0
         self.tokens_unsaved = 0.0  # tokens this rank trained on since tokens_seen was updated
         self.aux_window: dict[str, float] = {}  # aux losses summed since the last log line
+        self.aux_micro_batches = 0  # training micro-batches summed into aux_window
+        self.last_lr: float | None = None  # the learning rate of the last update
         self.metric_window: dict[str, list[float]] = {}  # hook metrics: [numerator, denominator]
         self.moe_layers = moe_layers(self.engine.module)
         self.expert_param_ids = {id(p) for _, m in expert_modules(self.engine.module)
@@ -230,11 +232,13 @@ class Trainer:
             loss_tot += loss_sum
             nll_tot += nll_sum
             ntok += batch.n_tgt_tokens
+            self.aux_micro_batches += 1
             if i < len(micro) - 1:
                 self.engine.step()  # accumulating: no update yet
                 continue
             # gradients are reduced at the accumulation boundary
             finite = step_is_finite(self.rt, loss_tot, self._clip_gradients())
+            self.last_lr = self.engine.get_lr()[0]  # before the scheduler moves on
             with contextlib.nullcontext() if finite else skipped_update(self.engine):
                 self.engine.step()
         self.step += 1
@@ -355,17 +359,17 @@ class Trainer:
         values = {"train/loss": loss / tokens / math.log(2),
                   "train/nll": nll / tokens / math.log(2),
                   "train/ppl": 2 ** (nll / tokens / math.log(2)),
-                  "train/lr": self.engine.get_lr()[0],
+                  "train/lr": (self.engine.get_lr()[0] if self.last_lr is None
+                               else self.last_lr),
                   "train/tokens_per_s": tokens / max(elapsed, 1e-9),
                   "train/memory_mb": peak_memory_mb(self.rt.device),
                   "train/epoch": float(self.batches.epoch)}
         if grad_norm is not None:
             values["train/grad_norm"] = float(grad_norm)
         values["train/nonfinite_steps"] = float(self.nonfinite_steps)
-        steps = max(self.cfg.train.log_every * self.cfg.optim.grad_accum, 1)
-        for key, total in self.aux_window.items():
-            values[f"moe/aux_{key}"] = total / steps
-        self.aux_window = {}
+        for key, total in self.aux_window.items():  # the window's own micro-batches: a
+            values[f"moe/aux_{key}"] = total / max(self.aux_micro_batches, 1)  # resumed one's too
+        self.aux_window, self.aux_micro_batches = {}, 0
         values.update(self._ratios(self.metric_window, "train/"))
         self.metric_window = {}
         self.monitor.scalars(self.step, values)

@@ -158,6 +158,12 @@ def write_text(path: str | os.PathLike, text: str) -> None:
         tmp.write_text(text, encoding="utf-8")
 
 
+def lines_text(lines: Iterable[str]) -> str:
+    """One line per item, each ended by "\\n": line breaks inside an item (a byte-level
+    tokenizer can decode one) become spaces, so line i of the file stays item i."""
+    return "".join(" ".join(line.splitlines()) + "\n" for line in lines)
+
+
 def write_json(path: str | os.PathLike, obj: Any) -> None:
     """Write `obj` as indented JSON to `path` atomically."""
     write_text(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")

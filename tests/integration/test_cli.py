@@ -103,6 +103,13 @@ def test_prepare_train_evaluate_translate(tiny_corpus, tmp_path):
              *debug_overrides(prepared, work, "train.max_steps=30", "train.validate_every=15",
                               "train.bleu_every=15", "train.bleu_sentences=10")], cwd=tmp_path)
     assert list((work / "tb").glob("events.out.tfevents.*"))
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from moe_train.train.schedule import inverse_sqrt_factor
+    acc = EventAccumulator(str(work / "tb"))
+    acc.Reload()
+    lrs = {e.step: e.value for e in acc.Scalars("train/lr")}
+    assert lrs and all(abs(v - 1e-3 * inverse_sqrt_factor(s, 50)) < 1e-9 for s, v in lrs.items())
 
     ev = run_cli(["evaluate", "--checkpoint", str(work / "ckpt"), "--split", "test", "--beam", "2",
                   "--hyps", str(tmp_path / "hyps.txt"), "--json", str(tmp_path / "m.json")],

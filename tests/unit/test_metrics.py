@@ -26,3 +26,23 @@ def test_known_bleu_value():
 def test_length_mismatch_is_an_error():
     with pytest.raises(ValueError):
         corpus_metrics(["a"], ["a", "b"])
+
+
+def test_an_empty_corpus_is_an_error():
+    with pytest.raises(ValueError, match="no sentences"):
+        corpus_metrics([], [])
+
+
+def test_chinese_targets_use_sacrebleu_s_chinese_tokenizer():
+    """13a sees one 'word' per unsegmented Chinese sentence (BLEU 0 for a near match); the zh
+    tokenizer, as sacreBLEU's `-l en-zh`, scores characters. Romanised or Latin text keeps 13a
+    whatever the language code, and Japanese / Korean in their scripts fall back to characters
+    when MeCab is missing."""
+    hyps, refs = ["我今天去学校上课。", "这只猫坐在桌子上。"], ["我今天去学校上课了。", "这只猫坐在垫子上。"]
+    assert corpus_metrics(hyps, refs)["bleu"] == 0.0
+    zh = corpus_metrics(hyps, refs, "zh")
+    assert zh["bleu"] > 50 and "tok:zh" in zh["bleu_signature"]
+    assert "tok:13a" in corpus_metrics(["te kaho meru"], ["te kaho meru"], "ja")["bleu_signature"]
+    ja = corpus_metrics(["猫が座った"], ["猫が座った"], "ja")["bleu_signature"]
+    assert "tok:ja-mecab" in ja or "tok:char" in ja
+    assert "tok:13a" in corpus_metrics(hyps, refs, "de")["bleu_signature"]

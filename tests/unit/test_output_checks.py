@@ -301,3 +301,11 @@ def test_a_directory_that_refuses_new_files_is_found_before_the_work() -> None:
 def test_the_probe_leaves_nothing_behind(tmp_path) -> None:
     check_out_file(tmp_path / "sub" / "out.json", "--json")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_lines_text_keeps_one_line_per_item() -> None:
+    """A hypothesis holding a line break (byte-level BPE can decode one) stays one line."""
+    from moe_train.utils.atomic import lines_text
+
+    text = lines_text(["hello\nworld", "", "a\r\nb c"])
+    assert text == "hello world\n\na b c\n" and len(text.splitlines()) == 3

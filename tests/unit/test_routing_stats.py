@@ -241,3 +241,30 @@ def test_experts_per_token_and_layers_csv(stats: RoutingStats, dataset: FakeData
                        "experts_per_token:it", "experts_per_token:law", "experts_per_token:med"]
     assert rows[1] == [ENC, "encoder", str(stats.layers[ENC].tokens), "1", "", "1", "1", "1"]
     assert rows[2][:2] == [DEC, "decoder"] and len(rows) == 3
+
+
+def test_decoder_only_layers_are_the_decoder_side() -> None:
+    """Qwen2-MoE's blocks (hf.model.layers.*) count as its decoder in the routing tables."""
+    from moe_train.eval.routing_tables import _side
+
+    assert _side("hf.model.layers.3.mlp.moe") == "decoder"
+    assert _side("encoder_layers.1.ffn") == "encoder" and _side("decoder_layers.0.ffn") == \
+        "decoder"
+    assert _side("lm_head") == "other"
+
+
+def test_evaluate_checks_the_references_before_decoding() -> None:
+    """A split without raw text (train) fails before the search, not after it."""
+    from moe_train.errors import DataError
+    from moe_train.eval.evaluate import evaluate_dataset
+
+    def no_raw(i: int) -> str:
+        raise DataError("train: raw text is only kept for dev and test splits")
+
+    dataset = type("D", (), {"raw_tgt": staticmethod(no_raw), "__len__": lambda self: 3})()
+
+    def model(*args, **kwargs):
+        raise AssertionError("decoded before the reference check")
+
+    with pytest.raises(DataError, match="raw text"):
+        evaluate_dataset(model, dataset, None, {}, None, None, 1024)

@@ -56,8 +56,10 @@ def test_fields_leave_out_what_no_artifact_depends_on(tmp_path) -> None:
     assert "moa.num_clusters" not in config_fields("features", cfg)
     assert "moa.adapter_steps" in config_fields("adapters", cfg)
     assert "moa.distill_steps" not in config_fields("adapters", cfg)
-    # The gad recipe's stages depend on the whole config.
-    gad = config_fields("backbone", cfg, recipe="gad")
+    # The gad recipe's MIX is that backbone: a GAD, AD or evaluation setting leaves it current
+    # (it was retrained for a new gated.ad_steps); its other stages depend on the whole config.
+    assert config_fields("backbone", cfg, recipe="gad") == backbone
+    gad = config_fields("ad", cfg, recipe="gad")
     assert "moa.adapter_steps" in gad and "gated.lr" in gad
 
 
