@@ -287,7 +287,9 @@ def _prepared_split(inf, prepared_arg: str | None, split: str):
     dataset = nonempty_split(prepared, split)
     for key in ("domains", "langs"):
         ours, theirs = dataset.manifest.get(key, []), inf.manifest.get(key, [])
-        if list(ours) != list(theirs):
+        if not theirs:  # a converted model saw no corpus: the data names its own groups
+            inf.manifest = {**inf.manifest, key: list(ours)}
+        elif list(ours) != list(theirs):
             raise DataError(f"{prepared}: its {key} {', '.join(ours) or 'none'} are not the "
                             f"model's ({', '.join(theirs) or 'none'}, {inf.source}); prepare "
                             "the data with the model's data settings")
@@ -408,7 +410,9 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     ecfg = _eval_config(args, inf.cfg.eval)
     if args.src:
         hyps = _translate_raw(inf, args, source, src, ecfg, rt.device)
-        metrics = {"all": corpus_metrics(hyps, refs, args.tgt_lang), "domains": {}, "pairs": {}}
+        targets = {c.get("tgt_lang") for c in inf.manifest.get("corpora", [])}
+        tgt = args.tgt_lang or (targets.pop() if len(targets) == 1 else None)
+        metrics = {"all": corpus_metrics(hyps, refs, tgt), "domains": {}, "pairs": {}}
         ordered = hyps
     else:
         dataset = _prepared_split(inf, args.prepared, args.split)

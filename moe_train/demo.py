@@ -148,7 +148,7 @@ def run_demo(workdir: Path, minutes: float | None = None, overrides: list[str] |
              ) -> dict:
     """Run the whole demo; returns the test metrics (with the extraction check)."""
     from moe_train.commands import run_training
-    from moe_train.data.shards import ShardedDataset
+    from moe_train.data.shards import nonempty_split
     from moe_train.errors import MoeTrainError
     from moe_train.eval.evaluate import evaluate_dataset
     from moe_train.parallel.runtime import ParallelRuntime
@@ -179,7 +179,7 @@ def run_demo(workdir: Path, minutes: float | None = None, overrides: list[str] |
     _say("evaluating the test set with beam search")
     rt = ParallelRuntime()
     inf = load_for_inference(Path(cfg.checkpoint.dir) / "export")
-    test = ShardedDataset(prepared, "test")
+    test = nonempty_split(prepared, "test")
     metrics, _ = evaluate_dataset(inf.model, test, inf.vocab, inf.manifest, rt, inf.cfg.eval,
                                   cfg.data.max_tokens)
     print(format_groups(metrics, "pairs", "direction"))

@@ -7,6 +7,8 @@ from typing import Any, Sequence
 
 from sacrebleu.metrics import BLEU, CHRF
 
+from moe_train.errors import DataError
+
 SCRIPT_TOKENIZERS = {"zh": ("zh", r"[\u4e00-\u9fff]"),
                      "ja": ("ja-mecab", r"[\u3040-\u30ff\u4e00-\u9fff]"),
                      "ko": ("ko-mecab", r"[\uac00-\ud7af]")}
@@ -36,7 +38,7 @@ def corpus_metrics(hyps: Sequence[str], refs: Sequence[str],
     if len(hyps) != len(refs):
         raise ValueError(f"{len(hyps)} hypotheses but {len(refs)} references")
     if not hyps:
-        raise ValueError("no sentences to score")
+        raise DataError("no sentences to score")
     bleu, chrf = BLEU(tokenize=bleu_tokenizer(tgt_lang, refs)), CHRF()
     b = bleu.corpus_score(list(hyps), [list(refs)])
     c = chrf.corpus_score(list(hyps), [list(refs)])

@@ -37,7 +37,7 @@ import torch
 
 from moe_train.config.moe import RouterConfig
 from moe_train.config.schema import EvalConfig
-from moe_train.data.shards import MANIFEST, ShardedDataset
+from moe_train.data.shards import MANIFEST, ShardedDataset, nonempty_split
 from moe_train.data.views import Relabeled
 from moe_train.eval.evaluate import evaluate_dataset
 from moe_train.eval.routing_stats import plot_heatmap, table_csv
@@ -191,7 +191,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
     if done is not None:
         return done
     cfg, rt, moa = ctx.cfg, ctx.rt, ctx.cfg.moa
-    test = ShardedDataset(cfg.data.prepared_dir, "test")
+    test = nonempty_split(cfg.data.prepared_dir, "test")
     domains = list(test.manifest["domains"])
     idx = test_indices(test, moa.eval_sentences)
     ecfg = quality_decoding(cfg)

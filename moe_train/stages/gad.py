@@ -133,6 +133,7 @@ def run_gad(ctx: StageContext) -> dict[str, Any]:
     if done is not None:
         return done
     from_ad = cfg.gated.gad_init == "ad"
+    ctx.require("ad" if from_ad else "backbone", "gad")  # read: a rerun makes GAD stale
     source = (export_dir(ctx, "ad") if from_ad
               else ctx.require("backbone", "gad") / "checkpoints" / "export")
     start = load_export_weights(source)

@@ -22,7 +22,7 @@ import torch
 
 from moe_train.config.schema import EvalConfig
 from moe_train.data.batching import eval_batches
-from moe_train.data.shards import ShardedDataset
+from moe_train.data.shards import ShardedDataset, nonempty_split
 from moe_train.data.views import Relabeled
 from moe_train.errors import ConfigError
 from moe_train.eval.decode import batch_context, translate_dataset
@@ -52,8 +52,13 @@ def score_system(hyps: dict[int, str], test: ShardedDataset, idx: np.ndarray,
                  mis_idx: np.ndarray, domains: list[str], weights_D: np.ndarray
                  ) -> dict[str, Any]:
     """Per gold domain BLEU/chrF, AVG, wAVG, all and the misclassified subset."""
+    langs = test.manifest.get("langs", [])
+
     def score(ids: np.ndarray) -> dict[str, Any]:
-        return corpus_metrics([hyps[int(i)] for i in ids], [test.raw_tgt(int(i)) for i in ids])
+        targets = {int(test.tgt_lang_ids[int(i)]) for i in ids}  # one: its BLEU tokenizer
+        tgt = langs[targets.pop()] if len(targets) == 1 and langs else None
+        return corpus_metrics([hyps[int(i)] for i in ids], [test.raw_tgt(int(i)) for i in ids],
+                              tgt)
 
     gold = test.domain_ids[idx]
     per = {d: score(idx[gold == k]) for k, d in enumerate(domains) if (gold == k).any()}
@@ -201,7 +206,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
     done = ctx.reuse(STAGE, ctx.cfg)
     if done is not None:
         return done
-    test = ShardedDataset(ctx.cfg.data.prepared_dir, "test")
+    test = nonempty_split(ctx.cfg.data.prepared_dir, "test")
     models = load_systems(ctx)
     clf = load_classifier(ctx, STAGE, backbone_model=models["backbone"].model)
     result = evaluate_split(ctx, models, test, _tag_test(ctx, test),

@@ -8,8 +8,9 @@ Every stage's ``done.json`` records ``made_from``:
   are the parts of the config a MoA stage never reads (`STAGE_IGNORES`, `MOA_READS`): the
   backbone does not depend on MoA's clustering or adapter-stage settings, so a baseline may
   share it, and a new adapter step count leaves the features, clusters and gate current.
-  The gad recipe's backbone (MIX, the same stage) follows the same rules; its other stages
-  depend on the whole config.
+  The gad recipe's backbone (MIX, the same stage) follows the same rules; its TAG,
+  classifier, AD and GAD stages depend on the ``gated`` fields they read (`GATED_READS`) and
+  not on MoA's, its evaluate stage on the whole config.
 - ``data``: a digest of the prepared data's ``manifest.json`` (its path may change, its
   content may not).
 - ``inputs``: a digest of the record of every other stage whose output it read.
@@ -70,6 +71,18 @@ MOA_READS: dict[str, frozenset[str]] = {
 """The ``moa`` fields each MoA stage reads (what it reads of the stages before it, their
 records stand for); stages not named here depend on the whole section."""
 
+GATED_READS: dict[str, frozenset[str]] = {
+    "tag": frozenset({"tag_steps", "lr", "tag_prepared_dir"}),
+    "classifier": frozenset({"classifier", "classifier_steps", "classifier_lr",
+                             "classifier_batch_sentences", "tfidf_ngrams"}),
+    "ad": frozenset({"ad_steps", "lr", "upsample"}),
+    "gad": frozenset({"gad_steps", "gad_init", "encoder_loss_norm", "alpha", "tau",
+                      "teacher_as_logits", "temperature", "gate_loss", "lr", "upsample"}),
+}
+"""The ``gated`` fields each gad-recipe training stage reads (what it reads of other stages,
+their records stand for); of the ``moa`` section these stages read only the seed. The
+evaluate stage depends on the whole config."""
+
 MAX_NAMED = 6
 """Differing fields named in the error before '(+N more)'."""
 
@@ -87,10 +100,17 @@ def config_fields(stage: str, cfg: ExperimentConfig, recipe: str = "moa") -> dic
     shared = recipe == "moa" or stage == "backbone"  # every recipe's backbone is one stage
     moa_reads = MOA_READS.get(stage) if shared else None
     patterns = IGNORED + (STAGE_IGNORES.get(stage, ()) if shared else ())
+    gated_reads = GATED_READS.get(stage) if recipe == "gad" else None
+    if gated_reads is not None:
+        moa_reads = frozenset({"seed"})
+
+    def unread(name: str) -> bool:
+        section, _, field = name.partition(".")
+        return (section == "moa" and moa_reads is not None and field not in moa_reads) or \
+            (section == "gated" and gated_reads is not None and field not in gated_reads)
+
     return {name: value for name, value in flatten_config(_jsonable(cfg.to_dict())).items()
-            if not _ignored(name, patterns) and not (
-                moa_reads is not None and name.startswith("moa.")
-                and name[len("moa."):] not in moa_reads)}
+            if not _ignored(name, patterns) and not unread(name)}
 
 
 def file_digest(path: Path) -> str | None:

@@ -23,7 +23,7 @@ from moe_train.config.schema import ExperimentConfig
 from moe_train.data.batching import Batch, TrainBatchIterator, eval_batches
 from moe_train.data.prepare import load_manifest, load_vocab, tokenizer_files
 from moe_train.data.shards import ShardedDataset, nonempty_split
-from moe_train.errors import MoeTrainError
+from moe_train.errors import ConfigError, MoeTrainError
 from moe_train.eval.decode import batch_context
 from moe_train.eval.evaluate import evaluate_dataset
 from moe_train.models.lm_batch import teacher_forced
@@ -93,6 +93,11 @@ class Trainer:
         self.train_set = nonempty_split(prepared, "train")
         dev = ShardedDataset(prepared, "dev") if "dev" in self.manifest["splits"] else None
         self.dev_set = dev if dev is not None and len(dev) else None  # empty: no validation
+        if self.dev_set is None and cfg.train.patience:
+            raise ConfigError(f"train.patience: early stopping validates on the dev split, but "
+                              f"{prepared / 'dev'} holds no sentences; set train.patience=0")
+        if self.dev_set is None and cfg.train.validate_every:
+            self._log_main(f"| {prepared / 'dev'}: no sentences; training without validation")
 
         if cfg.uses_experts:
             check_moe_against_data(cfg, self.manifest)

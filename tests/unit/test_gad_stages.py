@@ -20,10 +20,12 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 class FakeData:
-    """Sources of token ids, domain ids and raw references."""
+    """Sources of token ids, domain ids and raw references (English to German)."""
 
     def __init__(self, srcs: list[list[int]], domains: list[int], refs: list[str]) -> None:
         self.srcs, self.domain_ids, self.refs = srcs, np.asarray(domains), refs
+        self.tgt_lang_ids = np.ones(len(srcs), dtype=np.int64)
+        self.manifest = {"langs": ["en", "de"]}
 
     def src(self, i: int) -> np.ndarray:
         return np.asarray(self.srcs[i], dtype=np.int64)

@@ -397,10 +397,17 @@ def test_triton_dot_precision_follows_torch():
 def test_float64_never_takes_the_triton_path() -> None:
     """The Triton kernels compute in fp32 at most: "auto" keeps float64 on torch (gradcheck on
     a GPU), and asking for Triton with float64 is one clear error, not fp32-rounded results."""
+    from types import SimpleNamespace
+
+    from moe_train.kernels import backend
     from moe_train.kernels.backend import triton_available, use_triton
 
+    with pytest.MonkeyPatch.context() as mp:  # a CUDA tensor where Triton imports
+        mp.setattr(backend, "triton_available", lambda: True)
+        cuda = SimpleNamespace(is_cuda=True, dtype=torch.float64)
+        assert use_triton(cuda, "auto") is False
+        assert use_triton(SimpleNamespace(is_cuda=True, dtype=torch.float32), "auto") is True
     x64 = torch.zeros(2, 2, dtype=torch.float64)
-    assert use_triton(x64, "auto") is False
     if triton_available():
         with pytest.raises(ValueError, match="not float64"):
             use_triton(x64, "triton")

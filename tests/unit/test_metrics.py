@@ -4,6 +4,7 @@ import math
 
 import pytest
 
+from moe_train.errors import DataError
 from moe_train.eval.metrics import corpus_metrics
 
 
@@ -29,7 +30,7 @@ def test_length_mismatch_is_an_error():
 
 
 def test_an_empty_corpus_is_an_error():
-    with pytest.raises(ValueError, match="no sentences"):
+    with pytest.raises(DataError, match="no sentences"):
         corpus_metrics([], [])
 
 

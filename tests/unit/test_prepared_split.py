@@ -34,3 +34,12 @@ def test_data_with_other_names_is_refused(tiny_prepared, tmp_path, key) -> None:
     inf = _model(tiny_prepared, tmp_path, **{key: list(reversed(theirs))})
     with pytest.raises(DataError, match=f"its {key} .* are not the model's"):
         _prepared_split(inf, str(tiny_prepared), "test")
+
+
+def test_a_converted_model_takes_the_data_s_names(tiny_prepared, tmp_path) -> None:
+    """A model converted from Hugging Face saw no corpus (empty lists): the data's own names
+    label its groups instead of a refusal."""
+    data = json.loads((tiny_prepared / "manifest.json").read_text())
+    inf = _model(tiny_prepared, tmp_path, domains=[], langs=[])
+    assert len(_prepared_split(inf, None, "test")) > 0
+    assert (inf.manifest["domains"], inf.manifest["langs"]) == (data["domains"], data["langs"])

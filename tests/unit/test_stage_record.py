@@ -59,8 +59,14 @@ def test_fields_leave_out_what_no_artifact_depends_on(tmp_path) -> None:
     # The gad recipe's MIX is that backbone: a GAD, AD or evaluation setting leaves it current
     # (it was retrained for a new gated.ad_steps); its other stages depend on the whole config.
     assert config_fields("backbone", cfg, recipe="gad") == backbone
-    gad = config_fields("ad", cfg, recipe="gad")
-    assert "moa.adapter_steps" in gad and "gated.lr" in gad
+    ad = config_fields("ad", cfg, recipe="gad")
+    assert "gated.lr" in ad and "gated.ad_steps" in ad and "train.max_steps" in ad
+    assert "gated.gad_init" not in ad and "gated.alpha" not in ad and "moa.adapter_steps" not in ad
+    gad = config_fields("gad", cfg, recipe="gad")
+    assert {"gated.gad_init", "gated.encoder_loss_norm", "gated.alpha"} <= set(gad)
+    assert "gated.ad_steps" not in gad and "gated.efficiency_batch" not in gad
+    assert "gated.classifier_steps" in config_fields("classifier", cfg, recipe="gad")
+    assert "gated.efficiency_batch" in config_fields("evaluate", cfg, recipe="gad")
 
 
 def test_differences_name_fields_data_and_inputs() -> None:
