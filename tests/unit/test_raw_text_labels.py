@@ -63,8 +63,8 @@ def test_source_prefix_follows_the_manifest(tiny_prepared):
     vocab, manifest = load_vocab(tiny_prepared), load_manifest(tiny_prepared)
     domains = manifest["domains"]
     dom = vocab.domain_tag_id(domains[2])
-    lang = vocab.lang_tag_id("en")
-    assert source_prefix(manifest, vocab, domains[2], "en") == []  # untagged data
+    lang = vocab.lang_tag_id("de")  # tiny_prepared translates en -> de
+    assert source_prefix(manifest, vocab, domains[2], "de") == []  # untagged data
     tagged = {**manifest, "domain_tags": True}
     assert source_prefix(tagged, vocab, domains[2], None) == [dom]
     both = {**tagged, "lang_tags": True}
@@ -75,8 +75,8 @@ def test_source_prefix_follows_the_manifest(tiny_prepared):
     with pytest.raises(ConfigError, match=f"--domain: 'cooking' is not one of the model's "
                                           rf"\({', '.join(domains)}\)"):
         source_prefix(tagged, vocab, "cooking", None)
-    with pytest.raises(ConfigError, match=r"--tgt-lang: 'de' is not one of the model's \(en\)"):
-        source_prefix(both, vocab, domains[2], "de")  # a language, but no target
+    with pytest.raises(ConfigError, match=r"--tgt-lang: 'en' is not one of the model's \(de\)"):
+        source_prefix(both, vocab, domains[2], "en")  # a language, but no target
 
 
 def test_encoded_lines_start_with_the_prefix_which_counts_towards_the_limit():
