@@ -218,7 +218,7 @@ def _raw_text_labels(inf, args: argparse.Namespace):
             return known.index(next(iter(used))) if len(used) == 1 else None
         if not known:  # a converted model that saw no corpus: no ids to give
             return None
-        _check_known(flag, given, known)
+        _check_known(flag, given, sorted(used) or known)  # what it trained on, not any name
         return known.index(given)
 
     langs, domains = manifest.get("langs", []), manifest.get("domains", [])

@@ -166,6 +166,14 @@ def run_demo(workdir: Path, minutes: float | None = None, overrides: list[str] |
     count_parameters(cfg, cfg.data.vocab_size,
                      {"langs": sorted({"en", *CORPUS["target_langs"]}),
                       "domains": [str(d) for d in range(CORPUS["num_domains"])]})
+    from moe_train.eval.extract import task_sides
+
+    if EXTRACT_TASK not in cfg.data.pairs:  # checked now, not after training
+        raise ConfigError(f"data.pairs: the demo extracts the {EXTRACT_TASK} sub-network; keep "
+                          f"{EXTRACT_TASK} among the pairs")
+    if not task_sides(cfg):
+        raise ConfigError("moe.encoder_router / moe.decoder_router: the demo extracts a task "
+                          "sub-network, so one side must route by task")
     prepared = _data(workdir, cfg)
     _say(f"training a hybrid MoE: encoder {cfg.moe.encoder_router} routing over "
          f"{cfg.moe.side_experts('encoder')} experts, decoder {cfg.moe.decoder_router} routing "

@@ -93,13 +93,13 @@ def translate_dataset(model: torch.nn.Module, dataset: Any, vocab: Vocab, rt: Pa
                       beam: int | None = None) -> dict[int, str]:
     """Translate dataset sentences (all, or `indices`); every rank returns {index: text}."""
     check_dataset_lengths(dataset, max_source_tokens(model),
-                          None if indices is None else np.asarray(indices))
+                          None if indices is None else np.asarray(indices, dtype=np.int64))
     was_training = model.training
     model.eval()
     batches = eval_batches(dataset, max_tokens, vocab.pad_id, vocab.bos_id, vocab.eos_id,
                            dp_rank=rt.dp_rank, dp_world=rt.dp_world,
                            max_sentences=ecfg.max_sentences,
-                           indices=None if indices is None else np.asarray(indices))
+                           indices=None if indices is None else np.asarray(indices, dtype=np.int64))
     local: dict[int, str] = {}
     # Expert parallelism and ZeRO-3 make every forward collective: ranks decode in lockstep.
     lockstep = rt.ep_size > 1 or (rt.world_size > 1 and is_partitioned(model))
@@ -191,7 +191,9 @@ def translate_lines(model: torch.nn.Module, vocab: Vocab, lines: Sequence[str],
     model.eval()
     encoded = encode_lines(vocab, lines, max_source_tokens(model), source, prefix_ids,
                            long_lines, warn)
-    order = sorted(range(len(encoded)), key=lambda i: -len(encoded[i]))
+    # a blank line translates to a blank line (the model never saw an empty source)
+    order = sorted((i for i, line in enumerate(lines) if line.strip()),
+                   key=lambda i: -len(encoded[i]))
     out: list[str] = [""] * len(encoded)
     for start in range(0, len(order), ecfg.max_sentences):
         chunk = order[start:start + ecfg.max_sentences]

@@ -38,9 +38,56 @@ def task_sides(cfg: ExperimentConfig) -> list[str]:
 
 
 def resolve_task(task: str, source: str, manifest: dict[str, Any]) -> int:
-    """The task id of `task` for a side routing by `source`: a language pair ``xx-yy``
-    (any source but domain), a language (tgt_lang / src_lang), a domain name, or an integer
-    (task_ids)."""
+    """The task id of `task` for a side routing by `source`, one the model was trained on:
+    a language pair ``xx-yy`` (any source but domain), a language (tgt_lang / src_lang), a
+    domain name, or an integer (task_ids)."""
+    task_id = _task_id(task, source, manifest)
+    trained = _trained_tasks(source, manifest)
+    if trained and task_id not in trained:
+        raise ConfigError(f"--task: the model never trained on {task!r} for its {source} "
+                          f"routing; it serves {', '.join(trained.values())}")
+    return task_id
+
+
+def _side_task(task: str, source: str, manifest: dict[str, Any]) -> int:
+    """The task id of a side routing by `source`. Sides that route by different sources take
+    one comma-separated part each (``law,de``: the domain for one, the language for the
+    other): the one part that names a trained task of `source`."""
+    parts = [p.strip() for p in task.split(",")]
+    if len(parts) == 1:
+        return resolve_task(task, source, manifest)
+    found = []
+    for part in parts:
+        try:
+            found.append(resolve_task(part, source, manifest))
+        except ConfigError:
+            continue
+    if len(found) != 1:
+        trained = ", ".join(_trained_tasks(source, manifest).values()) or "none named"
+        raise ConfigError(f"--task {task}: expected exactly one part for the {source} routing "
+                          f"({trained}), found {len(found)}")
+    return found[0]
+
+
+def _trained_tasks(source: str, manifest: dict[str, Any]) -> dict[int, str]:
+    """{task id: name} of the tasks the training data held for `source` (its corpora); empty
+    when it names none (a converted model, or task_ids given by the caller)."""
+    langs, domains = list(manifest.get("langs", [])), list(manifest.get("domains", []))
+    out: dict[int, str] = {}
+    for c in manifest.get("corpora", []):
+        if source == "domain":
+            out[domains.index(c["domain"])] = c["domain"]
+        elif source == "lang_pair":
+            out[langs.index(c["src_lang"]) * len(langs) + langs.index(c["tgt_lang"])] = \
+                f"{c['src_lang']}-{c['tgt_lang']}"
+        elif source in ("tgt_lang", "src_lang"):
+            lang = c[source]
+            out[langs.index(lang)] = lang
+    return dict(sorted(out.items()))
+
+
+def _task_id(task: str, source: str, manifest: dict[str, Any]) -> int:
+    """`task` as an id of `source`'s numbering (see `resolve_task`)."""
     langs, domains = list(manifest.get("langs", [])), list(manifest.get("domains", []))
     if source == "domain":
         if task in domains:
@@ -107,8 +154,12 @@ def extract(model: torch.nn.Module, cfg: ExperimentConfig, manifest: dict[str, A
         raise ConfigError(f"--checkpoint: already a sub-network (of task "
                           f"{cfg.moe.extracted_task!r}); extract from the full model")
     sides = task_sides(cfg)
-    task_ids = {s: resolve_task(task, getattr(cfg.moe, f"{s}_task_source"), manifest)
-                for s in sides}
+    sources = {s: getattr(cfg.moe, f"{s}_task_source") for s in sides}
+    if len(set(sources.values())) > 1 and "," not in task:
+        raise ConfigError("--task: " + " and ".join(f"the {s} routes by {src}" for s, src in
+                                                     sources.items())
+                          + "; give one task for each, comma-separated (e.g. law,de)")
+    task_ids = {s: _side_task(task, sources[s], manifest) for s in sides}
     state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
     num_tasks: dict[str, int] = {}
     kept: dict[str, list[int]] = {}

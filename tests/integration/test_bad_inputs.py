@@ -240,6 +240,12 @@ CASES: dict[str, Case] = {
     # demo: a bad override fails before the corpus is made
     "demo_k_above_the_experts": Case(["demo", "--workdir", "{tmp}/dm", "moe.num_experts=3",
                                       "moe.k=4"], ("moe.k", "at most moe.num_experts (3)")),
+    "demo_without_its_extracted_direction": Case(["demo", "--workdir", "{tmp}/dm",
+                                                  "data.pairs=[de-en,en-fr]"],
+                                                 ("data.pairs", "en-de sub-network")),
+    "demo_without_a_task_routed_side": Case(["demo", "--workdir", "{tmp}/dm",
+                                             "moe.decoder_router=topk"],
+                                            ("moe.decoder_router", "route by task")),
     # synth
     "synth_unknown_language": Case(["synth", "--out", "{tmp}/c", "--langs", "de,xx"],
                                    ("target_langs", "de, fr, es, cs, ja", "xx")),

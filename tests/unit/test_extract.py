@@ -205,3 +205,33 @@ def test_per_side_expert_counts_and_table_fields_are_validated() -> None:
     cfg = load_config(None, [*TINY, "moe.encoder_num_experts=4", "moe.decoder_router=dense"])
     model = build_model(cfg, MANIFEST)
     assert [layer.experts.num_experts for _, layer in moe_layers(model)] == [4, 4]
+
+
+TRAINED = {**MANIFEST, "corpora": [  # the data held en->de (law) and en->fr (it) only
+    {"src_lang": "en", "tgt_lang": "de", "domain": "law"},
+    {"src_lang": "en", "tgt_lang": "fr", "domain": "it"}]}
+
+
+def test_only_tasks_the_model_trained_on_are_extracted() -> None:
+    """A language the model never translated into (en: a source only), a pair or a domain it
+    never saw would make an export that serves nothing: refused, naming what it serves."""
+    assert resolve_task("de", "tgt_lang", TRAINED) == 0
+    assert resolve_task("en-fr", "lang_pair", TRAINED) == 1 * 3 + 2
+    assert resolve_task("law", "domain", TRAINED) == 1
+    for task, source, serves in (("en", "tgt_lang", "de, fr"), ("de-en", "lang_pair",
+                                 "en-de, en-fr"), ("med", "domain", "it, law"),
+                                 ("fr", "src_lang", "en")):
+        with pytest.raises(ConfigError, match=f"never trained on '{task}' .* serves {serves}$"):
+            resolve_task(task, source, TRAINED)
+
+
+def test_sides_routing_by_different_sources_take_one_task_each() -> None:
+    cfg, model = _model(["moe.encoder_router=task", "moe.encoder_task_source=domain",
+                         "moe.decoder_router=task", "moe.decoder_task_source=tgt_lang"])
+    with pytest.raises(ConfigError, match="the encoder routes by domain and the decoder routes by "
+                                          "tgt_lang; give one task for each"):
+        extract(model, cfg, TRAINED, "law")
+    ext = extract(model, cfg, TRAINED, "law,fr")
+    assert ext.task_ids == {"encoder": 1, "decoder": 2}
+    with pytest.raises(ConfigError, match="exactly one part for the domain routing"):
+        extract(model, cfg, TRAINED, "fr,de")

@@ -84,3 +84,40 @@ def test_encoded_lines_start_with_the_prefix_which_counts_towards_the_limit():
     assert encode_lines(FakeVocab(), ["abc"], 6, prefix_ids=[20, 21]) == [[20, 21, *ids]]
     with pytest.raises(DataError, match="input:1: 6 source tokens"):
         encode_lines(FakeVocab(), ["abc"], 5, prefix_ids=[20, 21])
+
+
+def test_raw_text_labels_take_only_what_the_model_trained_on():
+    """Languages and domains are checked against the corpora the model saw, not every name in
+    its manifest: en is one of its languages but never a target (an untrained task row)."""
+    from types import SimpleNamespace
+
+    from moe_train.commands import _raw_text_labels
+
+    manifest = {"langs": ["de", "en", "fr"], "domains": ["it", "law"],
+                "corpora": [{"src_lang": "en", "tgt_lang": "de", "domain": "law"},
+                            {"src_lang": "en", "tgt_lang": "fr", "domain": "law"}]}
+    inf = SimpleNamespace(manifest=manifest)
+
+    def labels(**flags):
+        return _raw_text_labels(inf, SimpleNamespace(**flags))
+
+    got = labels(tgt_lang="fr", src_lang=None, domain=None)
+    assert (got.tgt_lang, got.src_lang, got.domain) == (2, 1, 1)  # the only source and domain
+    for flags, message in (({"tgt_lang": "en"}, "--tgt-lang: 'en' is not one of the model's "
+                            r"\(de, fr\)"), ({"src_lang": "fr"}, r"'fr' .* \(en\)"),
+                           ({"domain": "it"}, r"--domain: 'it' .* \(law\)")):
+        with pytest.raises(ConfigError, match=message):
+            labels(**{"tgt_lang": None, "src_lang": None, "domain": None, **flags})
+
+
+def test_blank_lines_translate_to_blank_lines():
+    """The model never trained on an empty source: a blank or whitespace-only line gives an
+    empty line in its place (the others as translated without it), not an invented sentence."""
+    model = _model("tgt_lang")
+    ecfg = EvalConfig(beam=1, max_len_a=0.0, max_len_b=4)
+    labels = RawTextLabels(tgt_lang=1)
+    alone = translate_lines(model, FakeVocab(), ["abc", "hello there"], ecfg,
+                            torch.device("cpu"), labels=labels)
+    out = translate_lines(model, FakeVocab(), ["abc", "", "   ", "hello there"], ecfg,
+                          torch.device("cpu"), labels=labels)
+    assert out == [alone[0], "", "", alone[1]] and alone[0] != ""
