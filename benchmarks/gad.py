@@ -15,10 +15,11 @@ Data:
 Both are prepared twice, without and with data.domain_tags (TAG), sharing one sentencepiece
 model. The pipeline runs stage by stage (`python -m moe_train pipeline gad --stage S`), then
 the CE-on-labels ablation (004 Table 9) trains GAD again with gated.gate_loss=ce from the same
-start (MIX; AD under gated.gad_init=ad) and scores both GADs on the dev split, as 004 does (`--no-ablation` skips it). Every
-other table comes from the evaluate stage of this run (quality per domain, AVG / wAVG,
-misclassified subset, gate agreement, efficiency with all systems timed in one process); `--test-dir DIR` (OPUS layout with test files) scores the same models on DIR
-too. Writes benchmarks/results/gad_<data>_cpu[_quick].json with provenance and the issue's
+start (MIX; AD under gated.gad_init=ad) and scores both GADs on the dev split, as 004 does
+(`--no-ablation` skips it). Every other table comes from the evaluate stage of this run
+(quality per domain, AVG / wAVG, misclassified subset, gate agreement, efficiency with all
+systems timed in one process); `--test-dir DIR` (OPUS layout with test files) scores the same
+models on DIR too. Writes benchmarks/results/gad_<data>_cpu[_quick].json with provenance and the issue's
 acceptance checks computed from those measurements. A benchmark, not a test.
 """
 
