@@ -395,7 +395,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
         if len(src) != len(refs):
             raise DataError(f"{args.src}: {len(src)} lines but {args.ref} has {len(refs)}")
     from moe_train.eval.evaluate import evaluate_dataset, format_table
-    from moe_train.eval.metrics import corpus_metrics
+    from moe_train.eval.metrics import corpus_metrics, group_target
     from moe_train.train.export import load_for_inference
     from moe_train.utils.atomic import atomic_path, check_out_file, lines_text, write_target
 
@@ -410,8 +410,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     ecfg = _eval_config(args, inf.cfg.eval)
     if args.src:
         hyps = _translate_raw(inf, args, source, src, ecfg, rt.device)
-        targets = {c.get("tgt_lang") for c in inf.manifest.get("corpora", [])}
-        tgt = args.tgt_lang or (targets.pop() if len(targets) == 1 else None)
+        tgt = args.tgt_lang or group_target(c["tgt_lang"] for c in inf.manifest.get("corpora", []))
         metrics = {"all": corpus_metrics(hyps, refs, tgt), "domains": {}, "pairs": {}}
         ordered = hyps
     else:

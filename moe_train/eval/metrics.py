@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import re
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 from sacrebleu.metrics import BLEU, CHRF
 
@@ -23,12 +24,24 @@ def bleu_tokenizer(tgt_lang: str | None, refs: Sequence[str]) -> str:
     name, script = SCRIPT_TOKENIZERS.get(tgt_lang or "", ("13a", None))
     if script is None or not any(re.search(script, r) for r in refs):
         return "13a"
-    if name.endswith("mecab"):
-        try:
-            BLEU(tokenize=name)
-        except (RuntimeError, ImportError):  # sacrebleu[ja] / [ko] not installed
-            return "char"
-    return name
+    return name if not name.endswith("mecab") or _installed(name) else "char"
+
+
+@functools.lru_cache(maxsize=None)
+def _installed(tokenizer: str) -> bool:
+    """Whether sacreBLEU can build `tokenizer` here (MeCab's come with sacrebleu[ja] / [ko])."""
+    try:
+        BLEU(tokenize=tokenizer)
+    except (RuntimeError, ImportError):
+        return False
+    return True
+
+
+def group_target(tgt_langs: Iterable[str]) -> str | None:
+    """The target language of a group of sentences (their BLEU tokenizer's), None when they
+    mix targets (13a)."""
+    found = set(tgt_langs)
+    return found.pop() if len(found) == 1 else None
 
 
 def corpus_metrics(hyps: Sequence[str], refs: Sequence[str],

@@ -39,13 +39,11 @@ def probs_file(split: str) -> str:
 
 def _datasets(ctx: StageContext) -> dict[str, ShardedDataset]:
     prepared = ctx.cfg.data.prepared_dir
-    train = ShardedDataset(prepared, "train")
+    train = nonempty_split(prepared, "train")
     missing = [s for s in SPLITS if s not in train.manifest["splits"]]
     if missing:
         raise ConfigError(f"stage {STAGE}: {prepared} has no {missing[0]} split (prepare "
                           "carves dev and test from train when the data has none)")
-    if len(train) == 0:
-        nonempty_split(prepared, "train")  # the one-line error
     return {"train": train, **{s: nonempty_split(prepared, s) for s in SPLITS[1:]}}
 
 

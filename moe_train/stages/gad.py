@@ -134,8 +134,7 @@ def run_gad(ctx: StageContext) -> dict[str, Any]:
         return done
     from_ad = cfg.gated.gad_init == "ad"
     ctx.require("ad" if from_ad else "backbone", "gad")  # read: a rerun makes GAD stale
-    source = (export_dir(ctx, "ad") if from_ad
-              else ctx.require("backbone", "gad") / "checkpoints" / "export")
+    source = export_dir(ctx, "ad" if from_ad else "backbone")
     start = load_export_weights(source)
     extra: list[TrainerHooks] = []
     if cfg.gated.gate_loss == "kl":  # one row per training sentence, one column per adapter

@@ -26,7 +26,7 @@ from moe_train.data.shards import ShardedDataset, nonempty_split
 from moe_train.data.views import Relabeled
 from moe_train.errors import ConfigError
 from moe_train.eval.decode import batch_context, translate_dataset
-from moe_train.eval.metrics import corpus_metrics
+from moe_train.eval.metrics import corpus_metrics, group_target
 from moe_train.moe.gated_router import GatedRouter
 from moe_train.stages.classifier import load_classifier, load_probs
 from moe_train.stages.classifier_core import DomainClassifier
@@ -52,11 +52,10 @@ def score_system(hyps: dict[int, str], test: ShardedDataset, idx: np.ndarray,
                  mis_idx: np.ndarray, domains: list[str], weights_D: np.ndarray
                  ) -> dict[str, Any]:
     """Per gold domain BLEU/chrF, AVG, wAVG, all and the misclassified subset."""
-    langs = test.manifest.get("langs", [])
+    langs = test.manifest["langs"]
 
     def score(ids: np.ndarray) -> dict[str, Any]:
-        targets = {int(test.tgt_lang_ids[int(i)]) for i in ids}  # one: its BLEU tokenizer
-        tgt = langs[targets.pop()] if len(targets) == 1 and langs else None
+        tgt = group_target(langs[int(test.tgt_lang_ids[int(i)])] for i in ids)
         return corpus_metrics([hyps[int(i)] for i in ids], [test.raw_tgt(int(i)) for i in ids],
                               tgt)
 
