@@ -1,13 +1,15 @@
 """Recorded Gated Adapters runs (seed 004): `moe-train pipeline gad` with its baselines.
 
-    .venv/bin/python benchmarks/gad.py --data synthetic --fresh [--steps 3000]
+    .venv/bin/python benchmarks/gad.py --data synthetic --fresh [--steps N]
     .venv/bin/python benchmarks/gad.py --data opus --fresh [--minutes 6] [--test-dir DIR]
     .venv/bin/python benchmarks/gad.py --data synthetic --quick --fresh   # checks the script
 
 Data:
 - synthetic: the embedded multi-domain corpus (4 domains, en->de, 3000 / 100 / 100 pairs per
-  domain), configs/gad-synthetic.yaml; step budgets (MIX `--steps`, TAG / AD / GAD a third of it
-  each), so the comparison does not move with the machine's load;
+  domain), configs/gad-synthetic.yaml; every training stage runs to its dev-BLEU plateau and
+  exports its best validation (patience 4 validations of 250 steps, as 004's code stops and
+  keeps checkpoint_best), counted in steps, so the comparison does not move with the
+  machine's load (`--steps N` caps MIX at N steps and TAG / AD / GAD at a third of it);
 - opus: ../shared/data/opus-multidomain de-en (7 domains), configs/gad-opus-de-en-cpu.yaml,
   dev / test carved from the training files (200 pairs per domain each); `--minutes` of
   training for MIX and half of it for each of TAG, AD and GAD; skipped with one line when the
@@ -44,11 +46,12 @@ from moe_train.utils.cli_args import (  # noqa: E402
 
 
 DATASETS = {
-    "synthetic": {"config": "configs/gad-synthetic.yaml", "steps": 3000, "minutes": 15.0},
+    "synthetic": {"config": "configs/gad-synthetic.yaml", "steps": None, "minutes": 15.0},
     "opus": {"config": "configs/gad-opus-de-en-cpu.yaml", "steps": None, "minutes": 6.0},
 }
-"""Synthetic: MIX trains `steps` (TAG / AD / GAD a third each), `minutes` a guard per stage;
-OPUS: MIX trains `minutes`, TAG / AD / GAD half of it each."""
+"""Synthetic: every stage trains to its dev-BLEU plateau (the config's early stopping, its step
+counts as caps; `--steps N` caps MIX at N and TAG / AD / GAD at a third of it), `minutes` a
+guard per stage; OPUS: MIX trains `minutes`, TAG / AD / GAD half of it each."""
 SYNTHETIC = {"num_domains": 4, "target_langs": ["de"], "train_per_domain": 3000,
              "dev_per_domain": 100, "test_per_domain": 100, "seed": 2}
 QUICK_SYNTHETIC = SYNTHETIC | {"train_per_domain": 200, "dev_per_domain": 10,
@@ -62,7 +65,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = script_parser(__file__, __doc__)
     ap.add_argument("--data", choices=sorted(DATASETS), default="synthetic")
     ap.add_argument("--steps", type=int_at_least(1), default=None,
-                    help="MIX training steps (synthetic default 3000; TAG/AD/GAD a third each)")
+                    help="synthetic: cap MIX's steps at N and TAG/AD/GAD's at a third of it "
+                         "(default: the config's caps; every stage stops at its dev-BLEU "
+                         "plateau)")
     ap.add_argument("--minutes", type=positive_float, default=None,
                     help="opus: MIX training minutes (default 6; TAG/AD/GAD half each); "
                          "synthetic: a guard per stage (default 15)")
@@ -88,7 +93,11 @@ def base_overrides(args: argparse.Namespace, work: Path) -> list[str]:
 
 
 def budgets(args: argparse.Namespace) -> dict[str, list[str]]:
-    """Per training stage: its overrides (steps, or minutes with an unreachable step count)."""
+    """Per training stage: its overrides (step caps, or minutes with an unreachable step
+    count; synthetic without --steps: the config's caps and early stopping, a time guard)."""
+    if args.data == "synthetic" and not args.steps:
+        guard = [f"train.max_minutes={args.minutes}"]
+        return {s: guard for s in TRAINING_STAGES}
     if args.steps:
         part = max(1, args.steps // 3)
         steps = {"backbone": args.steps, "tag": part, "ad": part, "gad": part}
