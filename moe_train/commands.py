@@ -150,38 +150,50 @@ def _eval_config(args: argparse.Namespace, base: EvalConfig) -> EvalConfig:
     return replace(base, **changes)
 
 
-def _check_known(flag: str, given: str, known: list[str]) -> None:
+def _check_known(flag: str, given: str, known: list[str], whose: str = "the model's") -> None:
     if given not in known:
-        raise ConfigError(f"--{flag}: {given!r} is not one of the model's ({', '.join(known)})")
+        raise ConfigError(f"--{flag}: {given!r} is not one of {whose} ({', '.join(known)})")
 
 
-def _tag_choice(flag: str, given: str | None, known: list[str], needs: str) -> str:
+def _serving(inf) -> tuple[dict[str, Any], str]:
+    """(the manifest as `inf` serves it, who serves it, for messages): an extracted
+    sub-network serves only its task's corpora (eval.extract.serving_manifest)."""
+    from moe_train.eval.extract import serving_manifest
+
+    task = inf.cfg.moe.extracted_task
+    whose = f"this sub-network's (extracted with --task {task})" if task else "the model's"
+    return serving_manifest(inf.cfg, inf.manifest), whose
+
+
+def _tag_choice(flag: str, given: str | None, known: list[str], needs: str,
+                whose: str = "the model's") -> str:
     """`given` if it is one of `known`, or the only one when not given; else ConfigError."""
     if given is None:
         if len(known) != 1:
             raise ConfigError(f"--{flag}: this model {needs} {', '.join(known)}; choose one")
         return known[0]
-    _check_known(flag, given, known)
+    _check_known(flag, given, known, whose)
     return given
 
 
 def source_prefix(manifest: dict[str, Any], vocab, domain: str | None,
-                  tgt_lang: str | None) -> list[int]:
+                  tgt_lang: str | None, whose: str = "the model's") -> list[int]:
     """Tag ids to put before every raw-text source, as the model's data had them: the domain tag
     (data.domain_tags, from --domain), then the target-language tag (data.lang_tags, from
     --tgt-lang). A flag may be left out when the data had one choice."""
     targets = sorted({c["tgt_lang"] for c in manifest["corpora"]})
     return vocab.source_prefix(
         _tag_choice("domain", domain, manifest["domains"],
-                    "was trained with domain tags (data.domain_tags) for")
+                    "was trained with domain tags (data.domain_tags) for", whose)
         if manifest.get("domain_tags") else None,
-        _tag_choice("tgt-lang", tgt_lang, targets, "translates into")
+        _tag_choice("tgt-lang", tgt_lang, targets, "translates into", whose)
         if manifest.get("lang_tags") else None)
 
 
 def _source_prefix(inf, args: argparse.Namespace) -> list[int]:
-    return source_prefix(inf.manifest, inf.vocab, getattr(args, "domain", None),
-                         getattr(args, "tgt_lang", None))
+    manifest, whose = _serving(inf)
+    return source_prefix(manifest, inf.vocab, getattr(args, "domain", None),
+                         getattr(args, "tgt_lang", None), whose)
 
 
 def _prompts(inf, args: argparse.Namespace, lines: list[str]) -> list[str]:
@@ -207,10 +219,10 @@ def _prompts(inf, args: argparse.Namespace, lines: list[str]) -> list[str]:
 
 def _raw_text_labels(inf, args: argparse.Namespace):
     """Language and domain ids for raw-text input: from --src-lang / --tgt-lang / --domain, or
-    the model's only choice when its data had one."""
+    the model's only choice when its data had one (an extracted sub-network's: its task's)."""
     from moe_train.eval.decode import RawTextLabels
 
-    manifest = inf.manifest
+    manifest, whose = _serving(inf)
     corpora = manifest.get("corpora", [])
 
     def pick(flag: str, given: str | None, known: list[str], used: set[str]) -> int | None:
@@ -218,7 +230,7 @@ def _raw_text_labels(inf, args: argparse.Namespace):
             return known.index(next(iter(used))) if len(used) == 1 else None
         if not known:  # a converted model that saw no corpus: no ids to give
             return None
-        _check_known(flag, given, sorted(used) or known)  # what it trained on, not any name
+        _check_known(flag, given, sorted(used) or known, whose)  # what it trained on
         return known.index(given)
 
     langs, domains = manifest.get("langs", []), manifest.get("domains", [])
@@ -293,6 +305,18 @@ def _prepared_split(inf, prepared_arg: str | None, split: str):
             raise DataError(f"{prepared}: its {key} {', '.join(ours) or 'none'} are not the "
                             f"model's ({', '.join(theirs) or 'none'}, {inf.source}); prepare "
                             "the data with the model's data settings")
+    if inf.cfg.moe.extracted_task:
+        from moe_train.eval.extract import serves
+
+        check = serves(inf.cfg, inf.manifest)
+        sizes = dataset.manifest["splits"][split]["corpus_sizes"]
+        other = [c["name"] for c, n in zip(dataset.manifest["corpora"], sizes)
+                 if n and not check(c)]
+        if other:
+            raise DataError(f"{prepared}: its {split} split holds {', '.join(other)}, which "
+                            f"{inf.source} does not serve: it is a sub-network extracted with "
+                            f"--task {inf.cfg.moe.extracted_task}; evaluate the full model, or "
+                            "give this task's sentences with --src / --ref")
     return dataset
 
 
@@ -410,7 +434,8 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     ecfg = _eval_config(args, inf.cfg.eval)
     if args.src:
         hyps = _translate_raw(inf, args, source, src, ecfg, rt.device)
-        tgt = args.tgt_lang or group_target(c["tgt_lang"] for c in inf.manifest.get("corpora", []))
+        tgt = args.tgt_lang or group_target(c["tgt_lang"]
+                                            for c in _serving(inf)[0].get("corpora", []))
         metrics = {"all": corpus_metrics(hyps, refs, tgt), "domains": {}, "pairs": {}}
         ordered = hyps
     else:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -69,21 +69,50 @@ def _side_task(task: str, source: str, manifest: dict[str, Any]) -> int:
     return found[0]
 
 
+def _corpus_task(corpus: dict[str, Any], source: str, manifest: dict[str, Any]
+                 ) -> tuple[int, str] | None:
+    """(task id, name) of one corpus for a side routing by `source`; None for given task ids."""
+    langs, domains = list(manifest.get("langs", [])), list(manifest.get("domains", []))
+    if source == "domain":
+        return domains.index(corpus["domain"]), corpus["domain"]
+    if source == "lang_pair":
+        src, tgt = corpus["src_lang"], corpus["tgt_lang"]
+        return langs.index(src) * len(langs) + langs.index(tgt), f"{src}-{tgt}"
+    if source in ("tgt_lang", "src_lang"):
+        return langs.index(corpus[source]), corpus[source]
+    return None
+
+
 def _trained_tasks(source: str, manifest: dict[str, Any]) -> dict[int, str]:
     """{task id: name} of the tasks the training data held for `source` (its corpora); empty
     when it names none (a converted model, or task_ids given by the caller)."""
-    langs, domains = list(manifest.get("langs", [])), list(manifest.get("domains", []))
-    out: dict[int, str] = {}
-    for c in manifest.get("corpora", []):
-        if source == "domain":
-            out[domains.index(c["domain"])] = c["domain"]
-        elif source == "lang_pair":
-            out[langs.index(c["src_lang"]) * len(langs) + langs.index(c["tgt_lang"])] = \
-                f"{c['src_lang']}-{c['tgt_lang']}"
-        elif source in ("tgt_lang", "src_lang"):
-            lang = c[source]
-            out[langs.index(lang)] = lang
-    return dict(sorted(out.items()))
+    found = (_corpus_task(c, source, manifest) for c in manifest.get("corpora", []))
+    return dict(sorted(t for t in found if t is not None))
+
+
+def serves(cfg: ExperimentConfig, manifest: dict[str, Any]) -> Callable[[dict[str, Any]], bool]:
+    """Whether the model of `cfg` and `manifest` serves a corpus (a manifest entry): an
+    extracted sub-network only its task's (a corpus of given task ids names none: kept); a full
+    model every one."""
+    task = cfg.moe.extracted_task
+    sources = {s: getattr(cfg.moe, f"{s}_task_source") for s in task_sides(cfg)} if task else {}
+    ids = {s: _side_task(task, src, manifest) for s, src in sources.items()}
+
+    def check(corpus: dict[str, Any]) -> bool:
+        tasks = {s: _corpus_task(corpus, src, manifest) for s, src in sources.items()}
+        return all(t is None or t[0] == ids[s] for s, t in tasks.items())
+
+    return check
+
+
+def serving_manifest(cfg: ExperimentConfig, manifest: dict[str, Any]) -> dict[str, Any]:
+    """`manifest` as its model serves it (`serves`): translate's language / domain choices and
+    defaults become an extracted sub-network's task's. The id lists (langs, domains) stay
+    whole: they number the tasks."""
+    if not cfg.moe.extracted_task:
+        return manifest
+    check = serves(cfg, manifest)
+    return {**manifest, "corpora": [c for c in manifest.get("corpora", []) if check(c)]}
 
 
 def _task_id(task: str, source: str, manifest: dict[str, Any]) -> int:

@@ -67,9 +67,25 @@ def test_extracted_direction_translates_like_the_full_model(trained):
                for m in (ckpt, sub)]
     assert results[0]["all"] == results[1]["all"]
 
-    # another direction is refused in one line
+    # the sub-network's only direction needs no flags (en -> fr: its one corpus)
+    out = work / "hyp.noflags"
+    run_cli(["translate", "--checkpoint", str(sub), "--input", str(src), "--output", str(out)],
+            cwd=work)
+    assert out.read_text() == outs[0]
+
+    # another direction is refused in one line, naming the languages, before decoding
     proc = run_cli(["translate", "--checkpoint", str(sub), "--input", str(src), "--output",
                     str(work / "x"), "--src-lang", "en", "--tgt-lang", "de"], cwd=work,
                    check=False)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert "serves tgt_lang id(s)" in proc.stderr and not (work / "x").exists()
+    assert proc.stderr.strip() == ("error: --tgt-lang: 'de' is not one of this sub-network's "
+                                   "(extracted with --task en-fr) (fr)")
+    assert not (work / "x").exists()
+
+    # so is the prepared test split, which holds the other directions too
+    proc = run_cli(["evaluate", "--checkpoint", str(sub), "--prepared", str(prepared)],
+                   cwd=work, check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "its test split holds" in lines[0] and "law.de-en" in lines[0]
+    assert "law.en-fr" not in lines[0] and "--task en-fr" in lines[0]

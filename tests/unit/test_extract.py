@@ -235,3 +235,23 @@ def test_sides_routing_by_different_sources_take_one_task_each() -> None:
     assert ext.task_ids == {"encoder": 1, "decoder": 2}
     with pytest.raises(ConfigError, match="exactly one part for the domain routing"):
         extract(model, cfg, TRAINED, "fr,de")
+
+
+def test_an_extracted_sub_network_serves_only_its_tasks_corpora() -> None:
+    """translate's language / domain defaults and checks, and evaluate's split check, see the
+    corpora of the extracted task only; a full model serves every corpus."""
+    from moe_train.eval.extract import serves, serving_manifest
+
+    corpora = [*TRAINED["corpora"], {"src_lang": "de", "tgt_lang": "fr", "domain": "law"}]
+    manifest = {**TRAINED, "corpora": corpora}
+    cfg, model = _model(["moe.encoder_router=task", "moe.encoder_task_source=domain",
+                         "moe.decoder_router=task", "moe.decoder_task_source=tgt_lang"])
+    assert serving_manifest(cfg, manifest) is manifest
+    sub = extract(model, cfg, manifest, "law,fr").cfg
+    assert serving_manifest(sub, manifest)["corpora"] == [corpora[2]]  # law and into fr
+    assert serving_manifest(sub, manifest)["langs"] == LANGS  # the ids stay whole
+    check = serves(sub, manifest)
+    assert [check(c) for c in corpora] == [False, False, True]
+    cfg, model = _model(CONFIGS["token/target"][0])  # only the decoder routes by task
+    sub = extract(model, cfg, manifest, "fr").cfg
+    assert [c["tgt_lang"] for c in serving_manifest(sub, manifest)["corpora"]] == ["fr", "fr"]
