@@ -269,12 +269,14 @@ class Trainer:
             return
         self.nonfinite_steps += 1
         self.nonfinite_in_a_row += 1
-        self.monitor.scalars(self.step, {"train/nonfinite_steps": float(self.nonfinite_steps)})
+        limit = self.cfg.optim.max_nonfinite_steps
+        if self.nonfinite_in_a_row >= limit or self.step % self.cfg.train.log_every:
+            # (a log step's scalars carry it, once: _log)
+            self.monitor.scalars(self.step, {"train/nonfinite_steps": float(self.nonfinite_steps)})
         self.monitor.print(
             f"| step {self.step:>6} | non-finite loss or gradient norm (grad norm "
             f"{self.last_grad_norm}): update skipped on every rank | {self.nonfinite_in_a_row} "
             f"in a row, {self.nonfinite_steps} in total")
-        limit = self.cfg.optim.max_nonfinite_steps
         if self.nonfinite_in_a_row >= limit:
             raise MoeTrainError(
                 f"optim.max_nonfinite_steps: {limit} consecutive steps (up to step {self.step}) "
@@ -421,7 +423,16 @@ class Trainer:
         return values
 
     def fit(self) -> dict[str, Any]:
-        """Train to `train.max_steps` (or `train.max_minutes`); checkpoint, validate, export."""
+        """Train to `train.max_steps` (or `train.max_minutes`); checkpoint, validate, export.
+        The TensorBoard writer is closed however it ends: a run stopped by an error keeps the
+        steps that led there, and no writer thread outlives the run (a daemon thread left at
+        interpreter exit can abort the process instead of its exit status 2)."""
+        try:
+            return self._fit()
+        finally:
+            self.monitor.close()
+
+    def _fit(self) -> dict[str, Any]:
         tc = self.cfg.train
         start = time.time()
         window = {"loss": 0.0, "nll": 0.0, "tokens": 0.0}
@@ -483,7 +494,6 @@ class Trainer:
                                f"({best['metric']} {best['best']:.4f}), not step {self.step}")
         export = self.checkpoints.export(source)
         self.monitor.print(f"| saved {path}" + (f" | exported {export}" if export else ""))
-        self.monitor.close()
         exported: dict[str, Any] = {"exported_step": self.step}
         if source != path:
             exported = {"exported_step": early.best_step, "exported_dev": early.best_values}

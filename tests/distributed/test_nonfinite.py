@@ -93,6 +93,8 @@ def _fit(trainer, ckpt: Path) -> dict:
         rec["error"] = str(exc)
     rec["step"] = trainer.step
     rec["printed"] = printed
+    writer = trainer.monitor.writer  # rank 0 writes TensorBoard; the error closed it
+    rec["writer"] = None if writer is None else writer.all_writers is None
     rec["nonfinite_scalars"] = [(s, v["train/nonfinite_steps"]) for s, v in scalars
                                 if "train/nonfinite_steps" in v]
     dirs = sorted(p.name for p in ckpt.iterdir())
@@ -191,6 +193,8 @@ def test_consecutive_nonfinite_steps_stop_the_run_naming_the_last_checkpoint(run
     # TensorBoard: the count is written at each skip and with every log line
     values = dict(runs[0]["fit"]["nonfinite_scalars"])
     assert values[3] == 0.0 and values[4] == 1.0 and values[5] == 2.0
+    assert [s for s, _ in runs[0]["fit"]["nonfinite_scalars"]] == [1, 2, 3, 4, 5]  # once each
+    assert runs[0]["fit"]["writer"] is True and runs[1]["fit"]["writer"] is None
     assert all(math.isfinite(v) for v in values.values())
 
 
@@ -228,6 +232,13 @@ def test_cli_stops_a_diverging_run_with_exit_2(tiny_prepared, tmp_path):
     assert "Traceback" not in proc.stderr
     assert proc.stdout.count("update skipped on every rank") == 3
     assert "| step      2 | loss nan |" in proc.stdout  # a window of skipped steps only
+    # the writer was closed on the error: the event file holds every skipped step
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("train/nonfinite_steps")] == [
+        (1, 0.0), (2, 1.0), (3, 2.0), (4, 3.0)]
     # Step 3's checkpoint was saved two skips into the streak: resumed, the streak goes on and
     # the next skip is the third in a row (a requeued job gets no fresh allowance).
     proc = run_cli([*train, "--resume"], cwd=tmp_path, check=False)
