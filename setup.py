@@ -34,7 +34,7 @@ setup(
         # triton: the GPU kernels' fast path; on CPU its interpreter runs the equivalence tests
         "gpu": ["triton>=3.0; platform_system == 'Linux'"],
         # megatron-core: the Megatron-style baseline of benchmarks/moe_layer.py
-        "dev": ["pytest>=8", "triton>=3.0; platform_system == 'Linux'", "megatron-core>=0.9"],
+        "dev": ["pytest>=8", "pytest-xdist>=3", "triton>=3.0; platform_system == 'Linux'", "megatron-core>=0.9"],
     },
     entry_points={"console_scripts": ["moe-train=moe_train.cli:main"]},
 )

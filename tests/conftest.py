@@ -17,17 +17,31 @@ SHARED_DATA = ROOT.parent / "shared" / "data" / "opus-multidomain"
 def no_leaked_shm_buffers():
     """Ranks killed on purpose (kill/resume tests) cannot unlink DeepSpeed's CPU all-reduce
     buffers (67 MB of RAM each, see parallel.runtime.shutdown): remove the ones this session
-    created when it ends."""
+    created when it ends, except those a process still maps (another test worker's job)."""
     import time
 
     start = time.time() - 1
     yield
+    mapped = _mapped_files()
     for path in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_{os.getuid()}_*"):
         try:
-            if path.stat().st_mtime >= start:
+            if path.stat().st_mtime >= start and str(path) not in mapped:
                 path.unlink()
         except OSError:
             pass
+
+
+def _mapped_files() -> set[str]:
+    """The files some process of this machine maps (/proc/*/maps; empty where unreadable)."""
+    mapped: set[str] = set()
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        try:
+            text = maps.read_text()
+        except OSError:
+            continue
+        mapped.update(line.split(None, 5)[5] for line in text.splitlines()
+                      if "deepspeed_allreduce_buffer" in line and line.count(" ") >= 5)
+    return mapped
 
 
 @pytest.fixture
