@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 from moe_train.commands import _prepared_split
+from moe_train.config import load_config
 from moe_train.errors import DataError
 
 
@@ -21,7 +22,7 @@ def _model(prepared, tmp_path, **manifest_changes):
     source.mkdir()
     shutil.copy(prepared / "spm.model", source / "spm.model")
     return SimpleNamespace(source=source, manifest=manifest,
-                           cfg=SimpleNamespace(data=SimpleNamespace(prepared_dir=str(prepared))))
+                           cfg=load_config(None, [f"data.prepared_dir={prepared}"]))
 
 
 def test_the_model_s_own_data_is_read(tiny_prepared, tmp_path) -> None:

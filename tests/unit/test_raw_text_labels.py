@@ -92,11 +92,12 @@ def test_raw_text_labels_take_only_what_the_model_trained_on():
     from types import SimpleNamespace
 
     from moe_train.commands import _raw_text_labels
+    from moe_train.config import load_config
 
     manifest = {"langs": ["de", "en", "fr"], "domains": ["it", "law"],
                 "corpora": [{"src_lang": "en", "tgt_lang": "de", "domain": "law"},
                             {"src_lang": "en", "tgt_lang": "fr", "domain": "law"}]}
-    inf = SimpleNamespace(manifest=manifest)
+    inf = SimpleNamespace(manifest=manifest, cfg=load_config(None, []))  # a full model
 
     def labels(**flags):
         return _raw_text_labels(inf, SimpleNamespace(**flags))
