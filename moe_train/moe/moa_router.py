@@ -96,13 +96,20 @@ class RandomSentenceRouter(Router):
     """A fixed pseudo-random expert per sentence, blind to what the sentence is about: the
     "does routing matter" control (RND routing). The choice is a hash of the sentence
     representation (quantised to 0.01), so every layer and every decoding step of a sentence
-    agree, and two runs agree. No parameters, no aux loss."""
+    agree, and two runs agree. No parameters, no aux loss.
+
+    With `weights_of` (a trained router), only the experts are random: each token keeps that
+    router's k slots and combine weights (a Switch-SL gate's probability, SGMoE-SL's two
+    renormalised weights), its experts become the sentence's hash and the k - 1 experts after
+    it, so the control changes which experts run and nothing else."""
 
     name = "random"
 
-    def __init__(self, d_model: int, num_experts: int, cfg: RouterConfig) -> None:
+    def __init__(self, d_model: int, num_experts: int, cfg: RouterConfig,
+                 weights_of: Router | None = None) -> None:
         super().__init__(num_experts)
-        self.k = 1
+        self.weights_of = weights_of
+        self.k = 1 if weights_of is None else int(getattr(weights_of, "k", 1))
         gen = torch.Generator().manual_seed(7919)
         self.register_buffer("salt_D", torch.randint(1, 2**31 - 1, (d_model,), generator=gen),
                              persistent=False)
@@ -110,14 +117,21 @@ class RandomSentenceRouter(Router):
     def forward(self, x_TD: Tensor, rctx: RoutingContext | None = None) -> Routing:
         rctx = _require_sentences(rctx, self.name)
         q_BD = torch.round(sentence_repr(x_TD, rctx, self.name).float() * 100).long()
-        ids_B = torch.remainder((q_BD * self.salt_D.to(q_BD.device)).sum(-1), self.num_experts)
-        expert_ids_TK = ids_B[rctx.sentence_ids_T][:, None]
-        return Routing(expert_ids_TK=expert_ids_TK,
-                       weights_TK=torch.ones(expert_ids_TK.shape, dtype=x_TD.dtype,
-                                             device=x_TD.device),
+        hash_B = (q_BD * self.salt_D.to(q_BD.device)).sum(-1)
+        kept = None if self.weights_of is None else self.weights_of.route(x_TD, rctx)
+        K = 1 if kept is None else kept.expert_ids_TK.size(1)
+        ids_BK = torch.remainder(hash_B[:, None] + torch.arange(K, device=hash_B.device),
+                                 self.num_experts)
+        expert_ids_TK = ids_BK[rctx.sentence_ids_T]
+        if kept is None:
+            weights_TK = torch.ones(expert_ids_TK.shape, dtype=x_TD.dtype, device=x_TD.device)
+        else:  # the trained router's unused slots stay unused
+            expert_ids_TK = torch.where(kept.expert_ids_TK < 0, -1, expert_ids_TK)
+            weights_TK = kept.weights_TK
+        return Routing(expert_ids_TK=expert_ids_TK, weights_TK=weights_TK,
                        probs_TE=None, num_experts=self.num_experts,
                        stats=_token_stats(expert_ids_TK, self.num_experts, rctx.pad_mask_T, None),
-                       sentence_expert_ids_BK=ids_B[:, None])
+                       sentence_expert_ids_BK=ids_BK)
 
 
 class SingleRouter(Router):
@@ -138,6 +152,10 @@ class SingleRouter(Router):
         return Routing(expert_ids_TK=ids_TK, weights_TK=torch.ones_like(ids_TK, dtype=x_TD.dtype),
                        probs_TE=None, num_experts=1,
                        stats={"tokens_per_expert": losses.tokens_per_expert(ids_TK, 1, pad_mask_T)})
+
+
+def _as_is(t: Tensor) -> Tensor:
+    return t
 
 
 class SharedRouter(nn.Module):
@@ -181,7 +199,11 @@ class SharedRouter(nn.Module):
             ref, T, training, routing = self._memo
             if ref() is key and T == x_TD.size(0) and training == self.training:
                 return dataclasses.replace(routing, aux_losses={})
-        routing = self.inner.route(x_TD, rctx)
+        # Later layers reuse this decision, so its tensors are saved outside any activation
+        # checkpoint: a checkpointed layer that made it is recomputed in backward, finds the
+        # memo, and must save what its first run saved (none of these).
+        with torch.autograd.graph.saved_tensors_hooks(_as_is, _as_is):
+            routing = self.inner.route(x_TD, rctx)
         self._memo = None if key is None else (weakref.ref(key), x_TD.size(0), self.training,
                                                 routing)
         return routing

@@ -11,8 +11,9 @@
   (its top-1 on the same mean-pooled encoder states): the adapter model's (the encoder is
   frozen, so the backbone's features are its), else the backbone's when it is itself a
   sentence-routed MoE (the Switch-SL / SGMoE-SL baselines with FFN experts).
-- Random routing (``random_routing``): a model decoded again with its sentence router (gate or
-  learned) replaced by a fixed arbitrary expert per sentence: what routing is worth.
+- Random routing (``random_routing``): a model decoded again with its sentence router's (gate
+  or learned) choice of experts replaced by a fixed arbitrary one per sentence, its k and
+  combine weights kept: what routing is worth.
 - Extra parameters of the adapter model over the backbone.
 - The test hypotheses of each model, one per line in test-index order, beside the references
   (``hypotheses/<model>.txt``, ``hypotheses/references.txt``): what a paired significance test
@@ -113,12 +114,13 @@ def sentence_router_labels(inf: InferenceModel, features_ND: np.ndarray) -> np.n
 @contextmanager
 def random_routing(inf: InferenceModel):
     """The model with its sentence-level routers (see `sentence_routers`) swapped for
-    `RandomSentenceRouter` (each sentence to a fixed arbitrary expert) inside the block;
+    `RandomSentenceRouter` inside the block: each sentence goes to fixed arbitrary experts,
+    with the trained router's k and combine weights (only the choice of experts changes);
     yields whether there was anything to swap."""
     saved = [(r, r.inner) for r in sentence_routers(inf.model)]
     for router, inner in saved:
         router.inner = RandomSentenceRouter(inf.cfg.model.d_model, inner.num_experts,
-                                            RouterConfig())
+                                            RouterConfig(), weights_of=inner)
         router._memo = None
     try:
         yield bool(saved)

@@ -125,6 +125,31 @@ def test_model_routes_every_decoder_adapter_layer_with_one_sentence_decision() -
     assert len(seen) == 3 and all(torch.equal(seen[0], s) for s in seen)
 
 
+@pytest.mark.parametrize("extra", [
+    ("moe.num_experts=4", "moe.encoder_router=dense", "moe.decoder_router=sentence", "moe.k=1"),
+    ("adapters.num_experts=4", "adapters.router=gumbel", "adapters.k=4"),
+    ("adapters.num_experts=4", "adapters.router=sentence", "adapters.k=1",
+     "adapters.aux_loss_coef=0.01"),
+], ids=["switch-sl-ffn", "gumbel-adapters", "sentence-adapters"])
+def test_shared_sentence_routers_under_activation_checkpointing(extra) -> None:
+    """A checkpointed layer that made the shared decision is recomputed in backward with the
+    memo already there: same gradients as without checkpointing (it used to raise)."""
+    grads = []
+    for checkpointing in (False, True):
+        cfg = _moa_cfg("model.dropout=0.0", f"model.activation_checkpointing={checkpointing}",
+                       *extra)
+        torch.manual_seed(0)
+        model = build_model(cfg, MANIFEST).train()
+        src = torch.randint(1, 30, (3, 7), generator=torch.Generator().manual_seed(1))
+        torch.manual_seed(7)
+        out = model(src, src, ForwardContext())
+        (out.logits_BTV.square().mean() + sum(out.aux_losses.values())).backward()
+        grads.append({n: p.grad for n, p in model.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys()
+    for name, grad in grads[0].items():
+        torch.testing.assert_close(grads[1][name], grad, msg=name)
+
+
 def test_encoder_output_is_the_decoder_sentence_representation() -> None:
     torch.manual_seed(0)
     model = build_model(_moa_cfg(), MANIFEST).eval()
@@ -257,9 +282,18 @@ def test_evaluation_finds_the_sentence_router_of_adapters_and_of_ffn_experts(kin
     labels = sentence_router_labels(inf, x_ND.numpy())
     assert labels.tolist()[:3] == [2, 2, 2] and 2 not in labels.tolist()[3:]
     inner = routers[0].inner
+    x_TD = torch.randn(60, 16)
+    rctx = RoutingContext.from_batch(60, 1, sentence_repr_BD=x_TD, side="decoder")
+    learned = inner.route(x_TD, rctx)
     with random_routing(inf) as swapped:
         assert swapped and routers[0].inner.name == "random"
+        rnd = routers[0].inner.route(x_TD, rctx)
     assert routers[0].inner is inner
+    # only the experts change: the trained router's k and combine weights stay
+    assert rnd.expert_ids_TK.shape == learned.expert_ids_TK.shape
+    assert torch.equal(rnd.weights_TK, learned.weights_TK)
+    assert not torch.equal(rnd.expert_ids_TK, learned.expert_ids_TK)
+    assert all(len(set(row)) == len(row) for row in rnd.expert_ids_TK.tolist())  # distinct
     plain = build_model(_moa_cfg("adapters.num_experts=1"), MANIFEST)
     assert sentence_routers(plain) == []
     assert sentence_router_labels(SimpleNamespace(model=plain, cfg=cfg), x_ND.numpy()) is None
