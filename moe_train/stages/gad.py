@@ -152,6 +152,9 @@ def run_gad(ctx: StageContext) -> dict[str, Any]:
 
 def run_tag(ctx: StageContext) -> dict[str, Any]:
     g = ctx.cfg.gated
+    if not g.tag_prepared_dir:
+        raise ConfigError("gated.tag_prepared_dir: the tag stage needs the corpora prepared "
+                          "with data.domain_tags=true; got none")
     cfg = stage_config(ctx.cfg, ctx.stage_dir("tag"),
                        data={"prepared_dir": g.tag_prepared_dir},
                        adapters={"num_experts": 0, "router": "single", "k": 1},

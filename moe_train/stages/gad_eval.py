@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from moe_train.config.schema import EvalConfig
-from moe_train.data.batching import eval_batches
+from moe_train.data.batching import bucket_key, eval_batches
 from moe_train.data.shards import ShardedDataset, nonempty_split
 from moe_train.data.views import Relabeled
 from moe_train.errors import ConfigError
@@ -98,10 +98,12 @@ def encoder_gate_probs(model: torch.nn.Module, dataset: Any, idx: np.ndarray,
     handles = [r.register_forward_hook(hook) for r in routers]
     manifest = dataset.manifest
     rows: dict[int, list[np.ndarray]] = {}
+    device = next(model.parameters()).device
     try:
         model.eval()
         for batch in eval_batches(dataset, max_tokens, manifest["pad_id"], manifest["bos_id"],
                                   manifest["eos_id"], indices=idx):
+            batch = batch.to(device)
             captured.clear()
             model.encode(batch.src_tokens_BS, batch_context(batch, manifest["pad_id"],
                                                             len(manifest["langs"])))
@@ -215,13 +217,20 @@ def run(ctx: StageContext) -> dict[str, Any]:
     return ctx.finish(STAGE, result, ctx.cfg)
 
 
+def efficiency_max_tokens(test: Any, idx: np.ndarray, batch: int) -> int:
+    """A token budget under which the sentences `idx` decode in batches of exactly `batch`
+    (the last one excepted), as the efficiency table records: held-out pairs are not limited to
+    data.max_len, so a budget from it would cut batches of long sentences smaller."""
+    return batch * int(bucket_key(test)[idx].max(initial=1))
+
+
 def _efficiency(ctx: StageContext, test: Any, idx: np.ndarray, ad: InferenceModel,
                 gad: InferenceModel, clf: DomainClassifier) -> dict[str, Any]:
     """AD_ORACLE, AD_CLF (classifier + AD) and GAD timed in one run (004 Table 7)."""
     cfg, g, rt = ctx.cfg, ctx.cfg.gated, ctx.rt
     ecfg = EvalConfig(beam=1, max_len_a=cfg.eval.max_len_a, max_len_b=cfg.eval.max_len_b,
                       max_sentences=g.efficiency_batch)
-    max_tokens = max(cfg.data.max_tokens, g.efficiency_batch * cfg.data.max_len)
+    max_tokens = efficiency_max_tokens(test, idx, g.efficiency_batch)
 
     def decode(inf: InferenceModel, dataset: Any, ids: np.ndarray) -> Any:
         return translate_dataset(inf.model, dataset, inf.vocab, rt, ecfg, max_tokens,

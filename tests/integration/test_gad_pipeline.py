@@ -137,6 +137,8 @@ def test_bad_input_fails_in_one_line(gad_run, tmp_path):
     assert "was prepared without domain tags" in fails(
         "--stage", "tag", *base, f"moa.workdir={tmp_path / 'c'}",
         f"gated.tag_prepared_dir={root / 'prepared'}")
+    assert "gated.tag_prepared_dir: the tag stage needs the corpora prepared" in fails(
+        "--stage", "tag", *base, f"moa.workdir={tmp_path / 'e'}", "gated.tag_prepared_dir=")
     assert "unknown stage 'features' of recipe gad" in fails("--stage", "features", *base)
     assert "gated.classifier: expected one of encoder, tfidf" in fails("gated.classifier=bert")
 

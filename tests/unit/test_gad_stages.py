@@ -14,7 +14,9 @@ from moe_train.stages import gad_efficiency
 from moe_train.stages.classifier_core import EncoderClassifier, TfidfClassifier, domain_report
 from moe_train.stages.common import load_matching
 from moe_train.stages.gad import FrozenCheck
-from moe_train.stages.gad_eval import domain_weights, gate_agreement, score_system
+from moe_train.data.batching import eval_batches
+from moe_train.stages.gad_eval import (domain_weights, efficiency_max_tokens, gate_agreement,
+                                       score_system)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -176,3 +178,29 @@ def test_probe_refuses_a_batch_smaller_than_the_ranks():
     rt = SimpleNamespace(dp_world=4, dp_rank=0, device="cpu")
     with pytest.raises(ConfigError, match="3 rows per step cannot be shared by 4 ranks"):
         fit_probe(nn.Linear(2, 2), np.zeros((3, 2), np.float32), np.zeros(3), 1, 0.1, 8, 0, rt)
+
+
+class _Lengths:
+    """Held-out pairs longer than training's data.max_len (100): 40 of 150 tokens."""
+
+    def __init__(self, n: int) -> None:
+        self.src_lengths = np.full(n, 150)
+        self.tgt_lengths = np.arange(n) % 40 + 110
+        self.domain_ids = self.src_lang_ids = self.tgt_lang_ids = self.corpus_ids = np.zeros(n)
+
+    def __len__(self) -> int:
+        return len(self.src_lengths)
+
+    def src(self, i: int) -> np.ndarray:
+        return np.full(self.src_lengths[i], 5)
+
+    def tgt(self, i: int) -> np.ndarray:
+        return np.full(self.tgt_lengths[i], 6)
+
+
+def test_efficiency_batches_hold_the_recorded_number_of_sentences():
+    data, idx = _Lengths(140), np.arange(3, 140)
+    budget = efficiency_max_tokens(data, idx, 64)
+    sizes = [len(b.indices_B) for b in eval_batches(data, budget, 0, 1, 2, max_sentences=64,
+                                                    indices=idx)]
+    assert sizes == [64, 64, 9]
