@@ -12,10 +12,11 @@ from moe_train.kernels.backend import use_triton
 
 
 def check_expert_ids(expert_ids_TK: Tensor) -> None:
-    """Fail early on ids that are not a 2-D integer tensor (a router bug, not user input)."""
+    """Fail early on ids that are not a 2-D signed integer tensor (-1 marks a dropped slot;
+    a router bug, not user input)."""
     if expert_ids_TK.dim() != 2 or expert_ids_TK.dtype.is_floating_point \
-            or expert_ids_TK.dtype == torch.bool:
-        raise ValueError(f"expert_ids_TK: expected a 2-D integer tensor, got "
+            or not expert_ids_TK.dtype.is_signed:
+        raise ValueError(f"expert_ids_TK: expected a 2-D signed integer tensor, got "
                          f"{tuple(expert_ids_TK.shape)} {expert_ids_TK.dtype}")
 
 

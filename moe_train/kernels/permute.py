@@ -140,8 +140,9 @@ def unpermute_backward_torch(grad_TD: Tensor, y_ND: Tensor | None, row_map_N: Te
     w_N = weights_TK.reshape(-1).index_select(0, row_map_N).to(g_ND.dtype)
     grad_w_TK = None
     if y_ND is not None:
-        dots_N = (g_ND * y_ND).sum(-1, dtype=torch.float32)
-        grad_w_TK = torch.zeros(T * K, dtype=torch.float32, device=g_ND.device)
+        acc = torch.promote_types(g_ND.dtype, torch.float32)  # widen bf16, keep float64
+        dots_N = (g_ND * y_ND).sum(-1, dtype=acc)
+        grad_w_TK = torch.zeros(T * K, dtype=acc, device=g_ND.device)
         grad_w_TK.index_copy_(0, row_map_N, dots_N)
         grad_w_TK = grad_w_TK.view(T, K).to(weights_TK.dtype)
     return g_ND.mul_(w_N[:, None]), grad_w_TK  # g_ND is this function's own gather

@@ -107,9 +107,22 @@ def dot_precision(dtype: torch.dtype) -> str:
     """`tl.dot`'s input precision for inputs of `dtype`: "ieee" (full fp32 products) for fp32
     unless torch's float32 matmul precision allows TF32; "tf32" otherwise (ignored by Triton
     for 16-bit inputs)."""
-    if dtype == torch.float32 and torch.get_float32_matmul_precision() == "highest":
+    if dtype == torch.float32 and not _fp32_matmul_allows_tf32():
         return "ieee"
     return "tf32"
+
+
+def _fp32_matmul_allows_tf32() -> bool:
+    """Whether torch's CUDA matmuls may use TF32 for fp32. Read through the per-backend setting
+    where torch has it: once a user sets `torch.backends.*.fp32_precision`, torch refuses the
+    legacy `get_float32_matmul_precision()` query (mixing the two APIs is an error)."""
+    matmul = torch.backends.cuda.matmul
+    prec = getattr(matmul, "fp32_precision", None)
+    if prec is None:
+        return torch.get_float32_matmul_precision() != "highest"
+    if prec == "none":  # inherits the global setting
+        prec = getattr(torch.backends, "fp32_precision", "none")
+    return prec == "tf32"
 
 
 def _tile_map(counts_E: Tensor, num_rows: int) -> tuple[Tensor, Tensor, Tensor]:

@@ -232,6 +232,21 @@ def test_unpermute_weights_only_grad_and_no_weight_grad():
     assert torch.equal(w.grad, w3.grad) and torch.equal(y2.grad, y3.grad)
 
 
+def test_float64_weight_gradient_keeps_float64_and_unsigned_ids_are_refused():
+    """The combine weights' gradient accumulates in fp32 for 16-bit rows but never narrows
+    float64 (gradcheck's dtype); uint8 ids cannot mark a dropped slot (-1)."""
+    ids = torch.tensor([[0, 1], [1, 2], [2, 0], [0, 1], [1, 2], [2, 0]])
+    x = torch.randn(6, 4, dtype=torch.float64)
+    w = _leaf(torch.rand(6, 2, dtype=torch.float64))
+    x_ND, row_map, _ = permute(x, ids, 3, backend="torch")
+    unpermute(x_ND / 3, row_map, w, 6, backend="torch").sum().backward()
+    expected = (x / 3).sum(1, keepdim=True).expand(6, 2)
+    assert w.grad.dtype == torch.float64
+    torch.testing.assert_close(w.grad, expected, rtol=1e-14, atol=1e-14)
+    with pytest.raises(ValueError, match="signed integer"):
+        expert_histogram(ids.to(torch.uint8), 3)
+
+
 def test_grouped_gemm_transposed_weight_and_bad_counts():
     counts = torch.tensor([2, 0, 3])
     x = torch.randn(5, 4)
@@ -391,6 +406,19 @@ def test_triton_dot_precision_follows_torch():
             assert dot_precision(torch.float32) == fp32
             assert dot_precision(torch.bfloat16) == "tf32"
     finally:
+        torch.set_float32_matmul_precision(before)
+    # torch's per-backend setting (after which the query above raises): read through it
+    matmul = torch.backends.cuda.matmul
+    if not hasattr(matmul, "fp32_precision"):
+        return
+    try:
+        for where, value, fp32 in ((matmul, "tf32", "tf32"), (matmul, "ieee", "ieee"),
+                                   (torch.backends, "tf32", "tf32")):
+            matmul.fp32_precision = torch.backends.fp32_precision = "none"
+            setattr(where, "fp32_precision", value)
+            assert dot_precision(torch.float32) == fp32, (where, value)
+    finally:
+        matmul.fp32_precision = torch.backends.fp32_precision = "none"
         torch.set_float32_matmul_precision(before)
 
 
