@@ -182,8 +182,10 @@ def source_prefix(manifest: dict[str, Any], vocab, domain: str | None,
     (data.domain_tags, from --domain), then the target-language tag (data.lang_tags, from
     --tgt-lang). A flag may be left out when the data had one choice."""
     targets = sorted({c["tgt_lang"] for c in manifest["corpora"]})
+    held = {c["domain"] for c in manifest["corpora"]}  # an extracted sub-network's: its task's
+    domains = [d for d in manifest["domains"] if d in held] or list(manifest["domains"])
     return vocab.source_prefix(
-        _tag_choice("domain", domain, manifest["domains"],
+        _tag_choice("domain", domain, domains,
                     "was trained with domain tags (data.domain_tags) for", whose)
         if manifest.get("domain_tags") else None,
         _tag_choice("tgt-lang", tgt_lang, targets, "translates into", whose)

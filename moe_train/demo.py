@@ -74,6 +74,26 @@ def _say(text: str) -> None:
     print(f"[demo] {text}", flush=True)
 
 
+def _check_extractable(cfg, manifest: dict[str, Any]) -> None:
+    """Refuse, before any work, a recipe whose EXTRACT_TASK sub-network cannot be extracted
+    (`manifest`: the corpus the demo will make)."""
+    from moe_train.eval.extract import side_tasks, task_sides
+
+    if EXTRACT_TASK not in cfg.data.pairs:
+        raise ConfigError(f"data.pairs: the demo extracts the {EXTRACT_TASK} sub-network; keep "
+                          f"{EXTRACT_TASK} among the pairs")
+    if not task_sides(cfg):
+        raise ConfigError("moe.encoder_router / moe.decoder_router: the demo extracts a task "
+                          "sub-network, so one side must route by task")
+    sources = {s: getattr(cfg.moe, f"{s}_task_source") for s in task_sides(cfg)}
+    try:
+        side_tasks(EXTRACT_TASK, sources, manifest)
+    except ConfigError as exc:
+        fields = " / ".join(f"moe.{s}_task_source" for s in sources)
+        raise ConfigError(f"{fields}: the demo extracts the {EXTRACT_TASK} sub-network, which "
+                          f"this routing cannot name ({exc})") from None
+
+
 def _data(workdir: Path, cfg) -> Path:
     """Generate and prepare the corpus unless done; returns the prepared directory."""
     from moe_train.data.corpus import discover
@@ -163,17 +183,12 @@ def run_demo(workdir: Path, minutes: float | None = None, overrides: list[str] |
 
     # the model on the meta device, with the corpus's languages and domains: a bad override
     # fails here, before the corpus is made
-    count_parameters(cfg, cfg.data.vocab_size,
-                     {"langs": sorted({"en", *CORPUS["target_langs"]}),
-                      "domains": [str(d) for d in range(CORPUS["num_domains"])]})
-    from moe_train.eval.extract import task_sides
-
-    if EXTRACT_TASK not in cfg.data.pairs:  # checked now, not after training
-        raise ConfigError(f"data.pairs: the demo extracts the {EXTRACT_TASK} sub-network; keep "
-                          f"{EXTRACT_TASK} among the pairs")
-    if not task_sides(cfg):
-        raise ConfigError("moe.encoder_router / moe.decoder_router: the demo extracts a task "
-                          "sub-network, so one side must route by task")
+    domains = [str(d) for d in range(CORPUS["num_domains"])]
+    manifest = {"langs": sorted({"en", *CORPUS["target_langs"]}), "domains": domains,
+                "corpora": [{"src_lang": pair.split("-")[0], "tgt_lang": pair.split("-")[1],
+                             "domain": d} for pair in cfg.data.pairs for d in domains]}
+    count_parameters(cfg, cfg.data.vocab_size, manifest)
+    _check_extractable(cfg, manifest)
     prepared = _data(workdir, cfg)
     _say(f"training a hybrid MoE: encoder {cfg.moe.encoder_router} routing over "
          f"{cfg.moe.side_experts('encoder')} experts, decoder {cfg.moe.decoder_router} routing "

@@ -49,24 +49,73 @@ def resolve_task(task: str, source: str, manifest: dict[str, Any]) -> int:
     return task_id
 
 
-def _side_task(task: str, source: str, manifest: dict[str, Any]) -> int:
-    """The task id of a side routing by `source`. Sides that route by different sources take
-    one comma-separated part each (``law,de``: the domain for one, the language for the
-    other): the one part that names a trained task of `source`."""
+def side_tasks(task: str, sources: dict[str, str], manifest: dict[str, Any]) -> dict[str, int]:
+    """The task id of each task-routed side (`sources`: side -> what it routes by) for `task`:
+    one task every side resolves (``de-en`` for a src_lang encoder and a tgt_lang decoder,
+    ``law`` for domain-routed sides), or, where that names nothing for some side, one
+    comma-separated part per side (``law,de``): in side order (encoder first), or in any order
+    where each side has exactly one part naming one of its tasks. A part that names no side's
+    task is refused, and so is a choice no training corpus had (it would serve nothing)."""
     parts = [p.strip() for p in task.split(",")]
     if len(parts) == 1:
-        return resolve_task(task, source, manifest)
-    found = []
-    for part in parts:
         try:
-            found.append(resolve_task(part, source, manifest))
+            ids = {s: resolve_task(task, src, manifest) for s, src in sources.items()}
         except ConfigError:
-            continue
-    if len(found) != 1:
-        trained = ", ".join(_trained_tasks(source, manifest).values()) or "none named"
-        raise ConfigError(f"--task {task}: expected exactly one part for the {source} routing "
-                          f"({trained}), found {len(found)}")
-    return found[0]
+            if len(set(sources.values())) < 2:
+                raise
+            raise ConfigError("--task: " + " and ".join(f"the {s} routes by {src}" for s, src
+                                                         in sources.items())
+                              + "; give one task for each, comma-separated (e.g. law,de)"
+                              ) from None
+    else:
+        ids = _parts_by_side(task, parts, sources, manifest)
+    _check_served(task, ids, sources, manifest)
+    return ids
+
+
+def _parts_by_side(task: str, parts: list[str], sources: dict[str, str],
+                   manifest: dict[str, Any]) -> dict[str, int]:
+    """`side_tasks` of a comma-separated `task`."""
+    def attempt(part: str, source: str) -> int | None:
+        try:
+            return resolve_task(part, source, manifest)
+        except ConfigError:
+            return None
+
+    found = {p: {s: attempt(p, src) for s, src in sources.items()} for p in parts}
+    for part, ids in found.items():
+        if all(i is None for i in ids.values()):
+            names = "; ".join(f"{s} ({src}): "
+                              + (", ".join(_trained_tasks(src, manifest).values()) or "any")
+                              for s, src in sources.items())
+            raise ConfigError(f"--task {task}: {part!r} names no task of this model's sides "
+                              f"(trained tasks by side: {names})")
+    sides = list(sources)
+    if len(parts) == len(sides) and all(found[p][s] is not None for p, s in zip(parts, sides)):
+        return {s: int(found[p][s]) for p, s in zip(parts, sides)}
+    out: dict[str, int] = {}
+    for side, source in sources.items():
+        ids = {found[p][side] for p in parts} - {None}
+        if len(ids) != 1:
+            trained = ", ".join(_trained_tasks(source, manifest).values()) or "none named"
+            raise ConfigError(f"--task {task}: expected exactly one part for the {source} "
+                              f"routing ({trained}), found {len(ids)}")
+        out[side] = int(ids.pop())
+    return out
+
+
+def _check_served(task: str, ids: dict[str, int], sources: dict[str, str],
+                  manifest: dict[str, Any]) -> None:
+    """Refuse side tasks that no training corpus had together (e.g. source and target
+    language both de): the sub-network would serve nothing."""
+    corpora = manifest.get("corpora", [])
+    tasks = [{s: _corpus_task(c, src, manifest) for s, src in sources.items()} for c in corpora]
+    if not corpora or any(all(t[s] is None or t[s][0] == i for s, i in ids.items())
+                          for t in tasks):
+        return
+    raise ConfigError(f"--task {task}: no corpus the model trained on has these tasks together "
+                      "(" + ", ".join(f"{s} {sources[s]} id {i}" for s, i in ids.items())
+                      + "); it would serve nothing")
 
 
 def _corpus_task(corpus: dict[str, Any], source: str, manifest: dict[str, Any]
@@ -96,7 +145,7 @@ def serves(cfg: ExperimentConfig, manifest: dict[str, Any]) -> Callable[[dict[st
     model every one."""
     task = cfg.moe.extracted_task
     sources = {s: getattr(cfg.moe, f"{s}_task_source") for s in task_sides(cfg)} if task else {}
-    ids = {s: _side_task(task, src, manifest) for s, src in sources.items()}
+    ids = side_tasks(task, sources, manifest) if task else {}
 
     def check(corpus: dict[str, Any]) -> bool:
         tasks = {s: _corpus_task(corpus, src, manifest) for s, src in sources.items()}
@@ -184,11 +233,7 @@ def extract(model: torch.nn.Module, cfg: ExperimentConfig, manifest: dict[str, A
                           f"{cfg.moe.extracted_task!r}); extract from the full model")
     sides = task_sides(cfg)
     sources = {s: getattr(cfg.moe, f"{s}_task_source") for s in sides}
-    if len(set(sources.values())) > 1 and "," not in task:
-        raise ConfigError("--task: " + " and ".join(f"the {s} routes by {src}" for s, src in
-                                                     sources.items())
-                          + "; give one task for each, comma-separated (e.g. law,de)")
-    task_ids = {s: _side_task(task, sources[s], manifest) for s in sides}
+    task_ids = side_tasks(task, sources, manifest)
     state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
     num_tasks: dict[str, int] = {}
     kept: dict[str, list[int]] = {}

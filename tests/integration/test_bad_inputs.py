@@ -246,6 +246,10 @@ CASES: dict[str, Case] = {
     "demo_without_a_task_routed_side": Case(["demo", "--workdir", "{tmp}/dm",
                                              "moe.decoder_router=topk"],
                                             ("moe.decoder_router", "route by task")),
+    "demo_routing_cannot_name_its_direction": Case(["demo", "--workdir", "{tmp}/dm",
+                                                    "moe.decoder_task_source=domain"],
+                                                   ("moe.decoder_task_source",
+                                                    "en-de sub-network", "routes by domain")),
     # synth
     "synth_unknown_language": Case(["synth", "--out", "{tmp}/c", "--langs", "de,xx"],
                                    ("target_langs", "de, fr, es, cs, ja", "xx")),

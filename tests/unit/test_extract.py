@@ -231,10 +231,36 @@ def test_sides_routing_by_different_sources_take_one_task_each() -> None:
     with pytest.raises(ConfigError, match="the encoder routes by domain and the decoder routes by "
                                           "tgt_lang; give one task for each"):
         extract(model, cfg, TRAINED, "law")
-    ext = extract(model, cfg, TRAINED, "law,fr")
-    assert ext.task_ids == {"encoder": 1, "decoder": 2}
+    ext = extract(model, cfg, TRAINED, "law,de")
+    assert ext.task_ids == {"encoder": 1, "decoder": 0}
+    assert extract(model, cfg, TRAINED, "de,law").task_ids == ext.task_ids  # any order
+    with pytest.raises(ConfigError, match="no corpus the model trained on has these tasks"):
+        extract(model, cfg, TRAINED, "law,fr")  # law was en->de only: it would serve nothing
     with pytest.raises(ConfigError, match="exactly one part for the domain routing"):
         extract(model, cfg, TRAINED, "fr,de")
+
+
+@pytest.mark.parametrize("encoder_source, encoder_id", [("src_lang", 0), ("lang_pair", 0 * 3 + 1)])
+def test_a_language_pair_names_both_sides_of_a_mixed_routing(encoder_source, encoder_id) -> None:
+    """An encoder routing by source language or pair and a decoder by target language, on data
+    where a language is both a source and a target: ``de-en`` names both sides' tasks, as do
+    one part per side; a part naming nothing, or tasks no corpus had together, are refused."""
+    corpora = [{"src_lang": s, "tgt_lang": t, "domain": "law"}
+               for s, t in (("en", "de"), ("de", "en"), ("en", "fr"), ("fr", "en"))]
+    manifest = {**MANIFEST, "corpora": corpora}
+    cfg, model = _model(["moe.encoder_router=task", f"moe.encoder_task_source={encoder_source}",
+                         "moe.decoder_router=task", "moe.decoder_task_source=tgt_lang"])
+    want = {"encoder": encoder_id, "decoder": 1}
+    for task in ("de-en", "de-en,en"):
+        assert extract(model, cfg, manifest, task).task_ids == want, task
+    if encoder_source == "src_lang":  # parts in side order
+        assert extract(model, cfg, manifest, "de,en").task_ids == want
+    else:  # parts in any order where each names one side's task only
+        assert extract(model, cfg, manifest, "en,de-en").task_ids == want
+    for task, error in (("de-en,zz", "'zz' names no task"), ("de-en,", "'' names no task"),
+                        ("de-en,fr", "no corpus the model trained on has these tasks together")):
+        with pytest.raises(ConfigError, match=error):
+            extract(model, cfg, manifest, task)
 
 
 def test_an_extracted_sub_network_serves_only_its_tasks_corpora() -> None:

@@ -77,6 +77,11 @@ def test_source_prefix_follows_the_manifest(tiny_prepared):
         source_prefix(tagged, vocab, "cooking", None)
     with pytest.raises(ConfigError, match=r"--tgt-lang: 'en' is not one of the model's \(de\)"):
         source_prefix(both, vocab, domains[2], "en")  # a language, but no target
+    # served corpora of one domain (an extracted sub-network's view): no --domain needed
+    one = {**tagged, "corpora": [c for c in manifest["corpora"] if c["domain"] == domains[2]]}
+    assert source_prefix(one, vocab, None, None) == [dom]
+    with pytest.raises(ConfigError, match=rf"--domain: '{domains[0]}' is not one of"):
+        source_prefix(one, vocab, domains[0], None)
 
 
 def test_encoded_lines_start_with_the_prefix_which_counts_towards_the_limit():
