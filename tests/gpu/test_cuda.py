@@ -81,3 +81,27 @@ def test_extracted_sub_network_on_gpu(name):
     got = sub.decode(tgt_BT, sub.encode(src_BS, ctx), ctx)[0]
     want = model.decode(tgt_BT, model.encode(src_BS, ctx), ctx)[0]
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_gad_encoder_gate_probs_on_gpu(tiny_prepared):
+    """The GAD evaluate stage's encoder-gate pass on a GPU model: the batches follow the model
+    (they come from the CPU shards), and the gates equal the CPU model's."""
+    import numpy as np
+
+    from moe_train.config import load_config
+    from moe_train.data.shards import ShardedDataset
+    from moe_train.models.build import build_model
+    from moe_train.stages.gad_eval import encoder_gate_probs
+
+    test = ShardedDataset(tiny_prepared, "test")
+    cfg = load_config(None, ["model.d_model=32", "model.n_heads=2", "model.ffn_dim=64",
+                             "model.encoder_layers=2", "model.decoder_layers=2",
+                             f"adapters.num_experts={len(test.manifest['domains'])}",
+                             "adapters.router=gated", "adapters.sides=both", "adapters.dim=8"])
+    torch.manual_seed(0)
+    model = build_model(cfg, test.manifest).eval()
+    idx = np.arange(min(len(test), 12))
+    cpu = encoder_gate_probs(model, test, idx, 2000)
+    gpu = encoder_gate_probs(model.cuda(), test, idx, 2000)
+    assert gpu.shape == cpu.shape == (2, len(idx), len(test.manifest["domains"]))
+    np.testing.assert_allclose(gpu, cpu, atol=1e-4)
