@@ -404,7 +404,10 @@ def cmd_routing_stats(args: argparse.Namespace) -> int:
     stats = collect_routing_stats(inf.model, dataset, inf.manifest, rt, inf.cfg.data.max_tokens,
                                   max_batches=args.max_batches)
     if rt.is_main:
-        paths = write_routing_stats(stats, args.out)
+        paths = write_routing_stats(stats, args.out, {
+            "checkpoint": str(inf.source), "prepared": str(args.prepared or
+                                                            inf.cfg.data.prepared_dir),
+            "split": args.split, "max_batches": args.max_batches})
         print(f"| wrote {len(paths)} files to {args.out}")
         _json_line({"checkpoint": str(inf.source), "out": str(args.out), "files": len(paths),
                     **stats.summary()})
@@ -440,15 +443,21 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
                                             for c in _serving(inf)[0].get("corpora", []))
         metrics = {"all": corpus_metrics(hyps, refs, tgt), "domains": {}, "pairs": {}}
         ordered = hyps
+        scored = {"src": str(args.src), "ref": str(args.ref)}
     else:
         dataset = _prepared_split(inf, args.prepared, args.split)
+        scored = {"prepared": str(args.prepared or inf.cfg.data.prepared_dir),
+                  "split": args.split}
         metrics, hyp_map = evaluate_dataset(inf.model, dataset, inf.vocab, inf.manifest, rt,
                                             ecfg, inf.cfg.data.max_tokens, routing=True)
         ordered = [hyp_map[i] for i in sorted(hyp_map)]
     if rt.is_main:
         if metrics["domains"]:
             print(format_table(metrics))
-        result = {"checkpoint": str(inf.source), "beam": ecfg.beam, **metrics}
+        result = {"checkpoint": str(inf.source), "data": scored, "beam": ecfg.beam,
+                  "decoding": {k: getattr(ecfg, k) for k in ("beam", "lenpen", "max_len_a",
+                                                              "max_len_b")},
+                  **metrics}
         texts = {"--hyps": lines_text(ordered),
                  "--json": json.dumps(result, indent=2, sort_keys=True) + "\n"}
         with contextlib.ExitStack() as stack:  # both files are renamed once both are written

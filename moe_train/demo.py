@@ -122,7 +122,8 @@ def _routing(workdir: Path, inf, test, cfg, rt) -> Path:
 
     stats = collect_routing_stats(inf.model, test, inf.manifest, rt, cfg.data.max_tokens)
     out = workdir / "routing"
-    write_routing_stats(stats, out)
+    write_routing_stats(stats, out, {"checkpoint": str(inf.source),
+                                     "prepared": str(cfg.data.prepared_dir), "split": "test"})
     for layer in stats.layers:
         if layer.startswith("decoder"):
             table_EC, columns = stats.table(layer, "expert_tgt_lang")

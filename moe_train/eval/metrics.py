@@ -20,8 +20,10 @@ SCRIPT_TOKENIZERS = {"zh": ("zh", r"[\u4e00-\u9fff]"),
 def bleu_tokenizer(tgt_lang: str | None, refs: Sequence[str]) -> str:
     """sacreBLEU's tokenizer for references in `tgt_lang`: its own for Chinese, Japanese and
     Korean text in their scripts (Japanese and Korean fall back to characters where MeCab is not
-    installed), 13a for everything else (romanised text included)."""
-    name, script = SCRIPT_TOKENIZERS.get(tgt_lang or "", ("13a", None))
+    installed), 13a for everything else (romanised text included). A region or script suffix
+    does not hide the language (zh_CN, zh-TW, ZH)."""
+    base = re.split(r"[_-]", tgt_lang or "", maxsplit=1)[0].lower()
+    name, script = SCRIPT_TOKENIZERS.get(base, ("13a", None))
     if script is None or not any(re.search(script, r) for r in refs):
         return "13a"
     return name if not name.endswith("mecab") or _installed(name) else "char"

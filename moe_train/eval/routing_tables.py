@@ -17,6 +17,7 @@ import csv
 import io
 import math
 import re
+import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -370,9 +371,11 @@ def plot_heatmap(table_EC: np.ndarray, columns: list[str], title: str, column_ki
     ax.set_yticks(range(E), labels=rows if rows is not None else [str(e) for e in range(E)])
     ax.set_xlabel(column_kind)
     ax.set_ylabel(row_kind)
-    ax.set_title(title, fontsize=10)
+    # wrapped to the figure (about 12 characters an inch at these font sizes), never cut off
+    ax.set_title("\n".join(textwrap.wrap(title, max(20, int(width * 11)))), fontsize=10)
     colorbar = fig.colorbar(image, ax=ax)
-    colorbar.set_label(f"share of the {column_kind}'s {unit}")
+    colorbar.set_label("\n".join(textwrap.wrap(f"share of the {column_kind}'s {unit}",
+                                               max(16, int(height * 11)))))
     if E * C <= 600:
         for e in range(E):
             for c in range(C):
@@ -388,14 +391,16 @@ def check_out_dir(out_dir: str | Path) -> Path:
     return atomic.check_out_dir(out_dir, "--out", SUMMARY_FILE, "routing-stats run")
 
 
-def write_routing_stats(stats: RoutingStats, out_dir: str | Path) -> list[Path]:
+def write_routing_stats(stats: RoutingStats, out_dir: str | Path,
+                        scored: dict[str, Any] | None = None) -> list[Path]:
     """Write per-layer CSV tables and PNG heatmaps, `all_layers.csv`, `layers.csv`, the task
-    confusion table (THOR) and `summary.json` into `out_dir`; returns the paths written. The
+    confusion table (THOR) and `summary.json` (headed by `scored`: what was routed, e.g. the
+    checkpoint and the split) into `out_dir`; returns the paths written. The
     directory appears complete or not at all: it is built under a temporary name and renamed,
     replacing an earlier routing-stats output but never a directory of other files."""
     out_dir = check_out_dir(out_dir)
     with atomic_dir(out_dir, overwrite=True) as tmp:
-        written = _write_files(stats, tmp)
+        written = _write_files(stats, tmp, scored or {})
     return [out_dir / p.name for p in written]
 
 
@@ -413,7 +418,7 @@ def _write_table(out_dir: Path, stem: str, table: np.ndarray, columns: list[str]
     return [csv_path, png_path]
 
 
-def _write_files(stats: RoutingStats, out_dir: Path) -> list[Path]:
+def _write_files(stats: RoutingStats, out_dir: Path, scored: dict[str, Any]) -> list[Path]:
     written: list[Path] = []
     for layer in stats.layers:
         stem = _file_stem(layer)
@@ -449,7 +454,7 @@ def _write_files(stats: RoutingStats, out_dir: Path) -> list[Path]:
     layers_path = out_dir / LAYERS_FILE
     write_text(layers_path, _layers_csv(stats))
     summary_path = out_dir / SUMMARY_FILE
-    write_json(summary_path, stats.summary())
+    write_json(summary_path, {**scored, **stats.summary()})
     return written + [all_path, layers_path, summary_path]
 
 

@@ -15,6 +15,8 @@ from typing import Any, Sequence
 import numpy as np
 from sacrebleu.metrics import BLEU, CHRF
 
+from moe_train.eval.metrics import bleu_tokenizer
+
 
 def _stats(metric: Any, hyps: Sequence[str], refs: Sequence[str]) -> np.ndarray:
     return np.asarray(metric._extract_corpus_statistics(list(hyps), [list(refs)]),
@@ -28,14 +30,17 @@ def _resampled(metric: Any, stats_NS: np.ndarray, idx_RN: np.ndarray) -> np.ndar
 
 def paired_bootstrap(hyps_a: Sequence[str], hyps_b: Sequence[str], refs: Sequence[str],
                      samples: int = 1000, seed: int = 12345,
-                     strata: Sequence[int] | None = None) -> dict[str, Any]:
+                     strata: Sequence[int] | None = None,
+                     tgt_lang: str | None = None) -> dict[str, Any]:
     """System A against system B on the same sentences: per metric (``bleu``, ``chrf``) the
     corpus scores, ``delta`` = A - B, the 95% percentile interval of the resampled deltas
     (``ci95``), and the share of resamples in which A does not beat B (``p_a_not_better``,
     the one-sided p-value of "A is better") and in which B does not beat A
     (``p_b_not_better``). `strata`: sizes of consecutive blocks of the sentences (test sets
     joined end to end) that each resample draws from separately, so that every resample keeps
-    each block's share. Deterministic for a given `seed`."""
+    each block's share. BLEU tokenizes as `corpus_metrics` does for `tgt_lang` (Chinese,
+    Japanese, Korean: their own tokenizers); each metric records its sacreBLEU signature.
+    Deterministic for a given `seed`."""
     if not (len(hyps_a) == len(hyps_b) == len(refs)):
         raise ValueError(f"paired bootstrap needs one hypothesis of each system per reference: "
                          f"{len(hyps_a)} / {len(hyps_b)} hypotheses, {len(refs)} references")
@@ -54,7 +59,8 @@ def paired_bootstrap(hyps_a: Sequence[str], hyps_b: Sequence[str], refs: Sequenc
     out: dict[str, Any] = {"sentences": len(refs), "samples": samples, "seed": seed}
     if strata is not None:
         out["strata"] = blocks
-    for name, metric in (("bleu", BLEU()), ("chrf", CHRF())):
+    bleu = BLEU(tokenize=bleu_tokenizer(tgt_lang, refs))
+    for name, metric in (("bleu", bleu), ("chrf", CHRF())):
         stats_a, stats_b = _stats(metric, hyps_a, refs), _stats(metric, hyps_b, refs)
         a = metric._compute_score_from_stats(list(stats_a.sum(axis=0))).score
         b = metric._compute_score_from_stats(list(stats_b.sum(axis=0))).score
@@ -63,5 +69,6 @@ def paired_bootstrap(hyps_a: Sequence[str], hyps_b: Sequence[str], refs: Sequenc
         out[name] = {"a": round(a, 2), "b": round(b, 2), "delta": round(a - b, 2),
                      "ci95": [round(float(lo), 2), round(float(hi), 2)],
                      "p_a_not_better": round(float(np.mean(delta_R <= 0)), 4),
-                     "p_b_not_better": round(float(np.mean(delta_R >= 0)), 4)}
+                     "p_b_not_better": round(float(np.mean(delta_R >= 0)), 4),
+                     "signature": str(metric.get_signature())}
     return out

@@ -121,6 +121,8 @@ def test_prepare_train_evaluate_translate(tiny_corpus, tmp_path):
     assert result["all"]["bleu_signature"].startswith("nrefs:1|")
     assert len((tmp_path / "hyps.txt").read_text().splitlines()) == 40
     assert json.loads((tmp_path / "m.json").read_text())["all"] == result["all"]
+    assert result["data"]["split"] == "test" and result["data"]["prepared"]  # what was scored
+    assert result["decoding"]["beam"] == 2 and "lenpen" in result["decoding"]
     assert domains  # the generator recorded its domains
 
     src_file = next(tiny_corpus.glob("*/*.test.en"))
@@ -128,7 +130,9 @@ def test_prepare_train_evaluate_translate(tiny_corpus, tmp_path):
     quiet = run_cli(["evaluate", "--checkpoint", str(work / "ckpt"), "--beam", "1",
                      "--src", str(src_file), "--ref", str(ref_file),
                      "--hyps", os.devnull, "--json", os.devnull], cwd=tmp_path)  # both discarded
-    assert json.loads(quiet.stdout.strip().splitlines()[-1])["all"]["sentences"] == 8
+    quiet_result = json.loads(quiet.stdout.strip().splitlines()[-1])
+    assert quiet_result["all"]["sentences"] == 8
+    assert quiet_result["data"] == {"src": str(src_file), "ref": str(ref_file)}
     out_file = tmp_path / "out.txt"
     run_cli(["translate", "--checkpoint", str(work / "ckpt" / "export"), "--input",
              str(src_file), "--output", str(out_file), "--beam", "3"], cwd=tmp_path)

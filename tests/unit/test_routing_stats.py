@@ -188,8 +188,11 @@ def test_metrics_hand_computed() -> None:
 
 
 def test_write_routing_stats_files(stats: RoutingStats, tmp_path) -> None:
-    paths = write_routing_stats(stats, tmp_path / "routing")
+    scored = {"checkpoint": "run/export", "split": "test"}
+    paths = write_routing_stats(stats, tmp_path / "routing", scored)
     out = tmp_path / "routing"
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary == {**scored, **json.loads(json.dumps(stats.summary()))}  # what was routed
     names = sorted(p.name for p in out.iterdir())
     assert names == sorted(p.name for p in paths)  # nothing else left (no temporary files)
     assert len(paths) == 2 * 3 * 2 + 3  # + all_layers.csv, layers.csv, summary.json
@@ -268,3 +271,28 @@ def test_evaluate_checks_the_references_before_decoding() -> None:
 
     with pytest.raises(DataError, match="raw text"):
         evaluate_dataset(model, dataset, None, {}, None, None, 1024)
+
+
+@pytest.mark.parametrize("columns", [["de"], ["de", "en", "fr", "cs", "ja", "ko", "zh", "es"]])
+def test_heatmap_title_and_colorbar_label_stay_inside_the_image(columns, tmp_path,
+                                                                  monkeypatch) -> None:
+    """A long layer name in a narrow figure used to be cut at the image's edges."""
+    from matplotlib.figure import Figure
+
+    from moe_train.eval.routing_tables import plot_heatmap
+
+    figures = []
+    save = Figure.savefig
+    monkeypatch.setattr(Figure, "savefig", lambda fig, *a, **k: (figures.append(fig),
+                                                                  save(fig, *a, **k)))
+    table = np.arange(4 * len(columns)).reshape(4, len(columns))
+    plot_heatmap(table, columns, "hf.model.layers.23.mlp: experts x target languages "
+                 "(1234567 token slots)", "target language", tmp_path / "t.png")
+    fig = figures[0]
+    renderer = fig.canvas.get_renderer()
+    box = fig.bbox
+    texts = [fig.axes[0].title, fig.axes[1].yaxis.label]
+    for text in texts:
+        extent = text.get_window_extent(renderer)
+        assert box.x0 <= extent.x0 and extent.x1 <= box.x1, text.get_text()
+        assert box.y0 <= extent.y0 and extent.y1 <= box.y1, text.get_text()

@@ -21,6 +21,21 @@ def test_corpus_scores_are_sacrebleus():
     assert out["bleu"]["delta"] == round(out["bleu"]["a"] - out["bleu"]["b"], 2)
 
 
+def test_chinese_targets_use_corpus_metrics_tokenizer():
+    """Without spaces between words 13a sees each sentence as one token: the better system
+    would score as the worse one (0.0 / 0.0)."""
+    from moe_train.eval.metrics import corpus_metrics
+
+    refs = ["我今天去学校上课了。", "这只猫坐在垫子上。"] * 5
+    good, bad = ["我今天去学校上课。", "这只猫坐在桌子上。"] * 5, ["我去学校。", "猫在桌子上。"] * 5
+    for lang in ("zh", "zh_CN", "zh-TW"):
+        out = paired_bootstrap(good, bad, refs, samples=100, tgt_lang=lang)["bleu"]
+        assert out["a"] == corpus_metrics(good, refs, lang)["bleu"] == 71.13
+        assert out["b"] == corpus_metrics(bad, refs, lang)["bleu"]
+        assert out["p_a_not_better"] == 0.0 and "tok:zh" in out["signature"]
+    assert "tok:13a" in paired_bootstrap(GOOD, BAD, REFS, samples=10)["bleu"]["signature"]
+
+
 def test_better_system_is_significant_and_interval_excludes_zero():
     out = paired_bootstrap(GOOD, BAD, REFS, samples=300)
     bleu = out["bleu"]
