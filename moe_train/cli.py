@@ -62,7 +62,8 @@ def _add_decode_args(p: argparse.ArgumentParser) -> None:
                    help="export dir, training checkpoint dir (uses latest) or step dir")
     p.add_argument("--beam", type=int_at_least(1),
                    help="beam size, 1 for greedy (default: the checkpoint's eval.beam)")
-    p.add_argument("--lenpen", type=float, help="length penalty")
+    p.add_argument("--lenpen", type=non_negative_float,
+                   help="length penalty (a number >= 0; default: the checkpoint's eval.lenpen)")
     p.add_argument("--max-sentences", type=int_at_least(1), help="sentences per batch")
     p.add_argument("--long-lines", choices=("error", "truncate"), default="error",
                    help="a raw-text line longer than the model's model.max_positions (in "

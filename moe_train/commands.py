@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from moe_train.config.loader import load_config
+from moe_train.config.loader import load_config, merge
 from moe_train.config.schema import EvalConfig, check_deepspeed_entries
 from moe_train.errors import CheckpointError, ConfigError, DataError
 
@@ -135,7 +135,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             raise ConfigError(f"{path}: expected a JSON object (DeepSpeed config keys), got "
                               f"{type(extra).__name__}")
         check_deepspeed_entries(extra, f"{path}: ")
-        cfg.deepspeed.update(extra)
+        cfg.deepspeed = merge(cfg.deepspeed, extra)  # nested: the config's other entries stay
     summary = run_training(cfg, args.resume)
     if summary.pop("rank") == 0:
         _json_line(summary)
@@ -272,7 +272,8 @@ def cmd_translate(args: argparse.Namespace) -> int:
 
     source, lines = read_text_input(args.input)  # before the model: bad input fails fast
     if args.output != "-":
-        check_out_file(args.output, "--output", {"--input": args.input})
+        check_out_file(args.output, "--output", {"--input": args.input,
+                                                 "--checkpoint": args.checkpoint})
     import torch
 
     from moe_train.train.export import load_for_inference
@@ -428,7 +429,8 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     from moe_train.train.export import load_for_inference
     from moe_train.utils.atomic import atomic_path, check_out_file, lines_text, write_target
 
-    inputs = {"--src": args.src, "--ref": args.ref}
+    inputs = {"--src": args.src, "--ref": args.ref, "--checkpoint": args.checkpoint,
+              "--prepared": args.prepared}
     outputs = {flag: check_out_file(path, flag, inputs)
                for flag, path in (("--hyps", args.hyps), ("--json", args.json)) if path}
     files = [p.resolve() for p in outputs.values() if not write_target(p)[1]]  # not /dev/null
@@ -436,6 +438,9 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
         raise ConfigError("--hyps and --json: expected two different files")
     rt = _runtime()
     inf = load_for_inference(args.checkpoint, rt.device)
+    if not (args.src or args.prepared):  # the model's own prepared data
+        for flag, path in outputs.items():
+            check_out_file(path, flag, {"--prepared": inf.cfg.data.prepared_dir})
     ecfg = _eval_config(args, inf.cfg.eval)
     if args.src:
         hyps = _translate_raw(inf, args, source, src, ecfg, rt.device)

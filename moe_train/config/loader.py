@@ -138,6 +138,8 @@ class _StrictLoader(yaml.SafeLoader):
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
         seen = set()
         for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *anchor`, merged by SafeLoader
+                continue
             key = self.construct_object(key_node, deep=deep)
             if not isinstance(key, str):
                 continue
@@ -161,6 +163,10 @@ def read_yaml(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
         return data
     if parent_path in _seen or parent_path == path.resolve():
         raise ConfigError(f"{path}: extends: {parent_path.name} leads back to itself")
+    if not parent_path.is_file():
+        raise ConfigError(f"{path}: extends: {parent_path}: " + (
+            "a directory; expected a YAML config file" if parent_path.is_dir()
+            else "config file not found"))
     return merge(read_yaml(parent_path, (*_seen, path.resolve())), data)
 
 
@@ -178,6 +184,9 @@ def _read_one(path: Path) -> tuple[dict[str, Any], Path | None]:
         raise ConfigError(f"{where}: {problem}") from None
     except UnicodeDecodeError:
         raise ConfigError(f"{path}: expected UTF-8 text") from None
+    except OSError as exc:  # e.g. no read permission
+        raise ConfigError(f"{path}: cannot read it ({exc.strerror}); expected a readable YAML "
+                          "config file") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping at the top level")
     parent = data.pop("extends", None)
@@ -186,26 +195,6 @@ def _read_one(path: Path) -> tuple[dict[str, Any], Path | None]:
     if not isinstance(parent, str):
         raise ConfigError(f"{path}: extends: expected a YAML file name, got {parent!r}")
     return data, (path.parent / parent).resolve()
-
-
-def _file_setting(field: str, path: Path) -> Path:
-    """The file of `path`'s ``extends`` chain that sets `field` (``a.b[2]``): the nearest one
-    that holds it, where a merge takes it from; `path` if none does (a default)."""
-    keys = [part.split("[", 1)[0] for part in field.split(".")]
-    seen: set[Path] = set()
-    current: Path | None = path
-    while current is not None and current.resolve() not in seen:
-        seen.add(current.resolve())
-        data, parent = _read_one(current)
-        node: Any = data
-        for key in keys:
-            if not isinstance(node, dict) or key not in node:
-                break
-            node = node[key]
-        else:
-            return current
-        current = parent
-    return path
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
@@ -222,11 +211,32 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         item = _override_of(str(exc), overrides or [])
         if item is not None:  # name where the bad value came from: the command line
             raise ConfigError(f"override {item}: {exc}") from None
-        if path is not None:
-            source = _file_setting(str(exc).split(":", 1)[0], Path(path))
+        source = _failing_file(Path(path), base or {}) if path is not None else None
+        if source is None and overrides:  # the file validates: a combination with overrides
+            raise ConfigError(f"overrides ({' '.join(overrides)}): {exc}") from None
+        if source is not None:
             where = str(path) if source == Path(path) else f"{source} (extended by {path})"
             raise ConfigError(f"{where}: {exc}") from None
         raise
+
+
+def _failing_file(path: Path, base: dict[str, Any]) -> Path | None:
+    """The file of `path`'s ``extends`` chain that makes the config invalid: the first, from
+    the chain's root down, whose config (it and what it extends) fails validation; None when
+    `path`'s own config validates (the error comes from the overrides)."""
+    chain, seen = [path], {path.resolve()}
+    while True:
+        _, parent = _read_one(chain[-1])
+        if parent is None or parent in seen:
+            break
+        chain.append(parent)
+        seen.add(parent)
+    for current in reversed(chain):
+        try:
+            config_from_dict(merge(base, read_yaml(current)))
+        except ConfigError:
+            return current
+    return None
 
 
 def _override_of(message: str, overrides: list[str]) -> str | None:

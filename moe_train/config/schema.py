@@ -267,6 +267,8 @@ class CheckpointConfig:
         _positive(self, "checkpoint", "save_every")
         _check(self.keep_last >= 0, "checkpoint.keep_last", "a non-negative integer",
                self.keep_last)
+        _check(bool(self.dir.strip()), "checkpoint.dir",
+               "a directory (step checkpoints, latest and export go there)", self.dir)
 
 
 @dataclass
@@ -305,17 +307,33 @@ DEEPSPEED_OWNED: dict[str, str] = {
     "train_batch_size": "data.max_tokens and optim.grad_accum (token-budget batches)",
     "gradient_accumulation_steps": "optim.grad_accum",
     "gradient_clipping": "optim.clip_norm",
+    "zero_optimization.stage": "optim.zero_stage",
+    "bf16.enabled": "optim.precision",
+    "bfloat16.enabled": "optim.precision",
+    "fp16.enabled": "optim.precision",
+    "amp": "optim.precision",
+    "optimizer": "optim.lr / betas / eps / weight_decay (moe_train builds the optimizer)",
+    "scheduler": "optim.lr and optim.warmup_steps (moe_train's schedule)",
 }
-"""DeepSpeed config keys that moe_train sets from its own fields (train/ds_config.py)."""
+"""DeepSpeed config keys (dotted: nested) that moe_train sets from its own fields
+(train/ds_config.py) or owns (the optimizer, its schedule): the trainer acts on its own fields
+(ZeRO-0 clipping and the non-finite guard, the logged precision), so a raw entry would make the
+run differ from what its config and log say."""
 
 
 def check_deepspeed_entries(entries: dict[str, Any], where: str) -> None:
-    """Refuse raw DeepSpeed entries that would override what moe_train sets itself: DeepSpeed
-    would assert or fail at the first step on them, and our batching does not follow them."""
+    """Refuse raw DeepSpeed entries that would override what moe_train sets itself (see
+    `DEEPSPEED_OWNED`); other entries pass through (e.g. ``zero_optimization.overlap_comm``)."""
     for key, field_ in DEEPSPEED_OWNED.items():
-        if key in entries:
+        node: Any = entries
+        for part in key.split("."):
+            node = node.get(part, _ABSENT) if isinstance(node, dict) else _ABSENT
+        if node is not _ABSENT:
             raise ConfigError(f"{where}{key}: set by moe_train from {field_}; expected it "
-                              f"absent, got {entries[key]!r}")
+                              f"absent, got {node!r}")
+
+
+_ABSENT = object()
 
 
 @dataclass

@@ -38,6 +38,11 @@ def check_template(template: str, field: str = "data.prompt_template") -> None:
     if unknown or "source" not in names:
         raise ConfigError(f"{field}: expected {{source}} and only the placeholders "
                           f"{', '.join('{' + p + '}' for p in PLACEHOLDERS)}, got {template!r}")
+    try:  # a format spec or conversion the text cannot take ({source:d}, {source!x})
+        format_prompt(template, "text", "de", "en")
+    except (ValueError, TypeError, OverflowError, KeyError, IndexError) as exc:
+        raise ConfigError(f"{field}: {exc!r}; expected plain placeholders such as {{source}}, "
+                          f"got {template!r}") from None
 
 
 def language_name(code: str) -> str:

@@ -279,6 +279,8 @@ def generate_synthetic(out_dir: str | os.PathLike, num_domains: int = 5,
         for lang in langs:
             pair = pair_name(SOURCE_LANG, lang)
             for split, lines in split_sents.items():
+                if not lines:  # no empty files: prepare carves a missing dev / test from train
+                    continue
                 stem = out / domain / f"{domain}.{pair}.{split}"
                 write_text(f"{stem}.{SOURCE_LANG}", "".join(f"{detokenize(s)}\n" for s in lines))
                 write_text(f"{stem}.{lang}", "".join(

@@ -15,7 +15,9 @@ moe_train.parallel, so the model itself never knows about ranks.
 
 from __future__ import annotations
 
-from typing import Any
+import re
+from contextlib import contextmanager
+from typing import Any, Iterator
 
 from torch import nn
 
@@ -49,6 +51,31 @@ def dispatcher(router: str, num_experts: int, k: int, capacity_factor: float):
     return LocalDispatcher(num_experts, capacity_factor)
 
 
+@contextmanager
+def named_fields(names: dict[str, str]) -> Iterator[None]:
+    """Routers name their settings as the ``moe.*`` fields; a router built from another section
+    (adapters.*) or a side's own field (moe.decoder_num_experts, moe.decoder_router) has its
+    errors name that field instead."""
+    try:
+        yield
+    except ConfigError as exc:
+        message = str(exc)
+        pattern = "|".join(re.escape(old) for old in names)
+        raise ConfigError(re.sub(rf"(?<![\w.])({pattern})(?![\w])",
+                                 lambda m: names[m.group(1)], message)) from None
+
+
+def _side_fields(moe: Any, side: str) -> dict[str, str]:
+    names = {"moe.router": f"moe.{side}_router"}
+    if getattr(moe, f"{side}_num_experts"):
+        names["moe.num_experts"] = f"moe.{side}_num_experts"
+    return names
+
+
+ADAPTER_FIELDS = {"moe.k": "adapters.k", "moe.num_experts": "adapters.num_experts",
+                  "moe.router": "adapters.router", "moe.tau": "adapters.tau"}
+
+
 def moe_ffn_factory(cfg: ExperimentConfig, manifest: dict[str, Any] | None = None):
     """An ffn_factory placing MoE layers where `cfg.moe` says, dense FFNs elsewhere."""
     moe = cfg.moe
@@ -65,12 +92,13 @@ def moe_ffn_factory(cfg: ExperimentConfig, manifest: dict[str, Any] | None = Non
             settings = {"thor": cfg.thor, "loss_scale": 1.0 / num_thor_layers(cfg)}
         if name == "task":
             settings = {"task_table": getattr(moe, f"{side}_task_table")}
-        if name == "sentence":
-            if side not in shared:
-                shared[side] = build_shared_router(name, mcfg.d_model, num_experts, rcfg)
-            router = shared[side]
-        else:
-            router = build_router(name, mcfg.d_model, num_experts, rcfg, **settings)
+        with named_fields(_side_fields(moe, side)):
+            if name == "sentence":
+                if side not in shared:
+                    shared[side] = build_shared_router(name, mcfg.d_model, num_experts, rcfg)
+                router = shared[side]
+            else:
+                router = build_router(name, mcfg.d_model, num_experts, rcfg, **settings)
         experts = Experts(num_experts, mcfg.d_model, moe.expert_ffn_dim or mcfg.ffn_dim,
                           mcfg.activation, mcfg.activation_dropout)
         return MoELayer(router, dispatcher(name, num_experts, rcfg.k, moe.capacity_factor),
@@ -91,13 +119,15 @@ def adapter_factory(cfg: ExperimentConfig):
             return None
         experts = AdapterExperts(acfg.num_experts, mcfg.d_model, acfg.dim)
         if acfg.router == "gated":
-            router = build_router("gated", mcfg.d_model, acfg.num_experts, acfg.router_config(),
-                                  gated=cfg.gated)
+            with named_fields(ADAPTER_FIELDS):
+                router = build_router("gated", mcfg.d_model, acfg.num_experts,
+                                      acfg.router_config(), gated=cfg.gated)
             return AdapterSlot(MoELayer(router, DenseDispatcher(acfg.num_experts), experts,
                                         dropout=0.0))
         if side not in shared:
-            shared[side] = build_shared_router(acfg.router, mcfg.d_model, acfg.num_experts,
-                                               acfg.router_config())
+            with named_fields(ADAPTER_FIELDS):
+                shared[side] = build_shared_router(acfg.router, mcfg.d_model, acfg.num_experts,
+                                                   acfg.router_config())
         dispatcher = LocalDispatcher(acfg.num_experts, acfg.capacity_factor)
         return AdapterSlot(MoELayer(shared[side], dispatcher, experts, dropout=0.0))
 

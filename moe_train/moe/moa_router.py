@@ -142,7 +142,7 @@ class SingleRouter(Router):
     def __init__(self, d_model: int, num_experts: int, cfg: RouterConfig) -> None:
         super().__init__(num_experts)
         if num_experts != 1:
-            raise ConfigError(f"adapters.num_experts: expected 1 for the single router, "
+            raise ConfigError(f"moe.num_experts: expected 1 for the single router, "
                               f"got {num_experts}")
         self.k = 1
 

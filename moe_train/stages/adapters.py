@@ -45,6 +45,15 @@ def adapters_config(ctx: StageContext) -> ExperimentConfig:
                         train={"max_steps": cfg.moa.adapter_steps})
 
 
+def check_recipe_config(ctx: StageContext) -> None:
+    """The adapter stage's model, built on the meta device before the moa recipe's first stage:
+    what only that model reads (adapters.k against moa.num_clusters, the router's settings)
+    fails now, not after the backbone, features, clustering and distillation have run."""
+    from moe_train.eval.params import count_parameters
+
+    count_parameters(adapters_config(ctx), ctx.cfg.data.vocab_size)
+
+
 def load_backbone(model: nn.Module, backbone: dict[str, torch.Tensor], source: Path) -> None:
     """Load every non-adapter weight; adapter weights are handled by `_init_adapters`."""
     load_matching(model, {k: v for k, v in backbone.items() if ".adapter." not in k}, source,

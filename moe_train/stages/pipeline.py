@@ -72,6 +72,8 @@ def run_pipeline(ctx: StageContext, recipe: str = "moa", stage: str | None = Non
     ctx = recipe_context(ctx, recipe)
     if recipe == "gad":  # what the later stages need, before the first one trains
         gad.check_recipe_config(ctx.cfg)
+    elif recipe == "moa":
+        adapters.check_recipe_config(ctx)
     order = recipe_stages(ctx, recipe)
     if stage is not None:
         look = dataclasses.replace(ctx, upstream_of=stage, read={})

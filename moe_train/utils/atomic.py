@@ -203,17 +203,21 @@ def check_out_file(path: str | os.PathLike, flag: str,
                    inputs: dict[str, str | os.PathLike | None] | None = None) -> Path:
     """`path` if a command may write its output file there (checked before the work starts,
     so a bad path fails at once, not after hours of decoding): not empty, not a directory,
-    not one of the command's `inputs` ({flag: path}), under a directory that exists or can
-    be made."""
+    not one of the command's `inputs` ({flag: path}) nor an existing file inside an input
+    directory (a checkpoint, prepared data), under a directory that exists or can be made."""
     if str(path) == "":
         raise DataError(f"{flag}: expected a file path, got an empty string")
     path = Path(path)
     if path.is_dir():
         raise DataError(f"{flag} {path}: is a directory; expected a file path")
     for in_flag, source in (inputs or {}).items():
-        if source and str(source) != "-" and path.is_file() and Path(source).is_file() \
-                and os.path.samefile(path, source):
+        if not source or str(source) == "-" or not path.is_file():
+            continue
+        if Path(source).is_file() and os.path.samefile(path, source):
             raise DataError(f"{flag} {path}: is the {in_flag} input; expected another file")
+        if Path(source).is_dir() and Path(source).resolve() in path.resolve().parents:
+            raise DataError(f"{flag} {path}: would replace a file of the {in_flag} input "
+                            f"{source}; expected another file")
     target, in_place = write_target(path)
     if in_place and path.exists():  # /dev/null: written to, no file made beside it
         if not os.access(path, os.W_OK):

@@ -393,6 +393,7 @@ CASES: dict[str, Case] = {
                                      stdin=ONE),
     "translate_unknown_target_language": Case(translate("--tgt-lang", "fr"),
                                               ("--tgt-lang", "'fr'", "de"), stdin=ONE),
+    "translate_infinite_lenpen": Case(translate("--lenpen", "inf"), ("--lenpen", "inf")),
     "translate_unknown_domain": Case(translate("--domain", "cooking"), ("--domain", "cooking"),
                                      stdin=ONE),
     # evaluate
@@ -408,6 +409,10 @@ CASES: dict[str, Case] = {
                                                       "{tmp}/./in.txt"),
                                             ("--output {tmp}/in.txt", "--input input"),
                                             {"in.txt": ONE}),
+    "evaluate_json_over_the_prepared_manifest": Case(
+        evaluate("--prepared", "{tmp}/prep", "--json", "{tmp}/prep/manifest.json"),
+        ("--json {tmp}/prep/manifest.json", "a file of the --prepared input"),
+        {"prep/manifest.json": "{}"}),
     "evaluate_src_without_ref": Case(evaluate("--src", "{tmp}/src.txt"), ("--src", "--ref"),
                                      {"src.txt": "a b\n"}),
     "evaluate_non_utf8_ref": Case(RAW, ("{tmp}/ref.txt:2", "UTF-8"),

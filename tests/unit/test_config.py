@@ -1,5 +1,6 @@
 """Config loading and validation: errors name the field (and file/line) and what is allowed."""
 
+import re
 from pathlib import Path
 
 import pytest
@@ -50,6 +51,7 @@ def test_parse_overrides_nested():
     ("data.max_tokens=10", "data.max_tokens: expected at least data.max_len"),
     ("nonsense", "expected key.sub=value"),
     ("moa.whiten=7", "moa.whiten: expected true or false"),
+    ("checkpoint.dir=", "checkpoint.dir: expected a directory"),
 ])
 def test_bad_values_name_the_field(override, message):
     with pytest.raises(ConfigError) as err:
@@ -85,6 +87,27 @@ def test_yaml_errors_name_file_and_line(tmp_path):
         load_config(tmp_path)
 
 
+@pytest.mark.parametrize("entry, field_", [
+    ("deepspeed.zero_optimization.stage=2", "optim.zero_stage"),
+    ("deepspeed.bf16.enabled=true", "optim.precision"),
+    ("deepspeed.bfloat16.enabled=true", "optim.precision"),
+    ("deepspeed.fp16.enabled=true", "optim.precision"),
+    ("deepspeed.optimizer.type=AdamW", "moe_train builds the optimizer"),
+    ("deepspeed.scheduler.type=WarmupLR", "optim.warmup_steps"),
+])
+def test_deepspeed_entries_moe_train_acts_on_are_refused(entry, field_) -> None:
+    """A raw ZeRO stage, precision, optimizer or scheduler would run something else than the
+    config and the log say (ZeRO-0 clipping and the non-finite guard follow optim.zero_stage)."""
+    key = entry.split("=")[0].removesuffix(".type")
+    with pytest.raises(ConfigError, match=rf"{re.escape(key)}: set by moe_train from .*"
+                                          rf"{re.escape(field_)}"):
+        load_config(None, [entry])
+    # what moe_train leaves to DeepSpeed passes through
+    cfg = load_config(None, ["deepspeed.zero_optimization.overlap_comm=true",
+                             "deepspeed.fp16.initial_scale_power=12"])
+    assert cfg.deepspeed["zero_optimization"] == {"overlap_comm": True}
+
+
 def test_to_dict_round_trips():
     from moe_train.config import config_from_dict
 
@@ -107,6 +130,15 @@ def test_a_bad_field_names_the_file_of_the_chain_that_sets_it(tmp_path) -> None:
     with pytest.raises(ConfigError) as err:
         load_config(tmp_path / "child.yaml")
     assert str(err.value).startswith(f"{tmp_path / 'child.yaml'}: model.d_model")
+    # a combination: the variant's n_heads against the parent's d_model is the variant's
+    (tmp_path / "child.yaml").write_text("extends: base.yaml\nmodel:\n  n_heads: 3\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(tmp_path / "child.yaml")
+    assert str(err.value).startswith(f"{tmp_path / 'child.yaml'}: model.")
+    # a file that validates alone: the overrides made the combination
+    (tmp_path / "child.yaml").write_text("extends: base.yaml\n")
+    with pytest.raises(ConfigError, match=r"^overrides \(model.n_heads=3\): model\."):
+        load_config(tmp_path / "child.yaml", ["model.n_heads=3"])
 
 
 def test_extends_merges_over_the_parent_and_refuses_cycles(tmp_path) -> None:
@@ -119,8 +151,29 @@ def test_extends_merges_over_the_parent_and_refuses_cycles(tmp_path) -> None:
     with pytest.raises(ConfigError, match=r"extends: a.yaml leads back to itself"):
         load_config(tmp_path / "a.yaml")
     (tmp_path / "c.yaml").write_text("extends: missing.yaml\n")
-    with pytest.raises(ConfigError, match=r"missing.yaml: config file not found"):
+    with pytest.raises(ConfigError, match=r"c.yaml: extends: .*missing.yaml: config file not "
+                                          r"found$"):  # names the file that says extends
         load_config(tmp_path / "c.yaml")
+    (tmp_path / "d.yaml").write_text("extends: ''\n")
+    with pytest.raises(ConfigError, match=r"d.yaml: extends: .*: a directory"):
+        load_config(tmp_path / "d.yaml")
+
+
+def test_yaml_merge_keys_work_and_an_unreadable_file_is_one_error(tmp_path, monkeypatch):
+    path = tmp_path / "merge.yaml"
+    path.write_text("moe: &r\n  aux_loss_coef: 0.02\n  num_experts: 4\n"
+                    "adapters:\n  <<: {aux_loss_coef: 0.05}\n  num_experts: 4\n"
+                    "  router: sentence\n  k: 1\n")
+    cfg = load_config(path)
+    assert cfg.adapters.aux_loss_coef == 0.05 and cfg.moe.aux_loss_coef == 0.02
+    import errno
+
+    def refused(self, *args, **kwargs):  # a file without read permission (root reads all)
+        raise PermissionError(errno.EACCES, "Permission denied", str(self))
+
+    monkeypatch.setattr(Path, "read_text", refused)
+    with pytest.raises(ConfigError, match=r"merge.yaml: cannot read it \(Permission denied\)"):
+        load_config(path)
 
 
 @pytest.mark.parametrize("clusterer,auto", [("gmm", True), ("kmeans", False), ("birch", False)])
@@ -139,3 +192,15 @@ def test_a_key_given_twice_is_refused_with_its_line(tmp_path):
     path.write_text("model:\n  d_model: 64\n  n_heads: 4\n  d_model: 128\n")
     with pytest.raises(ConfigError, match=r"dup.yaml:4: duplicate key 'd_model'"):
         load_config(path)
+
+
+@pytest.mark.parametrize("template", ["Translate: {source:d}", "Translate: {source!x}",
+                                      "{source} into {tgt_name:>{width}}"])
+def test_prompt_template_that_cannot_format_is_refused_at_load(template, tmp_path) -> None:
+    """It used to pass validation and raise a traceback in `prepare`."""
+    path = tmp_path / "p.yaml"
+    path.write_text(f"data:\n  prompt_template: {template!r}\n")
+    with pytest.raises(ConfigError, match=r"data\.prompt_template: "):
+        load_config(path)
+    path.write_text("data:\n  prompt_template: 'Translate {src_name}: {source}'\n")
+    assert load_config(path).data.prompt_template == "Translate {src_name}: {source}"

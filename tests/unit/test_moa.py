@@ -17,6 +17,7 @@ from moe_train.moe.moa_router import GumbelMaxRouter, SharedRouter, gumbel_max_s
 from moe_train.moe.registry import build_router, build_shared_router
 from moe_train.moe.routing import RoutingContext
 from moe_train.stages.adapters import _init_adapters, freeze_base as _freeze
+from tests.conftest import ROOT
 
 SCORES_E = torch.tensor([2.0, -1.0, 0.5, 1.5, -3.0, 1.0])  # top-4: experts 0, 3, 5, 2
 
@@ -210,6 +211,38 @@ def test_adapter_config_errors_are_one_line() -> None:
     with pytest.raises(ConfigError, match=r"^moe\.k: expected at most"):
         build_router("gumbel", 8, 3, RouterConfig(k=4))
     assert isinstance(build_shared_router("single", 8, 1, RouterConfig()), SharedRouter)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["moe.num_experts=8", "moe.encoder_num_experts=2", "moe.k=4"],
+     r"^moe\.k: expected at most moe\.encoder_num_experts \(2\), got 4$"),
+    (["adapters.num_experts=4", "adapters.router=gumbel", "adapters.k=8"],
+     r"^adapters\.k: expected at most adapters\.num_experts \(4\), got 8$"),
+    (["adapters.num_experts=4", "adapters.router=topk"], r"^adapters\.router: 'topk' routes"),
+])
+def test_router_errors_name_the_section_and_side_fields(overrides, message) -> None:
+    """Routers name their settings as moe.* fields; built from adapters.* or a side's own
+    expert count, the error names that field (it named moe.num_experts = 8 as 2)."""
+    from moe_train.eval.params import count_parameters
+
+    with pytest.raises(ConfigError, match=message):
+        count_parameters(_moa_cfg(*overrides), 30)
+
+
+def test_moa_recipe_checks_the_adapter_stage_before_the_backbone(tmp_path) -> None:
+    """adapters.k = 4 over moa.num_clusters = 3 adapters: refused before the first stage."""
+    from types import SimpleNamespace
+
+    from moe_train.stages.adapters import check_recipe_config
+
+    cfg = load_config(ROOT / "configs" / "moa-synthetic.yaml", ["moa.num_clusters=3"])
+    ctx = SimpleNamespace(cfg=cfg, stage_dir=lambda stage: tmp_path / stage)
+    with pytest.raises(ConfigError, match=r"adapters\.k: expected at most adapters\.num_experts "
+                                          r"\(3\), got 4"):
+        check_recipe_config(ctx)
+    check_recipe_config(SimpleNamespace(cfg=load_config(ROOT / "configs" / "moa-synthetic.yaml"),
+                                        stage_dir=ctx.stage_dir))
+    assert not any(tmp_path.iterdir())  # nothing made
 
 
 def test_routing_recorder_counts_each_layer_of_a_shared_router_once() -> None:

@@ -82,6 +82,20 @@ def test_out_file_checks(tmp_path) -> None:
     assert not (tmp_path / "a").exists()  # checking creates nothing
 
 
+def test_out_file_never_replaces_a_file_of_an_input_directory(tmp_path) -> None:
+    """evaluate --json prepared/manifest.json replaced the data's manifest with metrics."""
+    prepared = tmp_path / "prepared"
+    (prepared / "shards").mkdir(parents=True)
+    (prepared / "manifest.json").write_text("{}")
+    inputs = {"--prepared": str(prepared), "--src": None}
+    (tmp_path / "alias").symlink_to(prepared)
+    for victim in (prepared / "manifest.json", tmp_path / "alias" / "manifest.json"):
+        with pytest.raises(DataError, match=r"would replace a file of the --prepared input"):
+            check_out_file(victim, "--json", inputs)
+    assert check_out_file(prepared / "new.json", "--json", inputs)  # a new file is fine
+    assert check_out_file(tmp_path / "m.json", "--json", inputs)
+
+
 def test_dir_setting_that_is_a_file(tmp_path, monkeypatch) -> None:
     check_dir_setting("", "logging.tensorboard_dir")  # off
     check_dir_setting(tmp_path / "ck", "checkpoint.dir")

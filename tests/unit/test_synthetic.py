@@ -181,3 +181,16 @@ def test_word_by_word_baseline_fails_where_translate_is_exact() -> None:
                 exact, total = exact + (base == ref), total + 1
         rates[lang] = exact / total
     assert max(rates.values()) < 0.7 and statistics.mean(rates.values()) < 0.5, rates
+
+
+def test_an_empty_split_writes_no_files(tmp_path: Path) -> None:
+    """`synth --dev 0 --test 0`: no empty dev / test files (prepare refused them as empty);
+    prepare carves its own from train."""
+    from moe_train.data.corpus import discover
+
+    generate_synthetic(tmp_path, num_domains=1, train_per_domain=20, dev_per_domain=0,
+                       test_per_domain=3)
+    names = sorted(p.name for p in (tmp_path / DOMAINS[0]).iterdir())
+    assert not [n for n in names if ".dev." in n]
+    assert len([n for n in names if ".test." in n]) == 2 and len(names) == 4
+    assert discover(tmp_path)  # a corpus prepare reads
