@@ -12,6 +12,7 @@ direction's test set identically. Each step reuses a finished artifact, so a sec
 
 from __future__ import annotations
 
+import json
 import time
 from importlib import resources
 from pathlib import Path
@@ -94,12 +95,41 @@ def _check_extractable(cfg, manifest: dict[str, Any]) -> None:
                           f"this routing cannot name ({exc})") from None
 
 
+PREPARE_FIELDS = ("pairs", "vocab_size", "max_len", "max_chars", "dev_per_domain",
+                  "test_per_domain", "domain_tags", "lang_tags", "tokenizer", "spm_model_type",
+                  "spm_max_sentences", "prompt_template")
+"""The data.* fields `prepare` reads: a workdir's corpus is reused only where they match."""
+
+
+def _data_settings(cfg) -> dict[str, Any]:
+    data = cfg.to_dict()["data"]
+    return {"corpus": CORPUS, "train.seed": cfg.train.seed,
+            **{f"data.{k}": data[k] for k in PREPARE_FIELDS}}
+
+
+def _check_reused_data(workdir: Path, cfg) -> None:
+    """Refuse a workdir whose corpus was made or prepared with other settings (it would be
+    reused silently, the model built from its manifest, not from the overrides)."""
+    from moe_train.utils.atomic import write_json
+
+    path, now = workdir / "data-settings.json", json.loads(json.dumps(_data_settings(cfg)))
+    if path.is_file():
+        then = json.loads(path.read_text(encoding="utf-8"))
+        for key, value in now.items():
+            if then.get(key) != value:
+                raise ConfigError(f"demo --workdir {workdir}: its corpus was made with {key} "
+                                  f"{then.get(key)!r}, not {value!r}; use another --workdir "
+                                  "(or remove this one)")
+    write_json(path, now)
+
+
 def _data(workdir: Path, cfg) -> Path:
     """Generate and prepare the corpus unless done; returns the prepared directory."""
     from moe_train.data.corpus import discover
     from moe_train.data.prepare import prepare
     from moe_train.data.synthetic_dir import write_synthetic
 
+    _check_reused_data(workdir, cfg)
     data_dir = workdir / "data"
     if not (data_dir / "domains.json").is_file():
         _say(f"generating the synthetic corpus in {data_dir}")
@@ -184,7 +214,9 @@ def run_demo(workdir: Path, minutes: float | None = None, overrides: list[str] |
 
     # the model on the meta device, with the corpus's languages and domains: a bad override
     # fails here, before the corpus is made
-    domains = [str(d) for d in range(CORPUS["num_domains"])]
+    from moe_train.data.synthetic import DOMAINS
+
+    domains = list(DOMAINS[:CORPUS["num_domains"]])
     manifest = {"langs": sorted({"en", *CORPUS["target_langs"]}), "domains": domains,
                 "corpora": [{"src_lang": pair.split("-")[0], "tgt_lang": pair.split("-")[1],
                              "domain": d} for pair in cfg.data.pairs for d in domains]}

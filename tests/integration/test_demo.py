@@ -89,6 +89,12 @@ def test_demo_command_end_to_end(tmp_path):
     assert _table(again) == rows  # same export, same deterministic beam search
     assert "extraction check: 75/75" in again
     assert (ckpt / "latest").read_text().strip() == "step_00000006"
+    # Other data settings would silently reuse the corpus prepared with the old ones: refused.
+    other = run_cli([*args, "data.vocab_size=250"], cwd=tmp_path, check=False, timeout=120)
+    assert other.returncode == 2, other.stderr[-2000:]
+    assert other.stderr.strip().splitlines() == [
+        f"error: demo --workdir {work}: its corpus was made with data.vocab_size 300, not 250; "
+        "use another --workdir (or remove this one)"]
 
 
 def test_demo_bad_override_is_one_line_error(tmp_path):
