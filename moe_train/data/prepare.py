@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import shutil
+import unicodedata
 import zlib
 from pathlib import Path
 from typing import Any
@@ -173,20 +174,28 @@ def _carve(files: CorpusFiles, pairs: dict[str, Pairs], cfg: DataConfig, seed: i
     return sorted(wanted, key=SPLITS.index)
 
 
-def _drop_held_out_sources(texts: dict[str, dict[str, Pairs]], src_langs: dict[str, str]
+def _drop_held_out_sources(texts: dict[str, dict[str, Pairs]], langs: dict[str, tuple[str, str]]
                            ) -> dict[str, int]:
-    """Drop every train pair whose source is a dev or test source of any corpus with the same
-    source language (in place), so that no held-out sentence is trained on, not even through
-    another domain or direction that shares it; return the pairs dropped per corpus."""
-    held = {(src_langs[name], s) for name, by_split in texts.items()
+    """Drop every train pair that holds a dev or test source of any corpus, on either side in
+    the same language (in place), so that no held-out sentence is trained on, not even through
+    another domain or the reverse direction that shares it (its source as a training target);
+    sentences compare after NFKC normalisation, as sentencepiece reads them. `langs`: each
+    corpus's (source, target) language. Returns the pairs dropped per corpus."""
+    held = {(langs[name][0], _norm(s)) for name, by_split in texts.items()
             for split in ("dev", "test") if split in by_split for s in by_split[split][0]}
     dropped = {}
     for name, by_split in texts.items():
         src, tgt = by_split["train"]
-        keep = [i for i, s in enumerate(src) if (src_langs[name], s) not in held]
+        src_lang, tgt_lang = langs[name]
+        keep = [i for i, (s, t) in enumerate(zip(src, tgt))
+                if (src_lang, _norm(s)) not in held and (tgt_lang, _norm(t)) not in held]
         by_split["train"] = ([src[i] for i in keep], [tgt[i] for i in keep])
         dropped[name] = len(src) - len(keep)
     return dropped
+
+
+def _norm(sentence: str) -> str:
+    return unicodedata.normalize("NFKC", sentence)
 
 
 EVAL_MAX_LEN = 1000
@@ -244,7 +253,8 @@ def prepare(corpora: list[CorpusFiles], out_dir: str | os.PathLike, data_cfg: Da
         texts[name] = {split: read_pairs(files, data_cfg.max_chars)
                        for split, files in by_split.items()}
         carved[name] = _carve(train_files[name], texts[name], data_cfg, seed)
-    dropped = _drop_held_out_sources(texts, {n: f.src_lang for n, f in train_files.items()})
+    dropped = _drop_held_out_sources(texts, {n: (f.src_lang, f.tgt_lang)
+                                             for n, f in train_files.items()})
 
     domains = sorted({c.domain for c in train_files.values()})
     langs = sorted({lang for c in train_files.values() for lang in (c.src_lang, c.tgt_lang)})

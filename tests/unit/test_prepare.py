@@ -449,3 +449,30 @@ def test_an_empty_split_is_one_line_where_it_must_hold_sentences(tmp_path: Path)
         with pytest.raises(DataError, match=f"out/{split}: holds no sentences .*"
                                             f"data.{split}_per_domain=0"):
             nonempty_split(tmp_path / "out", split)
+
+
+def test_held_out_sources_are_not_training_targets_nor_hidden_by_unicode_form(
+        tmp_path: Path) -> None:
+    """A held-out de source comes back as the de target of the reverse direction in another
+    domain, and as a source in NFD form in a third: both pairs leave train."""
+    import unicodedata
+
+    root = tmp_path / "data"
+    law = _corpus(root, "law", 30, seed=6)  # de -> en
+    de, en = _sentences(30, 6)
+    med = root / "med"
+    med.mkdir()
+    (med / "med.en-de.train.en").write_text("".join(f"other {e}\n" for e in en))
+    (med / "med.en-de.train.de").write_text("".join(f"{d} ä\n" for d in de))  # law's sources
+    it = root / "it"
+    it.mkdir()
+    nfd = [unicodedata.normalize("NFD", d + " ä") for d in de]  # law's, decomposed
+    (it / "it.de-en.train.de").write_text("".join(f"{d}\n" for d in nfd))
+    (it / "it.de-en.train.en").write_text("".join(f"{e}\n" for e in en))
+    (root / "law" / "law.de-en.train.de").write_text("".join(f"{d} ä\n" for d in de))
+    corpora = discover(root, pairs=["de-en", "en-de"])
+    manifest = prepare(corpora, tmp_path / "out", _cfg(dev_per_domain=3, test_per_domain=3))
+    by_name = {c["name"]: c for c in manifest["corpora"]}
+    assert law.src.exists()
+    assert by_name["med.en-de"]["train_dropped_overlap"] >= 6  # law's held-out, as targets
+    assert by_name["it.de-en"]["train_dropped_overlap"] >= 6  # law's held-out, in NFD
