@@ -109,6 +109,23 @@ class DecoderCache:
         return self
 
 
+class TiedOutput(nn.Module):
+    """The output projection onto a shared embedding table: logits = x @ table^T. The table
+    stays its embedding's parameter, held here by reference (state dicts are unchanged); being a
+    module lets ZeRO-3 gather it for this forward (parallel.zero3.register_tied_outputs)."""
+
+    def __init__(self, table: nn.Embedding) -> None:
+        super().__init__()
+        self._table = (table,)  # a tuple: not registered as a submodule
+
+    @property
+    def weight(self) -> Tensor:
+        return self._table[0].weight
+
+    def forward(self, x_BTD: Tensor) -> Tensor:
+        return F.linear(x_BTD, self.weight)
+
+
 class Seq2SeqTransformer(nn.Module):
     """Encoder-decoder Transformer (pre-norm, sinusoidal positions, optionally tied embeddings)."""
 
@@ -131,7 +148,10 @@ class Seq2SeqTransformer(nn.Module):
         self.embed_tokens = nn.Embedding(vocab_size, cfg.d_model, padding_idx=pad_id)
         self.tgt_embed_tokens: nn.Embedding | None = None
         self.output_proj: nn.Linear | None = None
-        if not cfg.tie_embeddings:
+        self.tied_output: TiedOutput | None = None
+        if cfg.tie_embeddings:
+            self.tied_output = TiedOutput(self.embed_tokens)
+        else:
             self.tgt_embed_tokens = nn.Embedding(vocab_size, cfg.d_model, padding_idx=pad_id)
             self.output_proj = nn.Linear(cfg.d_model, vocab_size, bias=False)
         self.positions = SinusoidalPositions(cfg.d_model, cfg.max_positions)
@@ -268,7 +288,10 @@ class Seq2SeqTransformer(nn.Module):
             x_BTD, layer_aux = self._run(layer, x_BTD, enc.states_BSD, enc.pad_mask_BS, ctx,
                                          None if cache is None else cache.layers[i])
             add_aux(aux, layer_aux)
-        logits_BTV = F.linear(self.decoder_norm(x_BTD), self.output_weight())
+        x_BTD = self.decoder_norm(x_BTD)
+        # a module call, so ZeRO-3 gathers the projection (or the tied table) for it
+        logits_BTV = self.output_proj(x_BTD) if self.output_proj is not None else \
+            self.tied_output(x_BTD)
         return logits_BTV, aux
 
     def forward(self, src_tokens_BS: Tensor, tgt_in_BT: Tensor,

@@ -97,8 +97,21 @@ def _zero_set(optimizer: Any, p: nn.Parameter, key: str | None, value: Tensor,
     dst.narrow(0, hp.start, hp.numel).copy_(src.narrow(0, lp.start, lp.numel))
 
 
+def _frozen_value(p: nn.Parameter) -> Tensor:
+    """The value of a parameter the optimizer does not hold (frozen: requires_grad False, the
+    same on every rank), gathered whole under ZeRO-3 (collective there)."""
+    if hasattr(p, "ds_id"):
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters([p], modifier_rank=None):
+            return p.detach().float().cpu().clone()
+    return p.detach().float().cpu().clone()
+
+
 def fp32_param(optimizer: Any, p: nn.Parameter) -> Tensor:
-    """The fp32 master value of `p` (collective under ZeRO 1-3)."""
+    """The fp32 master value of `p` (collective under ZeRO 1-3); a frozen parameter's own."""
+    if not p.requires_grad:  # not in the optimizer: no master copy, no partition
+        return _frozen_value(p)
     if is_zero3(optimizer):
         return z3_get(optimizer, p, None)
     if _zero12(optimizer):
@@ -107,7 +120,10 @@ def fp32_param(optimizer: Any, p: nn.Parameter) -> Tensor:
 
 
 def get_moments(optimizer: Any, p: nn.Parameter) -> dict[str, Tensor] | None:
-    """Full Adam moments of `p` on CPU, or None before the first step (collective, ZeRO 1/2)."""
+    """Full Adam moments of `p` on CPU, or None before the first step or for a frozen
+    parameter (collective, ZeRO 1/2)."""
+    if not p.requires_grad:
+        return None
     if is_zero_partitioned(optimizer):
         if adam_step(optimizer) == 0.0:  # same answer on every rank
             return None
@@ -120,8 +136,17 @@ def get_moments(optimizer: Any, p: nn.Parameter) -> dict[str, Tensor] | None:
 
 
 def set_param(optimizer: Any, p: nn.Parameter, value: Tensor) -> None:
-    """Set `p` and its fp32 master copy (local: each rank writes what it owns)."""
-    if is_zero3(optimizer):
+    """Set `p` and its fp32 master copy (local: each rank writes what it owns); a frozen
+    parameter has no master copy, only its own values (under ZeRO-3 its partition)."""
+    if not p.requires_grad and hasattr(p, "ds_tensor"):
+        part = p.ds_tensor.reshape(-1)
+        lo = dist.get_rank(group=p.ds_process_group) * part.numel()
+        flat = value.reshape(-1)
+        n = max(0, min(part.numel(), flat.numel() - lo))
+        with torch.no_grad():
+            part[:n].copy_(flat[lo:lo + n].to(part.device, part.dtype))
+        return
+    if is_zero3(optimizer) and p.requires_grad:
         z3_set(optimizer, p, None, value)
         return
     with torch.no_grad():
@@ -131,7 +156,9 @@ def set_param(optimizer: Any, p: nn.Parameter, value: Tensor) -> None:
 
 
 def set_moments(optimizer: Any, p: nn.Parameter, moments: dict[str, Tensor], step: float) -> None:
-    """Set the Adam moments of `p` from full tensors (local)."""
+    """Set the Adam moments of `p` from full tensors (local; none for a frozen parameter)."""
+    if not p.requires_grad:
+        return
     if is_zero_partitioned(optimizer):
         put = z3_set if is_zero3(optimizer) else _zero_set
         for k in MOMENTS:

@@ -45,6 +45,20 @@ def mark_moe_leaf_modules(model: nn.Module) -> int:
     return count
 
 
+def register_tied_outputs(model: nn.Module) -> int:
+    """Register each tied output projection's table (an embedding's parameter, used outside
+    the embedding's forward) as an external parameter of the projection module, so ZeRO-3
+    gathers it there, also when search calls the model's `decode` itself. Returns how many."""
+    from deepspeed.runtime.zero.partition_parameters import register_external_parameter
+
+    from moe_train.models.transformer import TiedOutput
+
+    tied = [m for m in model.modules() if isinstance(m, TiedOutput)]
+    for module in tied:
+        register_external_parameter(module, module.weight)
+    return len(tied)
+
+
 def _partition(optimizer: Any, p: nn.Parameter, key: str | None) -> tuple[Tensor, int]:
     """(this rank's fp32 partition of `p` or of its Adam state `key`, partition rank)."""
     part, _ = optimizer._get_fp32_opt_state_partition(p, release_swap_buffers=False,

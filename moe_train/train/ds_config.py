@@ -32,6 +32,12 @@ def build_deepspeed_config(cfg: ExperimentConfig, world_size: int, device: torch
                            ) -> dict[str, Any]:
     """The DeepSpeed JSON config for this run."""
     precision = resolve_precision(cfg.optim.precision, device)
+    if precision != "fp32" and cfg.optim.zero_stage == 0 and cfg.moe.ep_size > 1:
+        # DeepSpeed's 16-bit optimizer wrapper keeps the fp32 master weights in rank 0's model
+        # file, which every rank loads: on resume each rank would take rank 0's experts
+        raise ConfigError(f"optim.zero_stage: 0 with {precision} and moe.ep_size "
+                          f"{cfg.moe.ep_size} cannot checkpoint the experts' master weights; "
+                          "expected 1 or 2 (or optim.precision fp32)")
     ds: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": cfg.optim.grad_accum,

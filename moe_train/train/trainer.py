@@ -27,7 +27,8 @@ from moe_train.errors import ConfigError, MoeTrainError
 from moe_train.eval.decode import batch_context
 from moe_train.eval.evaluate import evaluate_dataset
 from moe_train.models.lm_batch import teacher_forced
-from moe_train.parallel.zero3 import full_numel, mark_moe_leaf_modules, zero3_grad_norm
+from moe_train.parallel.zero3 import (full_numel, mark_moe_leaf_modules, register_tied_outputs,
+                                      zero3_grad_norm)
 from moe_train.models.build import moe_layers
 from moe_train.parallel.collectives import (all_reduce_floats, grad_norm_and_clip,
                                             step_is_finite)
@@ -124,6 +125,7 @@ class Trainer:
         scheduler = inverse_sqrt_scheduler(optimizer, cfg.optim.warmup_steps)
         if cfg.optim.zero_stage == 3:
             mark_moe_leaf_modules(model)
+            register_tied_outputs(model)
         detect = deepspeed_sees_moe_layers() if rt.ep_size > 1 else contextlib.nullcontext()
         with detect, deepspeed_config_errors():
             self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer,
@@ -166,7 +168,9 @@ class Trainer:
             self._resume_nonfinite(meta.get("nonfinite") or {})
         self.monitor = Monitor(rt, cfg.logging.tensorboard_dir, cfg.train.max_steps, self.step,
                                cfg.train.progress_bar)
-        n_params = sum(full_numel(p) for p in model.parameters())
+        # the whole model: each rank holds 1/ep_size of the experts
+        n_params = sum(full_numel(p) * (rt.ep_size if id(p) in self.expert_param_ids else 1)
+                       for p in model.parameters())
         self.monitor.print(
             f"| model {n_params / 1e6:.2f}M parameters | world {rt.world_size} ({rt.launcher}, "
             f"{rt.backend}) | device {rt.device} | zero {cfg.optim.zero_stage} | "

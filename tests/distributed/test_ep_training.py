@@ -46,6 +46,14 @@ def test_ep2_trains_resumes_and_loads_at_ep1(tiny_prepared, tmp_path):
                       "train.max_steps=40", "checkpoint.save_every=20",
                       "train.validate_every=20"], tmp_path)
     assert "world 2 (env, gloo)" in log
+    from moe_train.config import load_config
+    from moe_train.eval.params import count_parameters
+    from moe_train.data.prepare import load_manifest
+
+    manifest = load_manifest(tiny_prepared)
+    whole = count_parameters(load_config(CONFIG, common), manifest["vocab_size"], manifest)
+    # the start-up line counts the whole model, not one rank's half of the experts
+    assert f"| model {whole['total'] / 1e6:.2f}M parameters |" in log, log[:3000]
     losses = _losses(log)
     assert len(losses) == 8 and losses[-1] < losses[0] - 0.5, losses
     step40 = work / "ckpt" / "step_00000040"

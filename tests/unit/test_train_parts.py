@@ -75,6 +75,13 @@ def test_deepspeed_config_mapping():
     with pytest.raises(ConfigError, match="optim.precision: fp16 needs a GPU"):
         build_deepspeed_config(load_config(overrides=["optim.precision=fp16"]), 1,
                                torch.device("cpu"))
+    # 16-bit at ZeRO 0 keeps fp32 masters in rank 0's file: experts split over ranks would
+    # resume as rank 0's
+    ep = ["moe.num_experts=4", "moe.ep_size=2", "optim.precision=bf16"]
+    with pytest.raises(ConfigError, match=r"^optim.zero_stage: 0 with bf16 and moe.ep_size 2 "):
+        build_deepspeed_config(load_config(overrides=ep), 2, torch.device("cpu"))
+    for fine in ("optim.zero_stage=1", "optim.precision=fp32"):
+        build_deepspeed_config(load_config(overrides=[*ep, fine]), 2, torch.device("cpu"))
 
 
 def test_no_weight_decay_on_stacked_expert_and_adapter_biases_and_norms():
