@@ -97,12 +97,13 @@ def check_dir_settings(cfg, recipe: bool = False) -> None:
 
 def run_training(cfg, resume: bool) -> dict[str, Any]:
     """Train under whatever launcher started this process; returns the run summary."""
-    from moe_train.data.prepare import check_fits_model
+    from moe_train.data.prepare import check_fits_model, check_prompt_template
 
     # Before DeepSpeed starts: missing or too long data fails fast.
     if cfg.decoder_only:  # prompt and target are one sequence
         check_fits_model(cfg.data.prepared_dir, cfg.qwen.max_position_embeddings,
                          field="qwen.max_position_embeddings")
+        check_prompt_template(cfg.data.prepared_dir, cfg.data.prompt_template)
     else:
         cls_positions = int(cfg.uses_thor)  # THOR prepends a [CLS] to every source
         check_fits_model(cfg.data.prepared_dir, cfg.model.max_positions - cls_positions)
@@ -216,7 +217,12 @@ def _prompts(inf, args: argparse.Namespace, lines: list[str]) -> list[str]:
 
     src = choose("src-lang", "src_lang", "translates from")
     tgt = choose("tgt-lang", "tgt_lang", "translates into")
-    return [format_prompt(inf.cfg.data.prompt_template, line, src, tgt) for line in lines]
+    # the template the training data was filled with, and its whitespace rule (prepare
+    # collapses runs of whitespace); a blank line stays blank (translated to a blank line)
+    template = inf.manifest.get("data_config", {}).get("prompt_template") or \
+        inf.cfg.data.prompt_template
+    return [format_prompt(template, " ".join(line.split()), src, tgt) if line.strip() else ""
+            for line in lines]
 
 
 def _raw_text_labels(inf, args: argparse.Namespace):

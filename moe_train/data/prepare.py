@@ -85,6 +85,16 @@ def check_fits_model(prepared_dir: str | os.PathLike, max_positions: int,
                     f"{longest - 1} tokens plus end-of-sentence)")
 
 
+def check_prompt_template(prepared_dir: str | os.PathLike, template: str) -> None:
+    """Refuse to train a decoder-only model with another data.prompt_template than the one its
+    prepared prompts were filled with: translate fills the model's, which would then not be
+    what it learned."""
+    stored = load_manifest(prepared_dir).get("data_config", {}).get("prompt_template")
+    if stored and stored != template:
+        raise ConfigError(f"data.prompt_template: {prepared_dir} was prepared with {stored!r}; "
+                          f"expected the same template, got {template!r} (or prepare again)")
+
+
 def load_vocab(prepared_dir: str | os.PathLike) -> Vocab | HFTokenizer:
     """The tokenizer of a prepared directory: its sentencepiece model, or the Hugging Face
     tokenizer `prepare` copied there (``data.tokenizer``)."""

@@ -93,7 +93,8 @@ def translate_dataset(model: torch.nn.Module, dataset: Any, vocab: Vocab, rt: Pa
                       beam: int | None = None) -> dict[int, str]:
     """Translate dataset sentences (all, or `indices`); every rank returns {index: text}."""
     check_dataset_lengths(dataset, max_source_tokens(model),
-                          None if indices is None else np.asarray(indices, dtype=np.int64))
+                          None if indices is None else np.asarray(indices, dtype=np.int64),
+                          positions_field(model))
     was_training = model.training
     model.eval()
     batches = eval_batches(dataset, max_tokens, vocab.pad_id, vocab.bos_id, vocab.eos_id,
@@ -130,9 +131,15 @@ def max_source_tokens(model: torch.nn.Module) -> int | None:
     return limit if limit is not None else getattr(model, "max_positions", None)
 
 
+def positions_field(model: torch.nn.Module) -> str:
+    """The config field that sets the model's position limit (for messages)."""
+    return getattr(model, "positions_field", "model.max_positions")
+
+
 def encode_lines(vocab: Vocab, lines: Sequence[str], limit: int | None, source: str = "input",
                  prefix_ids: Sequence[int] = (), long_lines: str = "error",
-                 warn: Callable[[str], None] | None = None) -> list[list[int]]:
+                 warn: Callable[[str], None] | None = None,
+                 field: str = "model.max_positions") -> list[list[int]]:
     """Encode raw lines (after the tag ids `prefix_ids`, end-of-sentence not included) and check
     them against `limit` (model.max_positions) before anything is translated.
 
@@ -151,7 +158,7 @@ def encode_lines(vocab: Vocab, lines: Sequence[str], limit: int | None, source: 
         if len(ids) <= room:
             continue
         where = (f"{source}:{line_no}: {len(ids) + 1} source tokens (end-of-sentence "
-                 f"included), more than the model's model.max_positions={limit}")
+                 f"included), more than the model's {field}={limit}")
         if long_lines == "error":
             raise DataError(f"{where}; nothing was translated (shorten or split the line, or "
                             "pass --long-lines truncate)")
@@ -161,7 +168,8 @@ def encode_lines(vocab: Vocab, lines: Sequence[str], limit: int | None, source: 
     return encoded
 
 
-def check_dataset_lengths(dataset: Any, limit: int | None, indices: np.ndarray | None) -> None:
+def check_dataset_lengths(dataset: Any, limit: int | None, indices: np.ndarray | None,
+                          field: str = "model.max_positions") -> None:
     """Refuse a prepared split with a source longer than the model's positions (before any
     sentence is decoded), naming the split, the sentence and the limit."""
     if limit is None:
@@ -172,9 +180,8 @@ def check_dataset_lengths(dataset: Any, limit: int | None, indices: np.ndarray |
         index = i if indices is None else int(indices[i])
         raise DataError(f"{dataset.prepared_dir}/{dataset.split}: sentence {index} (0-based) "
                         f"has {int(lengths[i]) + 1} source tokens (end-of-sentence included), "
-                        "more than the model's "
-                        f"model.max_positions={limit}; prepare the data with a smaller "
-                        "data.max_len or train with a larger model.max_positions")
+                        f"more than the model's {field}={limit}; prepare the data with a "
+                        f"smaller data.max_len or train with a larger {field}")
 
 
 @torch.no_grad()
@@ -190,7 +197,7 @@ def translate_lines(model: torch.nn.Module, vocab: Vocab, lines: Sequence[str],
     model's positions before the first is translated (see `encode_lines`)."""
     model.eval()
     encoded = encode_lines(vocab, lines, max_source_tokens(model), source, prefix_ids,
-                           long_lines, warn)
+                           long_lines, warn, positions_field(model))
     # a blank line translates to a blank line (the model never saw an empty source)
     order = sorted((i for i, line in enumerate(lines) if line.strip()),
                    key=lambda i: -len(encoded[i]))

@@ -84,6 +84,7 @@ def config_from_hf(hf: dict[str, Any], source: Path) -> ExperimentConfig:
     rope = hf.get("rope_parameters") or {}
     if not isinstance(rope, dict):
         raise ConfigError(f"{source}: rope_parameters is {rope!r}; expected an object")
+    _check_supported(hf, rope, source)
     theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
     if isinstance(theta, bool) or not isinstance(theta, (int, float)):
         raise ConfigError(f"{source}: rope_theta is {theta!r}; expected a number")
@@ -109,11 +110,33 @@ def config_from_hf(hf: dict[str, Any], source: Path) -> ExperimentConfig:
         raise ConfigError(f"{source}: {exc}") from None
 
 
-def hf_config_dict(cfg: ExperimentConfig) -> dict[str, Any]:
-    """transformers' config.json content for our Qwen2-MoE config."""
+def _check_supported(hf: dict[str, Any], rope: dict[str, Any], source: Path) -> None:
+    """Refuse what our Qwen2-MoE does not implement (it would convert, then compute another
+    function than transformers' model): scaled RoPE, sliding-window attention, another
+    activation."""
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    scaling = hf.get("rope_scaling")
+    if rope_type != "default" or (scaling and scaling.get("rope_type",
+                                                          scaling.get("type")) != "default"):
+        raise ConfigError(f"{source}: rope scaling {scaling or rope!r}; expected the default "
+                          "rotary embedding (scaled RoPE is not supported)")
+    if hf.get("use_sliding_window") or any(t != "full_attention"
+                                           for t in hf.get("layer_types") or []):
+        raise ConfigError(f"{source}: sliding-window attention (use_sliding_window / "
+                          "layer_types); expected full attention in every layer")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ConfigError(f"{source}: hidden_act is {hf.get('hidden_act')!r}; expected 'silu'")
+
+
+def hf_config_dict(cfg: ExperimentConfig, manifest: dict[str, Any] | None = None
+                   ) -> dict[str, Any]:
+    """transformers' config.json content for our Qwen2-MoE config, with the special token ids
+    of `manifest` (a trained export's tokenizer) where it has them."""
     from moe_train.models.hf_qwen2moe import qwen_hf_config
 
-    return qwen_hf_config(cfg).to_dict()
+    ids = {f"{name}_token_id": manifest[f"{name}_id"] for name in ("bos", "eos", "pad")
+           if manifest and isinstance(manifest.get(f"{name}_id"), int)}
+    return {**qwen_hf_config(cfg, **ids).to_dict(), "architectures": ["Qwen2MoeForCausalLM"]}
 
 
 # ----------------------------------------------------------------------------------- weights
@@ -283,7 +306,9 @@ def convert_from_hf(model_dir: str | Path, out_dir: str | Path, trim_to: int | N
         copied = _copy_tokenizer(model_dir, tmp)
         if kept is not None:
             (tmp / "trim.json").write_text(json.dumps(kept, indent=1) + "\n")
-        summary = {"tensors": len(state), "parameters": _numel(state), "tokenizer": copied}
+        summary = {"tensors": len(state), "parameters": _numel(state,
+                                                              cfg.qwen.tie_word_embeddings),
+                   "tokenizer": copied}
         summary = summary if kept is None else {**summary, "kept_experts": kept}
         _write_report(tmp, model_dir, summary)
     return summary
@@ -340,13 +365,17 @@ def _trim(state: dict[str, Tensor], cfg: ExperimentConfig, manifest: dict[str, A
 
 def convert_to_hf(checkpoint: str | Path, out_dir: str | Path) -> dict[str, Any]:
     """Write a transformers directory of a hf_qwen2_moe export or checkpoint."""
-    where, cfg, _, state = read_qwen(checkpoint)
+    where, cfg, manifest, state = read_qwen(checkpoint)
+    if cfg.moe.decoder_router != "topk":  # transformers' Qwen2-MoE routes top-k, nothing else
+        raise ConfigError(f"{where}: moe.decoder_router is {cfg.moe.decoder_router!r}; "
+                          "expected 'topk', the only routing transformers' Qwen2-MoE has")
     hf_state = ours_to_hf(state, where, per_expert=True)
     if cfg.qwen.tie_word_embeddings:
         hf_state.pop("lm_head.weight", None)
     with atomic_dir(Path(out_dir), overwrite=True) as tmp:
         save_tensors(tmp / "model.safetensors", hf_state, metadata={"format": "pt"})
-        (tmp / "config.json").write_text(json.dumps(hf_config_dict(cfg), indent=2) + "\n")
+        (tmp / "config.json").write_text(json.dumps(hf_config_dict(cfg, manifest), indent=2)
+                                         + "\n")
         copied = _copy_tokenizer(where, tmp)
         summary = {"tensors": len(hf_state), "parameters": _numel(hf_state), "tokenizer": copied}
         _write_report(tmp, Path(checkpoint), summary)
@@ -383,8 +412,12 @@ def check_state(cfg: ExperimentConfig, state: dict[str, Tensor], source: Path) -
     check_weights(model, state, source)
 
 
-def _numel(state: dict[str, Tensor]) -> int:
-    return sum({t.data_ptr(): t.numel() for t in state.values()}.values())
+def _numel(state: dict[str, Tensor], tied: bool = False) -> int:
+    """Parameters of a state dict, shared tensors once; `tied`: the output head is the
+    embedding table (its copy not counted again)."""
+    counted = {t.data_ptr(): t.numel() for k, t in state.items()
+               if not (tied and k.endswith("lm_head.weight"))}
+    return sum(counted.values())
 
 
 def load_qwen(checkpoint: str | Path, device: torch.device | str = "cpu"):

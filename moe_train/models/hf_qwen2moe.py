@@ -266,6 +266,7 @@ class Qwen2MoEForCausalLM(nn.Module):
                 activation_checkpointing_kwargs={"use_reentrant": False})
         self.pad_id = int((manifest or {}).get("pad_id", 0))
         self.max_positions = cfg.qwen.max_position_embeddings
+        self.positions_field = "qwen.max_position_embeddings"  # what messages name
 
     def forward(self, input_ids_BT: Tensor, ctx: ForwardContext | None = None,
                 attention_mask_BT: Tensor | None = None, position_ids_BT: Tensor | None = None,

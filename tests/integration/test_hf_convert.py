@@ -51,6 +51,8 @@ def test_convert_round_trip(tmp_path, norm_topk_prob: bool, dense_layers: list[i
 
     run_cli(["convert", "--to-hf", str(ours_dir), "--out", str(back_dir)], cwd=tmp_path)
     back = transformers.Qwen2MoeForCausalLM.from_pretrained(back_dir).eval()
+    written = json.loads((back_dir / "config.json").read_text())
+    assert written["eos_token_id"] == 2 and written["architectures"] == ["Qwen2MoeForCausalLM"]
     original = hf_model.state_dict()
     assert set(back.state_dict()) == set(original)
     for name, t in back.state_dict().items():
@@ -183,3 +185,27 @@ def test_trim_moe_explicit_and_calibrated(tmp_path) -> None:
         proc = run_cli(["convert", "--from-hf", str(hf_dir), "--out", str(tmp_path / "x"),
                         *extra], cwd=tmp_path, check=False)
         assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
+def test_to_hf_refuses_a_router_transformers_lacks_and_tied_counts_once(tmp_path) -> None:
+    """transformers' Qwen2-MoE routes top-k: another router would convert into another model;
+    a tied head is one tensor, counted once."""
+    hf_dir, ours_dir = tmp_path / "hf", tmp_path / "ours"
+    cfg = transformers.Qwen2MoeConfig(
+        vocab_size=120, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        moe_intermediate_size=24, shared_expert_intermediate_size=40, num_experts=4,
+        num_experts_per_tok=2, eos_token_id=2, tie_word_embeddings=True)
+    model = transformers.Qwen2MoeForCausalLM(cfg)
+    model.save_pretrained(hf_dir)
+    proc = run_cli(["convert", "--from-hf", str(hf_dir), "--out", str(ours_dir)], cwd=tmp_path)
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert summary["parameters"] == sum(p.numel() for p in model.parameters())  # tied: once
+    config = json.loads((ours_dir / "config.json").read_text())
+    config["moe"]["decoder_router"] = "switch"
+    (ours_dir / "config.json").write_text(json.dumps(config))
+    proc = run_cli(["convert", "--to-hf", str(ours_dir), "--out", str(tmp_path / "back")],
+                   cwd=tmp_path, check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "moe.decoder_router is 'switch'; expected 'topk'" in proc.stderr
+    assert not (tmp_path / "back").exists()

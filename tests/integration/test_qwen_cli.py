@@ -34,6 +34,20 @@ def test_prepare_train_translate_evaluate(qwen_prepared, tmp_path):
         run_cli(["translate", "--checkpoint", str(export), "--input", str(src), "--output",
                  str(out), "--beam", beam], cwd=tmp_path)
         assert len(out.read_text().splitlines()) == 2
+    # whitespace as prepare reads it, and a blank line stays blank
+    messy = tmp_path / "messy.txt"
+    messy.write_text("the patient  needs a\tnew dose \n\n  the court rejected the appeal\n")
+    run_cli(["translate", "--checkpoint", str(export), "--input", str(messy), "--output",
+             str(tmp_path / "messy.out"), "--beam", "1"], cwd=tmp_path)
+    first, blank, second = (tmp_path / "messy.out").read_text().split("\n")[:3]
+    assert [first, blank, second] == [*(tmp_path / "out1.txt").read_text().split("\n")[:1],
+                                      "", *(tmp_path / "out1.txt").read_text().split("\n")[1:2]]
+    long = tmp_path / "long.txt"
+    long.write_text("the patient " * 400 + "\n")
+    proc = run_cli(["translate", "--checkpoint", str(export), "--input", str(long), "--output",
+                    str(tmp_path / "long.out")], cwd=tmp_path, check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "more than the model's qwen.max_position_embeddings=" in proc.stderr  # its field
     # raw text scored: the same prompts as translate, so the same hypotheses
     ref = tmp_path / "ref.txt"
     ref.write_text("der Patient braucht eine neue Dosis\ndas Gericht wies die Berufung ab\n")
@@ -73,3 +87,9 @@ def test_training_refuses_data_longer_than_the_positions(qwen_prepared, tmp_path
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "qwen.max_position_embeddings: expected at least" in proc.stderr
     assert "prompt + target" in proc.stderr
+    # prompts prepared with one template, a model trained with another: refused
+    proc = run_cli(["train", "--config", CONFIG, f"data.prepared_dir={prepared}",
+                    f"data.tokenizer={tok}", "data.prompt_template=Q: {source} A:",
+                    f"checkpoint.dir={tmp_path / 'ckpt'}"], cwd=tmp_path, check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "data.prompt_template: " in proc.stderr and "prepared with" in proc.stderr

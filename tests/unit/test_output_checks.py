@@ -216,6 +216,11 @@ def test_a_dangling_link_needs_its_target_directory(tmp_path, monkeypatch) -> No
     ("rope_parameters", [1], "rope_parameters is [1]; expected an object"),
     ("rope_parameters", {"rope_theta": "x"}, "rope_theta is 'x'; expected a number"),
     ("num_experts_per_tok", 9, "num_experts_per_tok is 9; expected at most num_experts (4)"),
+    # converted, these would compute another function than transformers' model
+    ("rope_parameters", {"rope_type": "linear", "factor": 4.0}, "scaled RoPE is not supported"),
+    ("rope_scaling", {"rope_type": "yarn", "factor": 4.0}, "scaled RoPE is not supported"),
+    ("use_sliding_window", True, "sliding-window attention"),
+    ("hidden_act", "gelu", "hidden_act is 'gelu'; expected 'silu'"),
 ])
 def test_hf_config_types_name_the_file_and_key(tmp_path, key, value, needle) -> None:
     source = tmp_path / "config.json"
