@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from moe_train.config.schema import ExperimentConfig
+from moe_train.errors import ConfigError
 from moe_train.moe.adapters import AdapterSlot
 from moe_train.stages.common import StageContext, load_matching, stage_config, training_summary
 from moe_train.stages.distill import GATE, load_gate
@@ -51,7 +52,12 @@ def check_recipe_config(ctx: StageContext) -> None:
     fails now, not after the backbone, features, clustering and distillation have run."""
     from moe_train.eval.params import count_parameters
 
-    count_parameters(adapters_config(ctx), ctx.cfg.data.vocab_size)
+    cfg = ctx.cfg
+    if cfg.adapters.router == "gated" and cfg.gated.gate_loss == "kl":
+        raise ConfigError("gated.gate_loss: kl distils the gad recipe's domain classifier, "
+                          "which the moa recipe has none of; expected ce here (or run "
+                          "`moe-train pipeline gad`)")
+    count_parameters(adapters_config(ctx), cfg.data.vocab_size)
 
 
 def load_backbone(model: nn.Module, backbone: dict[str, torch.Tensor], source: Path) -> None:

@@ -18,10 +18,11 @@ STAGE = "backbone"
 
 
 def backbone_config(ctx: StageContext):
-    """The backbone's training config: one pre-injected decoder adapter (or none), no EP."""
+    """The backbone's training config: one pre-injected decoder adapter (or none; dropless,
+    whatever adapters.capacity_factor says for the adapter stage's K), no EP."""
     cfg = ctx.cfg
     adapters = {"num_experts": 1 if cfg.moa.pre_inject else 0, "router": "single",
-                "sides": "decoder", "k": 1}
+                "sides": "decoder", "k": 1, "capacity_factor": 0.0}
     return stage_config(cfg, ctx.stage_dir(STAGE), adapters=adapters,
                         moe={"ep_size": 1 if not cfg.moe.enabled else cfg.moe.ep_size})
 

@@ -11,6 +11,7 @@ rank-0-only work is followed by a barrier.
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import json
 import shutil
 import uuid
@@ -30,6 +31,7 @@ from moe_train.utils.atomic import write_json
 from moe_train.utils.provenance import finish as finish_provenance, now_iso, provenance
 
 DONE = "done.json"
+LOCK = ".lock"
 
 
 class NotFinished(Exception):
@@ -59,6 +61,7 @@ class StageContext:
     context (before any stage ran): the code a stage runs is what was loaded then, whatever
     is committed while it trains."""
     _stage_started: str | None = field(default=None, repr=False)
+    _locks: dict[str, Any] = field(default_factory=dict, repr=False)
 
     @property
     def workdir(self) -> Path:
@@ -80,7 +83,9 @@ class StageContext:
             raise DataError(f"{path}: unreadable stage record ({err}); delete it to rerun "
                             f"the stage") from None
         made = record.get("made_from", {"inputs": {}}) if isinstance(record, dict) else None
-        if not isinstance(made, dict) or not isinstance(made.get("inputs"), dict):
+        if not isinstance(made, dict) or not isinstance(made.get("inputs"), dict) or \
+                not isinstance(made.get("config", {}), dict) or \
+                not isinstance(made.get("data"), (str, type(None))):
             raise DataError(f"{path}: not a stage record (expected an object whose made_from "
                             "is an object with the inputs' digests); delete it to rerun the "
                             "stage")
@@ -105,6 +110,7 @@ class StageContext:
         if record is None:
             if self.upstream_of is not None:
                 raise NotFinished(stage)
+            self._lock(stage)
             return None
         where = self.stage_dir(stage)
         if "made_from" not in record:
@@ -112,6 +118,11 @@ class StageContext:
                 print(f"| stage {stage}: {where} does not record what it was made from "
                       f"(an older moe_train wrote it); reusing it unchecked", flush=True)
             return record
+        owner = record["made_from"].get("recipe")
+        if owner is not None and owner != self.recipe:  # never deleted, even --rerun-stale
+            raise ConfigError(f"stage {stage}: {where} belongs to the {owner} recipe, whose "
+                              f"{stage} stage is another; give this {self.recipe} run another "
+                              "moa.workdir")
         inputs = {name: self.stage_dir(name) / DONE for name in record["made_from"]["inputs"]}
         changed = differences(record["made_from"], made_from(stage, cfg, inputs, self.recipe))
         if not changed:
@@ -132,7 +143,27 @@ class StageContext:
                   flush=True)
             shutil.rmtree(where)
         barrier(self.rt)
+        self._lock(stage)
         return None
+
+    def _lock(self, stage: str) -> None:
+        """Hold `stage`'s directory for this run until `finish` (rank 0; released when the
+        process ends): a second run that would train into it, e.g. through moa.backbone_dir
+        while the first still trains it, stops in one line instead of taking its checkpoints
+        for its own."""
+        if not self.rt.is_main or stage in self._locks:
+            return
+        where = self.stage_dir(stage)
+        where.mkdir(parents=True, exist_ok=True)
+        handle = open(where / LOCK, "w")  # noqa: SIM115 (held until finish)
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            handle.close()
+            raise ConfigError(f"stage {stage}: {where} is being written by another run (it "
+                              f"holds {where / LOCK}); wait for it, or use another "
+                              "moa.workdir / moa.backbone_dir") from None
+        self._locks[stage] = handle
 
     def require(self, stage: str, by: str) -> Path:
         """The directory of finished stage `stage`, which stage `by` needs."""
@@ -160,8 +191,22 @@ class StageContext:
                              "provenance": self._stage_provenance()}
         if self.rt.is_main:
             write_json(self.stage_dir(stage) / DONE, summary)
+        handle = self._locks.pop(stage, None)
+        if handle is not None:
+            handle.close()
         barrier(self.rt)
         return summary
+
+
+def moa_stages(cfg: ExperimentConfig) -> list[str]:
+    """The stages of the moa recipe for `cfg`, in order: the clustering stages only for
+    Gumbel-Max adapters (K = moa.num_clusters), the adapter stage only with adapters."""
+    a = cfg.adapters
+    if a.router == "gumbel":
+        return ["backbone", "features", "cluster", "distill", "adapters", "evaluate"]
+    if not a.enabled:
+        return ["backbone", "evaluate"]
+    return ["backbone", "adapters", "evaluate"]
 
 
 def quality_decoding(cfg: ExperimentConfig) -> EvalConfig:

@@ -47,7 +47,7 @@ from moe_train.moe.moa_router import MoAGate, RandomSentenceRouter, SharedRouter
 from moe_train.moe.routing import RoutingContext
 from moe_train.stages.cluster import load_cluster
 from moe_train.stages.cluster_core import cluster_report
-from moe_train.stages.common import StageContext, quality_decoding
+from moe_train.stages.common import StageContext, moa_stages, quality_decoding
 from moe_train.stages.distill import gate_labels, load_gate
 from moe_train.stages.features import encode_sentences
 from moe_train.train.export import InferenceModel, load_for_inference
@@ -200,9 +200,11 @@ def run(ctx: StageContext) -> dict[str, Any]:
     backbone_export = ctx.require("backbone", STAGE) / "checkpoints" / "export"
     backbone = load_for_inference(backbone_export, rt.device)
     models = {"backbone": backbone}
-    if ctx.done("adapters") is not None:
+    # this config's stages only (never a leftover of another config), and each must be done
+    stages = moa_stages(cfg)
+    if "adapters" in stages:
         models["adapters"] = load_for_inference(
-            ctx.stage_dir("adapters") / "checkpoints" / "export", rt.device)
+            ctx.require("adapters", STAGE) / "checkpoints" / "export", rt.device)
     result: dict[str, Any] = {"test_sentences": int(len(idx)), "beam": moa.eval_beam}
 
     def scores(inf: InferenceModel) -> dict[str, Any]:
@@ -247,9 +249,9 @@ def run(ctx: StageContext) -> dict[str, Any]:
     features_ND = encode_sentences(backbone.model, test, idx, ctx, cfg.data.max_tokens)
     true_N = test.domain_ids[idx]
     assignments: dict[str, np.ndarray] = {}
-    if ctx.done("cluster") is not None:
+    if "cluster" in stages:
         assignments["clusterer"] = load_cluster(ctx, STAGE)[0].predict(features_ND)
-    if ctx.done("distill") is not None:
+    if "distill" in stages:
         gate = MoAGate(features_ND.shape[1], moa.num_clusters)
         gate.load_state_dict(load_gate(ctx, STAGE))
         assignments["distilled_gate"] = gate_labels(gate, features_ND)

@@ -19,7 +19,7 @@ from typing import Any, Callable
 from moe_train.errors import ConfigError
 from moe_train.stages import (adapters, backbone, classifier, cluster, distill, evaluate,
                               features, gad, gad_eval)
-from moe_train.stages.common import NotFinished, StageContext
+from moe_train.stages.common import NotFinished, StageContext, moa_stages
 
 Stage = Callable[[StageContext], dict[str, Any]]
 RECIPES: dict[str, dict[str, Stage]] = {
@@ -36,12 +36,7 @@ def recipe_stages(ctx: StageContext, recipe: str = "moa") -> list[str]:
     if recipe == "gad":
         tag = ["tag"] if ctx.cfg.gated.tag_prepared_dir else []
         return ["backbone", *tag, "classifier", "ad", "gad", "evaluate"]
-    a = ctx.cfg.adapters
-    if a.router == "gumbel":  # K = moa.num_clusters adapters
-        return ["backbone", "features", "cluster", "distill", "adapters", "evaluate"]
-    if not a.enabled:
-        return ["backbone", "evaluate"]
-    return ["backbone", "adapters", "evaluate"]
+    return moa_stages(ctx.cfg)
 
 
 def check_request(recipe: str, stage: str | None) -> None:

@@ -14,6 +14,8 @@ Every stage's ``done.json`` records ``made_from``:
 - ``data``: a digest of the prepared data's ``manifest.json`` (its path may change, its
   content may not).
 - ``inputs``: a digest of the record of every other stage whose output it read.
+- ``recipe``: the recipe that ran it (all but the backbone, which every recipe shares): two
+  recipes in one workdir have stages of the same name (evaluate) that are not the same.
 
 A later run compares these with what it would use now. Equal: the stage is reused. Different:
 the run stops with one line naming what changed (old -> new), so a config edit never silently
@@ -122,7 +124,9 @@ def made_from(stage: str, cfg: ExperimentConfig, inputs: dict[str, Path],
               recipe: str = "moa") -> dict[str, Any]:
     """What `stage` of `recipe` is made from when it runs with `cfg` and reads the stages in
     `inputs` ({stage: its done.json})."""
+    shared = stage == "backbone"  # every recipe's backbone is one stage
     return {"config": config_fields(stage, cfg, recipe),
+            **({} if shared else {"recipe": recipe}),
             "data": file_digest(Path(cfg.data.prepared_dir) / MANIFEST),
             "inputs": {name: file_digest(path) for name, path in sorted(inputs.items())}}
 

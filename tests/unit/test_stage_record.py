@@ -153,7 +153,9 @@ def test_records_without_made_from_are_reused_with_a_warning(tmp_path, capsys) -
 
 
 @pytest.mark.parametrize("content", [b"[1]", b'{"made_from": "x"}', b'{"made_from": {}}',
-                                     b'{"made_from": {"inputs": ["cluster"]}}', b"\xff\xfe{}"])
+                                     b'{"made_from": {"inputs": ["cluster"]}}', b"\xff\xfe{}",
+                                     b'{"made_from": {"inputs": {}, "config": null}}',
+                                     b'{"made_from": {"inputs": {}, "data": 3}}'])
 def test_a_broken_stage_record_is_one_line_naming_it(tmp_path, content: bytes) -> None:
     ctx = _ctx(tmp_path)
     where = ctx.stage_dir("distill")
@@ -178,12 +180,12 @@ def test_rerun_stale_deletes_the_stage_and_its_readers_follow(tmp_path, capsys) 
     (ctx.stage_dir("features") / "features.npy").write_bytes(b"old")
     changed = dataclasses.replace(_ctx(tmp_path, "moa.sample_size=3"), rerun_stale=True)
     assert changed.reuse("features", changed.cfg) is None  # stale: deleted, to be run again
-    assert not changed.stage_dir("features").exists()
+    assert [p.name for p in changed.stage_dir("features").iterdir()] == [".lock"]  # held
     assert "deleting it and running the stage again" in capsys.readouterr().out
     _finish(changed, "features")
     # The clusters read the old features: stale through their input, deleted in turn.
     assert changed.reuse("cluster", changed.cfg) is None
-    assert not changed.stage_dir("cluster").exists()
+    assert [p.name for p in changed.stage_dir("cluster").iterdir()] == [".lock"]
 
 
 def test_rerun_stale_never_deletes_a_shared_backbone(tmp_path) -> None:
@@ -257,3 +259,29 @@ def test_provenance_names_the_code_the_process_loaded(tmp_path, monkeypatch) -> 
     p = record["provenance"]
     assert p["started_at"] <= p["finished_at"] and p["wall_seconds"] >= 0
     assert "loadavg_1_5_15min_end" in p["machine"]
+
+
+def test_a_stage_of_another_recipe_in_the_workdir_is_never_taken_nor_deleted(tmp_path) -> None:
+    """gad and moa both have an evaluate stage: one recipe's record is not the other's (it was
+    reused as current), nor deleted by the other's --rerun-stale; the backbone is shared."""
+    gad = dataclasses.replace(_ctx(tmp_path), recipe="gad")
+    _finish(gad, "backbone")
+    _finish(gad, "evaluate")
+    assert "recipe" not in json.loads((gad.stage_dir("backbone") / DONE).read_text())["made_from"]
+    moa = dataclasses.replace(_ctx(tmp_path), rerun_stale=True)
+    assert moa.reuse("backbone", moa.cfg) is not None  # shared by every recipe
+    with pytest.raises(ConfigError, match=r"^stage evaluate: .* belongs to the gad recipe"):
+        moa.reuse("evaluate", moa.cfg)
+    assert (gad.stage_dir("evaluate") / DONE).is_file()
+
+
+def test_a_stage_being_run_is_locked_against_a_second_run(tmp_path) -> None:
+    """A second run that would train into a stage directory the first still writes (e.g. a
+    shared moa.backbone_dir) stops in one line; the lock goes with finish."""
+    first, second = _ctx(tmp_path), _ctx(tmp_path)
+    assert first.reuse("backbone", first.cfg) is None  # runs: holds the directory
+    with pytest.raises(ConfigError, match=r"^stage backbone: .* is being written by another "
+                                          r"run"):
+        second.reuse("backbone", second.cfg)
+    first.finish("backbone", {"value": 1}, first.cfg)
+    assert second.reuse("backbone", second.cfg) is not None  # done, and free
