@@ -217,7 +217,8 @@ class TrainConfig:
     validate_every: int = 1000
     """Steps between dev-set loss evaluations (0: only at the end)."""
     bleu_every: int = 0
-    """Steps between dev BLEU evaluations with greedy decoding (0: only at the end)."""
+    """Steps between dev BLEU evaluations with greedy decoding, a multiple of validate_every
+    (0: only at the end)."""
     bleu_sentences: int = 200
     """Dev sentences decoded for the periodic BLEU."""
     progress_bar: bool = True
@@ -250,6 +251,10 @@ class TrainConfig:
         _check(not self.patience or self.validate_every > 0, "train.patience",
                "0 unless train.validate_every > 0 (early stopping needs validations)",
                self.patience)
+        _check(not self.bleu_every or (self.validate_every > 0
+                                       and self.bleu_every % self.validate_every == 0),
+               "train.bleu_every", "0 or a multiple of train.validate_every (BLEU is computed "
+               "with a validation)", self.bleu_every)
 
 
 @dataclass

@@ -26,9 +26,12 @@ class EarlyStop:
         self.bad = 0
         self.improved = False
 
-    def update(self, step: int, values: dict[str, Any]) -> bool:
+    def update(self, step: int, values: dict[str, Any], scheduled: bool = True) -> bool:
         """Record one validation; True when the last `patience` brought no improvement.
-        Validations without the metric (e.g. no BLEU that time) are ignored."""
+        Validations without the metric (e.g. no BLEU that time) are ignored. One off the
+        train.validate_every schedule (a run's end at max_steps or its time limit) may set a
+        new best but does not count towards patience: an interrupted, resumed run then stops
+        where an uninterrupted one does."""
         self.improved = False
         if self.patience <= 0 or self.key not in values:
             return False
@@ -39,7 +42,8 @@ class EarlyStop:
                                 if isinstance(v, (int, float)) and not isinstance(v, bool)}
             self.improved = True
             return False
-        self.bad += 1
+        if scheduled:
+            self.bad += 1
         return self.bad >= self.patience
 
     def state(self) -> dict[str, Any]:

@@ -312,7 +312,8 @@ class Trainer:
                 "dev/ppl": 2 ** (nll / tokens / math.log(2)), **dev_metrics}
 
     def validate_bleu(self, sentences: int, beam: int = 1) -> dict[str, Any]:
-        """Dev BLEU/chrF (per domain) on the first `sentences` dev pairs of each corpus."""
+        """Dev BLEU/chrF (per domain) on about `sentences` dev pairs: the first
+        `sentences` // corpora of each corpus (at least one each)."""
         assert self.dev_set is not None
         ds = self.dev_set
         per = max(1, sentences // max(ds.num_corpora, 1))
@@ -340,10 +341,11 @@ class Trainer:
                 "nonfinite": {"total": self.nonfinite_steps,
                               "in_a_row": self.nonfinite_in_a_row}}
 
-    def _note_validation(self, values: dict[str, Any]) -> bool:
-        """Feed a validation to early stopping; checkpoint a new best (train.export_best).
-        Returns whether the run has plateaued; ranks agree on both decisions."""
-        plateau = self.early.update(self.step, values)
+    def _note_validation(self, values: dict[str, Any], scheduled: bool = True) -> bool:
+        """Feed a validation to early stopping (`scheduled`: on the train.validate_every
+        schedule, see EarlyStop.update); checkpoint a new best (train.export_best). Returns
+        whether the run has plateaued; ranks agree on both decisions."""
+        plateau = self.early.update(self.step, values, scheduled)
         improved = self.early.improved
         if self.rt.world_size > 1:  # ranks decide together (the save is collective)
             plateau, improved = (v > 0 for v in all_reduce_floats(self.rt, float(plateau),
@@ -408,21 +410,29 @@ class Trainer:
                     values[f"moe_{key}/{tag}"] = float(value)
             self.monitor.scalars(self.step, values)
 
-    def _validate(self, with_bleu: bool) -> dict[str, Any]:
+    def _validate(self, with_bleu: bool, have: dict[str, Any] | None = None
+                  ) -> dict[str, Any]:
+        """Dev loss (and BLEU): logged and returned. `have`: this step's validation already
+        done; only what it lacks (BLEU) is computed and logged."""
         if self.dev_set is None:
             return {}
-        values: dict[str, Any] = self.validate_loss()
+        values: dict[str, Any] = dict(have) if have is not None else self.validate_loss()
+        fresh = {} if have is not None else dict(values)
+        if with_bleu and "dev/bleu" not in values:
+            metrics = self.validate_bleu(self.cfg.train.bleu_sentences)
+            fresh["dev/bleu"] = metrics["all"]["bleu"]
+            fresh["dev/chrf"] = metrics["all"]["chrf"]
+            for dom, m in metrics["domains"].items():
+                fresh[f"dev_bleu/{dom}"] = m["bleu"]
+            values.update(fresh)
+        if not fresh:
+            return values
         msg = f"| valid step {self.step} | loss {values['dev/loss']:.3f} | ppl {values['dev/ppl']:.2f}"
         if "dev/task_accuracy" in values:
             msg += f" | task acc {values['dev/task_accuracy']:.4f}"
-        if with_bleu:
-            metrics = self.validate_bleu(self.cfg.train.bleu_sentences)
-            values["dev/bleu"] = metrics["all"]["bleu"]
-            values["dev/chrf"] = metrics["all"]["chrf"]
-            for dom, m in metrics["domains"].items():
-                values[f"dev_bleu/{dom}"] = m["bleu"]
+        if "dev/bleu" in values:
             msg += f" | greedy BLEU {values['dev/bleu']:.2f} | chrF {values['dev/chrf']:.2f}"
-        self.monitor.scalars(self.step, {k: float(v) for k, v in values.items()})
+        self.monitor.scalars(self.step, {k: float(v) for k, v in fresh.items()})
         self.monitor.print(msg)
         return values
 
@@ -443,7 +453,7 @@ class Trainer:
         window_start = time.time()
         paused = 0.0  # seconds in validation and checkpoints: not training time
         train_tokens_local = 0.0
-        early, validated_at = self.early, -1
+        early, validated_at, last_values = self.early, -1, None
         stopped_early = False
         while self.step < tc.max_steps:
             sums = self.train_step()
@@ -461,7 +471,8 @@ class Trainer:
             if tc.validate_every and self.step % tc.validate_every == 0 and self.step < tc.max_steps:
                 bleu_due = (bool(tc.bleu_every) and self.step % tc.bleu_every == 0) or (
                     tc.patience > 0 and tc.early_stop_metric == "bleu")
-                plateau = self._note_validation(self._validate(with_bleu=bleu_due))
+                last_values = self._validate(with_bleu=bleu_due)
+                plateau = self._note_validation(last_values)
                 validated_at = self.step
             out_of_time = tc.max_minutes and (time.time() - start) / 60 >= tc.max_minutes
             if self.rt.world_size > 1:  # all ranks must agree to stop together
@@ -487,9 +498,11 @@ class Trainer:
         wall = time.time() - start
         elapsed = wall - paused  # the training steps alone
         (tokens,) = all_reduce_floats(self.rt, train_tokens_local)
-        final = self._validate(with_bleu=True)
-        if validated_at != self.step:  # the last step's validation competes for the best
-            self._note_validation(final)
+        done_here = validated_at == self.step  # validated in the loop: add only BLEU
+        final = self._validate(with_bleu=True, have=last_values if done_here else None)
+        if not done_here:  # off the schedule (a time limit, max_steps): for the best only
+            self._note_validation(final, scheduled=bool(tc.validate_every)
+                                  and self.step % tc.validate_every == 0)
         path = self.save()
         source = self.checkpoints.restore_best(path)
         if source != path:

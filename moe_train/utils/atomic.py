@@ -6,6 +6,7 @@ A reader (or a crashed run) never sees a half-written file or directory under th
 from __future__ import annotations
 
 import contextlib
+import glob
 import json
 import os
 import shutil
@@ -132,6 +133,7 @@ def atomic_dir(final: str | os.PathLike, overwrite: bool = False) -> Iterator[Pa
     if _not_a_file(final):
         raise FileExistsError(f"{final}: is neither a directory nor a file; not replacing it")
     final.parent.mkdir(parents=True, exist_ok=True)
+    _recover(final)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent))
     os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes 0700; other ranks/users may read it
     try:
@@ -150,6 +152,20 @@ def atomic_dir(final: str | os.PathLike, overwrite: bool = False) -> Iterator[Pa
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _recover(final: Path) -> None:
+    """Undo what a killed `atomic_dir` left beside `final`: its previous content moved aside
+    (killed between the two renames, so `final` is missing) goes back, and half-written
+    temporary directories (each the size of what was being written) are removed."""
+    old = final.with_name(f".{final.name}.old")
+    if old.is_dir() and not final.exists():
+        os.replace(old, final)
+    elif old.exists():
+        _remove(old)
+    for stale in final.parent.glob(f".{glob.escape(final.name)}.*.tmp"):
+        if stale.is_dir() and not stale.is_symlink():
+            shutil.rmtree(stale, ignore_errors=True)
 
 
 def write_text(path: str | os.PathLike, text: str) -> None:

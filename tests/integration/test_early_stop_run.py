@@ -81,3 +81,33 @@ def test_a_resumed_run_keeps_its_best_and_its_patience(tiny_prepared, tmp_path, 
     best = consolidated_state_dict(tmp_path / "ckpt" / "step_00000005")
     exported = load_export_weights(tmp_path / "ckpt" / "export")
     assert all(torch.equal(exported[k], best[k]) for k in exported if k in best)
+
+
+def test_a_run_stopped_off_the_validation_schedule_resumes_as_an_uninterrupted_one(
+        tiny_prepared, tmp_path):
+    """Stopped at step 7 (max_steps or the time limit), the end-of-run validation may set the
+    best but does not count towards patience; resumed, the run stops where an uninterrupted
+    one does (step 20, not 15), and no step is validated twice (once on the schedule, again at
+    the end)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    common = ["train.validate_every=5", "train.patience=3", "train.early_stop_metric=loss",
+              "train.min_delta=1e9", "checkpoint.save_every=5", "train.bleu_sentences=4",
+              "data.max_tokens=400"]
+    whole, parts = tmp_path / "whole", tmp_path / "parts"
+    runs = [(whole, ["train.max_steps=100"]), (parts, ["train.max_steps=7"]),
+            (parts, ["--resume", "train.max_steps=100"])]
+    outs = []
+    for work, extra in runs:
+        resume = [e for e in extra if e == "--resume"]
+        steps = [e for e in extra if e != "--resume"]
+        proc = run_cli(["train", "--config", CONFIG, *resume,
+                        *debug_overrides(tiny_prepared, work, *steps, *common)], cwd=ROOT)
+        outs.append(proc.stdout + proc.stderr)
+        if not resume and work == parts:  # step 7: patience counts step 5's validation only
+            assert read_meta(parts / "ckpt" / "step_00000007")["early_stop"]["bad"] == 0
+    for out in (outs[0], outs[2]):
+        assert "| early stop at step 20: dev/loss best" in out, out[-2000:]
+    acc = EventAccumulator(str(whole / "tb"))
+    acc.Reload()
+    assert [e.step for e in acc.Scalars("dev/loss")] == [5, 10, 15, 20]  # once each

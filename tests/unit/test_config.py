@@ -52,6 +52,7 @@ def test_parse_overrides_nested():
     ("nonsense", "expected key.sub=value"),
     ("moa.whiten=7", "moa.whiten: expected true or false"),
     ("checkpoint.dir=", "checkpoint.dir: expected a directory"),
+    ("train.bleu_every=15", "train.bleu_every: expected 0 or a multiple of train.validate_every"),
 ])
 def test_bad_values_name_the_field(override, message):
     with pytest.raises(ConfigError) as err:

@@ -116,6 +116,24 @@ def test_dir_setting_that_is_a_file(tmp_path, monkeypatch) -> None:
         check_dir_setting(tmp_path / "ck", "checkpoint.dir")
 
 
+def test_atomic_dir_recovers_what_a_killed_write_left(tmp_path) -> None:
+    """Killed while writing: a half-written temporary directory; killed between the renames:
+    no `export`, the previous one aside. The next write puts the previous one back first and
+    removes the temporaries (each the size of a model export)."""
+    final = tmp_path / "export"
+    (tmp_path / ".export.old").mkdir()
+    (tmp_path / ".export.old" / "weights").write_text("previous")
+    for name in (".export.a1b2.tmp", ".export.c3d4.tmp"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "weights").write_text("half")
+    (tmp_path / ".exports.x.tmp").mkdir()  # another output's: not ours to remove
+    with atomic_dir(final, overwrite=True) as tmp:
+        assert (final / "weights").read_text() == "previous"  # put back before the work
+        (tmp / "weights").write_text("new")
+    assert (final / "weights").read_text() == "new"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".exports.x.tmp", "export"]
+
+
 def test_atomic_dir_replaces_a_file_without_leftovers(tmp_path) -> None:
     out = tmp_path / "out"
     out.write_text("old file")
