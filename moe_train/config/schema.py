@@ -143,8 +143,9 @@ class DataConfig:
                   "max_chars", "temperature")
         _at_most("size", self, "data", "vocab_size", "max_tokens", "max_len", "max_chars")
         _choice(self, "data", "spm_model_type", ("unigram", "bpe"))
-        _check(self.max_tokens >= self.max_len, "data.max_tokens",
-               f"at least data.max_len ({self.max_len})", self.max_tokens)
+        _check(self.max_tokens > self.max_len, "data.max_tokens",
+               f"at least data.max_len + 1 ({self.max_len + 1}: a longest sentence with its "
+               "end-of-sentence token)", self.max_tokens)
         if self.prompt_template:
             check_template(self.prompt_template)
         if self.tokenizer:

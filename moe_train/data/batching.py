@@ -184,11 +184,15 @@ def bucket_key(dataset: ParallelDataset) -> np.ndarray:
 
 
 def cut_batches(keys_sorted: np.ndarray, max_tokens: int,
-                max_sentences: int | None = None) -> np.ndarray:
+                max_sentences: int | None = None,
+                lm_parts: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
     """Batch boundaries (n_batches + 1 offsets) of ascending `keys_sorted`.
 
-    Greedy: each batch is the longest run with size * max_key <= max_tokens (and at most
-    `max_sentences`); a sentence longer than max_tokens forms a batch of its own.
+    Greedy: each batch is the longest run with size * width <= max_tokens (and at most
+    `max_sentences`); a sentence longer than max_tokens forms a batch of its own. The width
+    is the run's largest key; with `lm_parts` (prompt and target lengths in the same order, a
+    decoder-only model's data) it is the longest prompt plus the longest target plus one, the
+    row the model reads (prompts left-padded to the longest, targets right-padded).
     """
     keys = np.asarray(keys_sorted, dtype=np.int64)
     bounds = [0]
@@ -198,12 +202,27 @@ def cut_batches(keys_sorted: np.ndarray, max_tokens: int,
         if max_sentences is not None:
             cap = min(cap, max_sentences)
         stop = min(n, start + cap)
-        # Cost (e - start) * keys[e - 1] grows with e, so the feasible ends form a prefix.
-        fits = int(np.count_nonzero(np.arange(1, stop - start + 1) * keys[start:stop]
-                                    <= max_tokens))
+        if lm_parts is None:
+            widths = keys[start:stop]
+        else:
+            prompt, target = (np.maximum.accumulate(np.asarray(a[start:stop], dtype=np.int64))
+                              for a in lm_parts)
+            widths = prompt + target + 1
+        # Cost (e - start) * width grows with e, so the feasible ends form a prefix.
+        fits = int(np.count_nonzero(np.arange(1, stop - start + 1) * widths <= max_tokens))
         start += max(1, fits)
         bounds.append(start)
     return np.asarray(bounds, dtype=np.int64)
+
+
+def _lm_parts(dataset: ParallelDataset, idx_N: np.ndarray
+              ) -> tuple[np.ndarray, np.ndarray] | None:
+    """(prompt, target) lengths of the sentences `idx_N` of a decoder-only model's data (for
+    `cut_batches`); None for an encoder-decoder's."""
+    if not getattr(dataset, "concatenated", False):
+        return None
+    return (np.asarray(dataset.src_lengths, dtype=np.int64)[idx_N],
+            np.asarray(dataset.tgt_lengths, dtype=np.int64)[idx_N])
 
 
 @dataclass(frozen=True)
@@ -235,7 +254,7 @@ def build_epoch_plan(dataset: ParallelDataset, counts_C: np.ndarray, max_tokens:
     ties_N = _rng(seed, epoch, _SALT_TIES).random(len(sample_N))
     by_len = np.lexsort((ties_N, keys_N))
     sample_N, keys_N = sample_N[by_len], keys_N[by_len]
-    bounds = cut_batches(keys_N, max_tokens)
+    bounds = cut_batches(keys_N, max_tokens, lm_parts=_lm_parts(dataset, sample_N))
 
     n_batches = len(bounds) - 1
     perm = _rng(seed, epoch, _SALT_ORDER).permutation(n_batches)
@@ -380,7 +399,7 @@ def eval_batches(dataset: ParallelDataset, max_tokens: int, pad_id: int, bos_id:
     keys_N = bucket_key(dataset)[idx_N]
     by_len = np.lexsort((idx_N, keys_N))
     idx_N, keys_N = idx_N[by_len], keys_N[by_len]
-    bounds = cut_batches(keys_N, max_tokens, max_sentences)
+    bounds = cut_batches(keys_N, max_tokens, max_sentences, _lm_parts(dataset, idx_N))
     n_batches = len(bounds) - 1
     per_rank = -(-n_batches // dp_world)
     mine = list(range(dp_rank, n_batches, dp_world))

@@ -76,6 +76,9 @@ def _parse_name(domain: str, filename: str) -> tuple[str, str, str, str] | None:
         return None
     pair, split, lang = parts
     langs = pair.split("-")
+    if split in SPLITS and len(langs) > 2 and "-" in lang:  # en-zh-TW: one of ours, misnamed
+        raise DataError(f"language code {lang!r} has a hyphen, which the pair's xx-yy cannot "
+                        f"hold; expected letters, digits and '_' (e.g. {lang.replace('-', '_')})")
     if len(langs) != 2 or not all(langs) or split not in SPLITS or lang not in langs:
         return None
     if langs[0] == langs[1]:
@@ -104,7 +107,10 @@ def discover(data_dir: str | os.PathLike, pairs: Iterable[str] = (), domains: It
     found: dict[tuple[str, str, str, str], dict[str, Path]] = {}
     for folder in sorted(p for p in root.iterdir() if p.is_dir()):
         for path in sorted(folder.iterdir()):
-            parsed = _parse_name(folder.name, path.name)
+            try:
+                parsed = _parse_name(folder.name, path.name)
+            except DataError as exc:  # a corpus file of ours, misnamed: never skipped
+                raise DataError(f"{path}: {exc}") from None
             if parsed is None or not path.is_file():
                 continue
             l1, l2, split, lang = parsed

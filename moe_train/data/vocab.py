@@ -25,8 +25,10 @@ from moe_train.errors import DataError
 from moe_train.utils.atomic import atomic_path, write_text
 
 PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
-MAX_TRAIN_THREADS = 8
-"""sentencepiece trainer threads: os.cpu_count() capped at this."""
+TRAIN_THREADS = 2
+"""sentencepiece trainer threads, fixed: the model it learns depends on the thread count, so
+taking the machine's core count made two machines prepare different models from the same
+text (a tagged preparation refused as another model's, a resume refused its tokenizer)."""
 
 
 def lang_tag(lang: str) -> str:
@@ -63,7 +65,7 @@ def _train(sentences: list[str], vocab_size: int, model_type: str, user_symbols:
         pad_id=PAD_ID, unk_id=UNK_ID, bos_id=BOS_ID, eos_id=EOS_ID,
         user_defined_symbols=user_symbols, character_coverage=0.9995,
         input_sentence_size=0, shuffle_input_sentence=False,  # we sample ourselves, seeded
-        max_sentence_length=1 << 16, num_threads=min(os.cpu_count() or 1, MAX_TRAIN_THREADS),
+        max_sentence_length=1 << 16, num_threads=TRAIN_THREADS,
         minloglevel=2)
     return writer.getvalue()
 

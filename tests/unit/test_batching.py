@@ -142,6 +142,21 @@ def test_every_batch_within_token_budget() -> None:
     assert seen_long
 
 
+def test_decoder_only_rows_the_model_reads_stay_within_the_budget() -> None:
+    """A decoder-only model reads each row as the longest prompt (left-padded) plus the
+    longest target: costed per sentence, 90% of batches went over the budget."""
+    from moe_train.models.lm_batch import lm_inputs
+
+    ds = FakeDataset([300, 200], seed=3)
+    ds.concatenated = True
+    it = TrainBatchIterator(ds, 160, PAD, BOS, EOS, seed=1)
+    for _ in range(it.steps_per_epoch):
+        (b,) = next(it)
+        assert len(b) == 1 or lm_inputs(b.src_tokens_BS, b.tgt_in_BT, PAD)[0].numel() <= 160
+    for b in eval_batches(ds, 160, PAD, BOS, EOS, max_sentences=64):
+        assert len(b) == 1 or lm_inputs(b.src_tokens_BS, b.tgt_in_BT, PAD)[0].numel() <= 160
+
+
 def test_t1_each_sentence_once_per_epoch_new_order_each_epoch() -> None:
     ds = FakeDataset([120, 40, 77])
     it = TrainBatchIterator(ds, 150, PAD, BOS, EOS, seed=5)

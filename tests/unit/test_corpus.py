@@ -163,6 +163,15 @@ def test_discover_missing_side(opus: Path) -> None:
     assert str(info.value) == f"{missing}: missing source side for {present}"
 
 
+def test_a_hyphenated_region_code_is_an_error_not_a_missing_domain(opus: Path) -> None:
+    """zh-TW in a file name cannot be split from its pair: the domain used to vanish."""
+    for side in ("en", "zh-TW"):
+        _write(opus / "sub" / f"sub.en-zh-TW.train.{side}", "a\n")
+    with pytest.raises(DataError, match=r"sub\.en-zh-TW\.train\.zh-TW: language code 'zh-TW' "
+                                        r"has a hyphen.*\(e\.g\. zh_TW\)"):
+        discover(opus)
+
+
 def test_discover_missing_dir_and_nothing_found(tmp_path: Path) -> None:
     with pytest.raises(DataError, match="data directory not found"):
         discover(tmp_path / "absent")

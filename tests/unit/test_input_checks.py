@@ -85,7 +85,7 @@ def test_plain_corpus_names() -> None:
 
 def test_prepare_refuses_unsafe_names_given_directly(tmp_path: Path) -> None:
     src, tgt = _pair_files(tmp_path / "in")
-    cfg = DataConfig(vocab_size=100, max_len=64, max_tokens=64)
+    cfg = DataConfig(vocab_size=100, max_len=64, max_tokens=65)
     for domain, src_lang, bad in (("../evil", "de", "'../evil'"), ("law", "d/e", "'d/e'")):
         corpus = CorpusFiles(domain, src_lang, "en", "train", src, tgt)
         with pytest.raises(ConfigError, match=f"^{re.escape(str(src))}: .*{re.escape(bad)}"):
@@ -160,7 +160,7 @@ def test_train_on_a_shard_with_out_of_range_ids_fails_before_training(tmp_path: 
     src, tgt = _pair_files(tmp_path / "in")
     prepared = tmp_path / "prep"
     corpus = plain_corpus(src, tgt, domain="law", src_lang="de", tgt_lang="en")
-    manifest = prepare([corpus], prepared, DataConfig(vocab_size=100, max_len=64, max_tokens=64,
+    manifest = prepare([corpus], prepared, DataConfig(vocab_size=100, max_len=64, max_tokens=65,
                                                       dev_per_domain=2, test_per_domain=2))
     vocab_size = manifest["vocab_size"]
     shard = prepared / "train" / "law.de-en.src.bin"

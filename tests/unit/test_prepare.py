@@ -49,7 +49,7 @@ def _corpus(root: Path, domain: str, n: int, seed: int, split: str = "train",
 
 def _cfg(**kw: object) -> DataConfig:
     base: dict[str, object] = dict(vocab_size=120, dev_per_domain=5, test_per_domain=4,
-                                   max_len=64, max_tokens=64)
+                                   max_len=64, max_tokens=65)
     base.update(kw)
     return DataConfig(**base)  # type: ignore[arg-type]
 
@@ -476,3 +476,19 @@ def test_held_out_sources_are_not_training_targets_nor_hidden_by_unicode_form(
     assert law.src.exists()
     assert by_name["med.en-de"]["train_dropped_overlap"] >= 6  # law's held-out, as targets
     assert by_name["it.de-en"]["train_dropped_overlap"] >= 6  # law's held-out, in NFD
+
+
+def test_the_sentencepiece_model_does_not_depend_on_the_machines_cores(tmp_path, monkeypatch):
+    """Its thread count changes what sentencepiece learns: it is fixed, not the core count."""
+    import os
+
+    from moe_train.data.vocab import train_sentencepiece
+
+    src, tgt = _sentences(400, 9, lengths=(3, 12))
+    models = []
+    for cores in (1, 8):
+        monkeypatch.setattr(os, "cpu_count", lambda cores=cores: cores)
+        path = train_sentencepiece([*src, *tgt], tmp_path / f"spm{cores}", 60, "unigram", [],
+                                   seed=1, max_sentences=10_000)
+        models.append(path.read_bytes())
+    assert models[0] == models[1]
