@@ -34,7 +34,8 @@ class ThorConfig:
     """Hierarchical task-guided + context-responsive routing; checked on construction."""
 
     task_source: str = "domain"
-    """The task the predictor learns: domain, tgt_lang, src_lang or lang_pair."""
+    """The task the predictor learns: domain, tgt_lang, src_lang, lang_pair, or other_lang
+    (the sentence's language other than `pivot_lang`: 003's multilingual tasks)."""
     pivot_lang: str = "en"
     """The shared language of a multilingual corpus (task_source other_lang)."""
     num_tasks: int = 0

@@ -165,7 +165,9 @@ def test_incremental_equals_full_decoding(name: str) -> None:
     # The same holds for the forward pass training uses.
     torch.testing.assert_close(model(src_BS, tgt_BT, ctx).logits_BTV, full_BTV, rtol=0, atol=1e-5)
 
-    kwargs = dict(bos_id=BOS, eos_id=EOS, pad_id=PAD, max_len_a=0.0, max_len_b=T + 2, ctx=ctx)
+    # ragged limits (source length + 2): sentences finish at different steps and leave the
+    # batch, so every router's decoding state is also pruned, not only reordered
+    kwargs = dict(bos_id=BOS, eos_id=EOS, pad_id=PAD, max_len_a=1.0, max_len_b=2, ctx=ctx)
     greedy = greedy_search(model, src_BS, **kwargs)
     assert greedy == greedy_search(Uncached(model), src_BS, **kwargs)
     assert any(greedy), "greedy produced only empty outputs: the check would be vacuous"
@@ -254,17 +256,23 @@ def test_thor_beam_routing_state_follows_parent_swaps(monkeypatch) -> None:
         cache.reorder = record
         return cache
 
-    kwargs = dict(bos_id=BOS, eos_id=EOS, pad_id=PAD, max_len_a=0.0, max_len_b=T + 4, ctx=ctx,
-                  beam=4, lenpen=1.0)
+    kwargs = dict(bos_id=BOS, eos_id=EOS, pad_id=PAD, max_len_a=1.0, max_len_b=4, ctx=ctx,
+                  beam=4, lenpen=1.0)  # ragged limits: finished sentences leave the batch
     cached, full = _Recorder(model, recording_cache), _Recorder(Uncached(model))
     assert beam_search(cached, src_BS, **kwargs) == beam_search(full, src_BS, **kwargs)
     assert swaps, "no hypothesis changed parent: the beam test would be vacuous"
+    rows = [step.shape[0] for step in full.steps]
+    assert rows[-1] < rows[0] == B * 4, rows  # pruned, not only reordered
     assert len(cached.steps) == len(full.steps) > 2
     for step, (a, b) in enumerate(zip(cached.steps, full.steps)):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-5, msg=f"step {step}")
 
+    # a state that ignores reordering: with equal limits (no pruning, which it would not even
+    # fit) its logits drift from the uncached search's
     monkeypatch.setattr(StateCell, "reorder", lambda self, index_B: None)
-    broken = _Recorder(model)
-    beam_search(broken, src_BS, **kwargs)
+    fixed = {**kwargs, "max_len_a": 0.0, "max_len_b": T + 4}
+    broken, full = _Recorder(model), _Recorder(Uncached(model))
+    beam_search(full, src_BS, **fixed)
+    beam_search(broken, src_BS, **fixed)
     worst = max((a - b).abs().max().item() for a, b in zip(broken.steps, full.steps))
     assert worst > 1e-3, worst
