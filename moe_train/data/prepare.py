@@ -20,7 +20,7 @@ Manifest (``manifest.json``)::
                train_dropped_overlap, files: {split: {src, tgt}}}],
     splits: {split: {corpus_sizes: [per corpus], sentences, src_tokens, tgt_tokens,
                      skipped_too_long: [per corpus], skipped_empty: [per corpus]}},
-    data_config: {the DataConfig fields}
+    data_config: {the DataConfig fields}, seed
 """
 
 from __future__ import annotations
@@ -341,6 +341,7 @@ def prepare(corpora: list[CorpusFiles], out_dir: str | os.PathLike, data_cfg: Da
             "domains": domains, "langs": langs,
             "corpora": corpus_entries, "splits": splits,
             "data_config": dataclasses.asdict(data_cfg),
+            "seed": seed,  # what carved dev / test and sampled sentencepiece's text
         }
         write_json(tmp / MANIFEST, manifest)  # last: its presence marks a complete directory
     return manifest

@@ -141,6 +141,7 @@ class StageContext:
             print(f"| stage {stage}: {where} was made from something else "
                   f"({'; '.join(changed[:3])}); deleting it and running the stage again",
                   flush=True)
+            (where / DONE).unlink()  # first: a delete cut short leaves no record to reuse
             shutil.rmtree(where)
         barrier(self.rt)
         self._lock(stage)

@@ -476,6 +476,7 @@ def test_held_out_sources_are_not_training_targets_nor_hidden_by_unicode_form(
     assert law.src.exists()
     assert by_name["med.en-de"]["train_dropped_overlap"] >= 6  # law's held-out, as targets
     assert by_name["it.de-en"]["train_dropped_overlap"] >= 6  # law's held-out, in NFD
+    assert manifest["seed"] == 1  # what carved the held-out sets
 
 
 def test_the_sentencepiece_model_does_not_depend_on_the_machines_cores(tmp_path, monkeypatch):
