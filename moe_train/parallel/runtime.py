@@ -92,13 +92,16 @@ def _int(env: Mapping[str, str], *names: str) -> int | None:
 
 
 def parse_first_host(nodelist: str) -> str:
-    """The first host of a SLURM host list: `node[03-05,9],gpu1` -> `node03`, `a,b` -> `a`."""
-    nodelist = nodelist.strip()
-    match = re.match(r"([^,\[]*)\[([^\]]*)\]([^,\[]*)", nodelist)
-    if match:
-        first = re.split(r"[,-]", match.group(2), maxsplit=1)[0]
-        return match.group(1) + first + match.group(3)
-    return nodelist.split(",", 1)[0]
+    """The first host of a SLURM host list: `node[03-05,9],gpu1` -> `node03`, `a,b` -> `a`,
+    `rack[1-2]-node[01-04]` -> `rack1-node01` (each bracket gives its first value)."""
+    first, depth = "", 0
+    for char in nodelist.strip():  # the first element: up to a comma outside brackets
+        depth += (char == "[") - (char == "]")
+        if char == "," and depth == 0:
+            break
+        first += char
+    return re.sub(r"\[([^\]]*)\]", lambda m: re.split(r"[,-]", m.group(1), maxsplit=1)[0],
+                  first)
 
 
 def first_host(nodelist: str) -> str:
@@ -150,7 +153,7 @@ def detect_launch(env: Mapping[str, str],
         else:
             kind = "env"
         rank, world = _int(env, "RANK"), _int(env, "WORLD_SIZE")
-        local = _int(env, "LOCAL_RANK") or 0
+        local = _int(env, "LOCAL_RANK")  # None: SLURM's, below, or 0
         local_world = _int(env, "LOCAL_WORLD_SIZE", "LOCAL_SIZE")
     elif "OMPI_COMM_WORLD_SIZE" in env:
         kind = "openmpi"
@@ -177,7 +180,14 @@ def detect_launch(env: Mapping[str, str],
                           _int(env, "MASTER_PORT"))
     if rank is None:
         raise ConfigError(f"launcher environment ({kind}): no rank variable set")
-    if in_step and local_world is None and kind in ("mpich", "pmix", "slurm"):  # a rank per task
+    # srun started the ranks themselves (one per task), not a launcher inside one step (mpirun
+    # from the batch script starts its daemons by srun on the other nodes only, so there the
+    # step's variables describe the daemons: every rank must then ask MPI alike)
+    srun_ranks = in_step and (kind == "slurm" or (
+        slurm_world == world and _int(env, "SLURM_PROCID") == rank))
+    if kind == "env" and local is None:  # srun with hand-set RANK / WORLD_SIZE: SLURM's
+        local = slurm_local if srun_ranks and slurm_local is not None else 0
+    if srun_ranks and local_world is None and kind in ("mpich", "pmix", "slurm", "env"):
         local_world = _tasks_on_node(env.get("SLURM_STEP_TASKS_PER_NODE",
                                              env.get("SLURM_TASKS_PER_NODE", "")),
                                      _int(env, "SLURM_NODEID") or 0)
@@ -188,7 +198,7 @@ def detect_launch(env: Mapping[str, str],
         return LaunchInfo(kind, 0, 1, 0, 1, addr or "127.0.0.1", port)
     nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") \
         or env.get("SLURM_NODELIST")
-    if in_step and nodelist:  # every rank derives the same rendezvous, no MPI needed
+    if srun_ranks and nodelist:  # every rank derives the same rendezvous, no MPI needed
         addr = addr or resolve_host(nodelist)
         job = _int(env, "SLURM_JOB_ID", "SLURM_JOBID")
         if port is None and job is not None:
@@ -278,7 +288,10 @@ def init_runtime(backend: str | None = None, timeout_s: int = 1800,
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(local_world, 1)))
     if torch.cuda.is_available():
         gpus = torch.cuda.device_count()
-        if local_world > gpus and (backend or "nccl") == "nccl":  # NCCL: one GPU per rank
+        # NCCL: one GPU per rank; unless each rank sees its own (srun --gpus-per-task binds
+        # them), the node's ranks share the GPUs this one sees
+        per_task = "SLURM_GPUS_PER_TASK" in os.environ
+        if local_world > gpus and (backend or "nccl") == "nccl" and not per_task:
             raise ConfigError(f"launcher environment ({info.kind}): {local_world} ranks on this "
                               f"node but {gpus} GPU(s); expected at most one rank per GPU "
                               f"(launch fewer, or hide the GPUs with CUDA_VISIBLE_DEVICES= to run "

@@ -53,6 +53,16 @@ CASES = {
     "srun -n 1": ({**SRUN, "SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "1", "SLURM_NTASKS": "1"},
                   "slurm", 0, 1, 0, 1, "127.0.0.1", None),  # one process: a free local port
     "sbatch script, not a step": (BATCH, "single", 0, 1, 0, 1, "127.0.0.1", None),
+    # srun with RANK / WORLD_SIZE set by hand: the node's ranks are SLURM's (all on GPU 0 else)
+    "srun with hand-set RANK / WORLD_SIZE": ({**SRUN, "RANK": "5", "WORLD_SIZE": "8"}, "env", 5,
+                                             8, 1, 4, "gpu07", 24242),
+    # mpirun from the batch script on two nodes: the ranks on the other node run inside the
+    # daemons' srun step (1 task); they ask MPI like the ranks on mpirun's node, not SLURM
+    "mpirun in sbatch, rank on a daemon's node": (
+        {**OPENMPI, "OMPI_COMM_WORLD_RANK": "8", "OMPI_COMM_WORLD_SIZE": "16", "PMIX_RANK": "8",
+         "SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "0", "SLURM_PROCID": "0",
+         "SLURM_STEP_NODELIST": "n2", "SLURM_STEP_NUM_TASKS": "1"},
+        "openmpi", 8, 16, 1, 2, None, None),
 }
 
 
@@ -91,7 +101,8 @@ def test_family_and_mpi_needs():
 
 @pytest.mark.parametrize("nodelist,first", [
     ("node1", "node1"), ("a,b,c", "a"), ("node[03-05,9]", "node03"), ("node[7,2-3],gpu1", "node7"),
-    ("rack1-[01-02]-ib", "rack1-01-ib"), ("gpu1,node[3-4]", "gpu1"), (" vm ", "vm")])
+    ("rack1-[01-02]-ib", "rack1-01-ib"), ("gpu1,node[3-4]", "gpu1"), (" vm ", "vm"),
+    ("rack[1-2]-node[01-04]", "rack1-node01"), ("a[1-2]b[3-4],c", "a1b3")])
 def test_parse_first_host(nodelist, first):
     assert parse_first_host(nodelist) == first
 
@@ -123,3 +134,29 @@ def test_more_ranks_than_gpus_on_a_node_is_one_config_error(monkeypatch):
     with pytest.raises(ConfigError, match=r"2 ranks on this node but 1 GPU\(s\).*"
                                           r"CUDA_VISIBLE_DEVICES="):
         init_runtime()
+
+
+def test_srun_gpus_per_task_is_not_more_ranks_than_gpus(monkeypatch):
+    """srun --gpus-per-task=1 shows each rank its own GPU: 4 ranks on a node, 1 GPU each."""
+    import torch
+
+    from moe_train.parallel import runtime
+
+    for key, value in {**SRUN, "SLURM_GPUS_PER_TASK": "1", "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": "29500"}.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    picked = []
+    monkeypatch.setattr(torch.cuda, "set_device", picked.append)
+
+    class Started(Exception):
+        pass
+
+    def stop(*args, **kwargs):
+        raise Started
+
+    monkeypatch.setattr(torch.cuda, "current_device", stop)  # past the check: enough
+    with pytest.raises(Started):
+        runtime.init_runtime()
+    assert picked == [0]
