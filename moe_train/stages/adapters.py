@@ -53,6 +53,10 @@ def check_recipe_config(ctx: StageContext) -> None:
     from moe_train.eval.params import count_parameters
 
     cfg = ctx.cfg
+    if cfg.adapters.router == "gumbel" and cfg.adapters.sides != "decoder":
+        raise ConfigError(f"adapters.sides: the distilled MoA gate reads the final encoder "
+                          f"output, which encoder-side gates never see; expected decoder, got "
+                          f"{cfg.adapters.sides!r}")
     if cfg.adapters.router == "gated" and cfg.gated.gate_loss == "kl":
         raise ConfigError("gated.gate_loss: kl distils the gad recipe's domain classifier, "
                           "which the moa recipe has none of; expected ce here (or run "

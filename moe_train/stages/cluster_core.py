@@ -195,9 +195,9 @@ def fit_clusterer(features_ND: np.ndarray, num_clusters: int, method: str = "gmm
                   pca_dim: int = 64, seed: int = 0, standardize: bool = True,
                   inits: int = 5, whiten: bool = False, unit_norm: bool = False
                   ) -> FittedClusterer:
-    """Fit PCA to min(pca_dim, D, N) dims (of the features divided by their standard deviation
-    when `standardize`; whitened when `whiten`; each vector scaled to unit length when
-    `unit_norm`), then the `method` clusterer with K = num_clusters on the N sampled sentence
+    """Fit PCA to min(pca_dim, D, N) dims, fewer where the rest carry no variance (of the
+    features divided by their standard deviation when `standardize`; whitened when `whiten`;
+    each vector scaled to unit length when `unit_norm`), then the `method` clusterer with K = num_clusters on the N sampled sentence
     features (the best of `inits` initialisations by likelihood for gmm, of at least 10 for
     kmeans); cluster ids are made canonical (module docstring)."""
     if method not in CLUSTERERS:
@@ -221,6 +221,13 @@ def fit_clusterer(features_ND: np.ndarray, num_clusters: int, method: str = "gmm
         scale_D = np.where(std_D > 1e-12, std_D, 1.0)
     pca = PCA(n_components=P, whiten=bool(whiten), random_state=seed)
     z_NP = _project(pca.fit_transform(x_ND / scale_D), bool(unit_norm))
+    # Directions without variance (an affine LayerNorm leaves the features in D - 1 dims):
+    # whitening would scale their rounding noise up to unit variance and into every vector
+    kept = int(np.count_nonzero(pca.explained_variance_ > 1e-9 * pca.explained_variance_[0]))
+    if 0 < kept < P:
+        P = kept
+        pca = PCA(n_components=P, whiten=bool(whiten), random_state=seed)
+        z_NP = _project(pca.fit_transform(x_ND / scale_D), bool(unit_norm))
     model = CLUSTERERS[method](K, seed, int(inits))
     try:
         model.fit(z_NP)

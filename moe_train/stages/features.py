@@ -77,8 +77,21 @@ def anchor_indices(dev: ShardedDataset, domains: list[str], wanted: list[str], p
     chosen = []
     for name in wanted or domains:
         ids = np.flatnonzero(dev.domain_ids == domains.index(name))[:per_domain]
+        if not len(ids):  # it would anchor nothing (and an empty dev split, everything)
+            raise ConfigError(f"moa.anchors_per_domain: the dev split of {dev.prepared_dir} "
+                              f"holds no {name} sentence to anchor; expected dev sentences of "
+                              "every anchored domain (moa.anchor_domains)")
         chosen.append(ids)
     return np.concatenate(chosen).astype(np.int64) if chosen else np.zeros(0, np.int64)
+
+
+def check_label_free(manifest: dict[str, Any], where: Any) -> None:
+    """Refuse data whose sources carry their domain tag: the features would read the label
+    the clustering is meant to discover."""
+    if manifest.get("domain_tags"):
+        raise ConfigError(f"data.domain_tags: {where} starts every source with its domain tag, "
+                          "which label-free features would read; prepare the data without "
+                          "domain tags")
 
 
 def run(ctx: StageContext) -> dict[str, Any]:
@@ -89,6 +102,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
     inf = load_for_inference(ctx.require("backbone", STAGE) / "checkpoints" / "export",
                              ctx.rt.device)
     train = ShardedDataset(data.prepared_dir, "train")
+    check_label_free(train.manifest, data.prepared_dir)
     parts = [("train", train, sample_indices(len(train), moa.sample_size, moa.seed))]
     if moa.anchors_per_domain:
         if "dev" not in train.manifest["splits"]:

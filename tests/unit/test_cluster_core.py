@@ -141,7 +141,8 @@ def _pca_features(x_fit: np.ndarray, x: np.ndarray | None = None) -> np.ndarray:
     return pca.transform((x_fit if x is None else x).astype(np.float64))
 
 
-@pytest.mark.parametrize("n, d, pca_dim, dims", [(60, 8, 64, 8), (6, 8, 64, 6), (60, 8, 3, 3)])
+# 6 centred points span 5 dims: the sixth component has no variance and is left out
+@pytest.mark.parametrize("n, d, pca_dim, dims", [(60, 8, 64, 8), (6, 8, 64, 5), (60, 8, 3, 3)])
 def test_pca_dims_capped(n, d, pca_dim, dims):
     x_ND = np.random.default_rng(0).normal(size=(n, d))
     f = fit_clusterer(x_ND, 2, method="kmeans", pca_dim=pca_dim)
@@ -348,3 +349,18 @@ def test_projection_whitens_and_normalises(tmp_path, data, whiten, unit_norm) ->
     again = load_clusterer(tmp_path / "c.skops")
     assert again.unit_norm == unit_norm and again.pca.whiten == whiten
     assert np.array_equal(again.predict(data["x"]), f.predict(data["x"]))
+
+
+def test_a_direction_without_variance_is_not_whitened_into_the_features() -> None:
+    """Mean-pooled affine LayerNorm outputs lie in D - 1 dims: PCA to D whitened the last
+    direction's rounding noise to unit variance (PUR 0.99 -> 0.77); it is left out."""
+    rng = np.random.default_rng(0)
+    D, C, n, T = 16, 4, 2000, 20
+    gamma, beta = rng.uniform(0.5, 1.5, D), rng.normal(0, 0.1, D)
+    mu, y = rng.normal(0, 1, (C, D)), rng.integers(0, C, n)
+    x = mu[y][:, None, :] + rng.normal(0, 3, (n, T, D))
+    normed = (x - x.mean(-1, keepdims=True)) / x.std(-1, keepdims=True)
+    X = (gamma * normed + beta).mean(1).astype(np.float32)
+    full = fit_clusterer(X, C, "gmm", D, 0, True, 5, True, True)
+    assert full.dims == D - 1
+    assert cluster_report(full.predict(X), y, list("abcd"), C)["pur"] > 0.95

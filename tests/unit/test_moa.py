@@ -243,6 +243,28 @@ def test_moa_recipe_checks_the_adapter_stage_before_the_backbone(tmp_path) -> No
     check_recipe_config(SimpleNamespace(cfg=load_config(ROOT / "configs" / "moa-synthetic.yaml"),
                                         stage_dir=ctx.stage_dir))
     assert not any(tmp_path.iterdir())  # nothing made
+    both = load_config(ROOT / "configs" / "moa-synthetic.yaml", ["adapters.sides=both"])
+    with pytest.raises(ConfigError, match=r"adapters\.sides: the distilled MoA gate reads the "
+                                          r"final encoder output"):
+        check_recipe_config(SimpleNamespace(cfg=both, stage_dir=ctx.stage_dir))
+
+
+def test_label_free_features_refuse_tags_and_anchors_need_dev_sentences() -> None:
+    """Domain tags would hand the label-free features their labels; an anchored domain without
+    dev sentences (or an empty dev split) anchors nothing (it crashed in np.stack)."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from moe_train.stages.features import anchor_indices, check_label_free
+
+    with pytest.raises(ConfigError, match=r"^data\.domain_tags: prep starts every source"):
+        check_label_free({"domain_tags": True}, "prep")
+    check_label_free({"domain_tags": False}, "prep")
+    dev = SimpleNamespace(domain_ids=np.array([0, 0, 1, 0]), prepared_dir="prep")
+    assert anchor_indices(dev, ["it", "law"], [], 2).tolist() == [0, 1, 2]
+    with pytest.raises(ConfigError, match=r"holds no med sentence to anchor"):
+        anchor_indices(dev, ["it", "law", "med"], [], 2)
 
 
 def test_routing_recorder_counts_each_layer_of_a_shared_router_once() -> None:
