@@ -55,18 +55,31 @@ fi
 
 # DeepSpeed turns each line of .deepspeed_env into 'export KEY=value;' in the remote command:
 # a blank line crashes it and a '#' line comments out the rest of the remote command.
-for envfile in "$HOME/${DS_ENV_FILE:-.deepspeed_env}" "./${DS_ENV_FILE:-.deepspeed_env}"; do
+envfiles=("$HOME/${DS_ENV_FILE:-.deepspeed_env}" "./${DS_ENV_FILE:-.deepspeed_env}")
+case ${DS_ENV_FILE:-} in /*) envfiles=("$DS_ENV_FILE") ;; esac  # DeepSpeed reads it as given
+for envfile in "${envfiles[@]}"; do
   [ -f "$envfile" ] || continue
   bad=$(grep -nvE '^[A-Za-z_][A-Za-z0-9_]*=' "$envfile" | head -n 1 || true)
   [ -z "$bad" ] || die "$envfile:${bad%%:*}: expected KEY=value lines only (no blank or comment lines)"
 done
 
-args=("$@")
-if [ "$nodes" -gt 1 ]; then
+# One host that is not this machine is also reached over pdsh (--force_multi): DeepSpeed would
+# otherwise train here, the launching machine, with the master address of that host.
+local_host() {
+  case $1 in localhost|127.*|"$(hostname)"|"$(hostname -f 2>/dev/null)"|"$(hostname -s 2>/dev/null)") return 0 ;; esac
+  return 1
+}
+over_pdsh=0
+[ "$nodes" -gt 1 ] && over_pdsh=1
+[ "$nodes" -eq 1 ] && ! local_host "${hosts[0]}" && over_pdsh=1
+
+args=("$config" "$@")
+if [ "$over_pdsh" -eq 1 ]; then
   command -v pdsh >/dev/null || die "pdsh not found: the multi-node launch runs 'pdsh -w HOSTS' (install pdsh)"
   # pdsh hands the remote login shell one command line: DeepSpeed double-quotes arguments that
   # contain spaces and passes the others as they are, so the remote shell would glob or expand
-  # a.b=[x,y] (zsh: "no matches found"), $VAR, quotes, ';'. Quote them for that shell.
+  # a.b=[x,y] (zsh: "no matches found"), $VAR, quotes, ';'. Quote them for that shell; and pdsh
+  # itself replaces %h, %n, %u (per node), so every % is doubled to reach the node as typed.
   for i in "${!args[@]}"; do
     a=${args[$i]}
     if [[ $a == *" "* ]]; then         # DeepSpeed adds "..." and escapes '"'; escape the rest
@@ -74,11 +87,13 @@ if [ "$nodes" -gt 1 ]; then
     elif [[ $a =~ [^A-Za-z0-9_@%+=:,./-] ]]; then
       a="'${a//\'/\'\\\'\'}'"
     fi
-    args[$i]=$a
+    args[$i]=${a//%/%%}
   done
 fi
+config=${args[0]}; args=(${args[@]+"${args[@]:1}"})
 
 extra=()
+[ "$over_pdsh" -eq 1 ] && [ "$nodes" -eq 1 ] && extra+=(--force_multi)
 [ -n "${NUM_NODES:-}" ] && extra+=(--num_nodes "$NUM_NODES")
 [ -n "${NUM_GPUS:-}" ] && extra+=(--num_gpus "$NUM_GPUS")
 # ${a[@]+"${a[@]}"}: empty arrays are "unbound" under set -u in bash < 4.4.

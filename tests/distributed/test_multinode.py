@@ -186,3 +186,40 @@ def test_multinode_sh_one_line_errors(tmp_path, case):
     expected = {"no-args": "usage: multinode.sh HOSTFILE CONFIG", "hostfile": "nope: hostfile not found",
                 "config": "nope.yaml: config not found", "bad-line": "bad line 'node2'"}[case]
     assert expected in lines[0]
+
+
+def _fake_launch(tmp_path: Path, hosts: str, *args: str, **env_extra: str):
+    """multinode.sh with DEEPSPEED a script printing its arguments (one per line) and a pdsh
+    on PATH: what it would run, without running it."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    fake = bin_dir / "deepspeed"
+    fake.write_text('#!/bin/sh\nfor a in "$@"; do printf "%s\\n" "$a"; done\n')
+    fake.chmod(0o755)
+    (bin_dir / "pdsh").write_text("#!/bin/sh\nexit 0\n")
+    (bin_dir / "pdsh").chmod(0o755)
+    (tmp_path / "hosts").write_text(hosts)
+    env = {**cli_env(), "DEEPSPEED": str(fake), "PATH": f"{bin_dir}:{os.environ['PATH']}",
+           **env_extra}
+    return subprocess.run(["bash", str(MULTINODE), "hosts", str(ROOT / "configs" /
+                                                                 "debug-cpu.yaml"), *args],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=30)
+
+
+def test_multinode_sh_passes_percent_signs_and_reaches_a_lone_remote_host(tmp_path):
+    """pdsh replaces %h / %n per node: a % reaches every node as typed (doubled); one host
+    that is not this machine is reached over pdsh too (--force_multi), not trained on here;
+    an absolute DS_ENV_FILE is checked like a relative one."""
+    two = _fake_launch(tmp_path, "node1 slots=1\nnode2 slots=1\n", "checkpoint.dir=/c/run%h")
+    assert two.returncode == 0, two.stderr
+    lines = two.stdout.splitlines()
+    assert "checkpoint.dir=/c/run%%h" in lines and "--force_multi" not in lines
+    lone = _fake_launch(tmp_path, "node1 slots=2\n")
+    assert lone.returncode == 0 and "--force_multi" in lone.stdout.splitlines(), lone.stderr
+    here = _fake_launch(tmp_path, "localhost slots=2\n", "checkpoint.dir=/c/run%h")
+    assert "--force_multi" not in here.stdout.splitlines()
+    assert "checkpoint.dir=/c/run%h" in here.stdout.splitlines()  # no pdsh: as typed
+    envfile = tmp_path / "envfile"
+    envfile.write_text("A=1\n#OMP_NUM_THREADS=4\n")
+    bad = _fake_launch(tmp_path, "node1 slots=1\nnode2 slots=1\n", DS_ENV_FILE=str(envfile))
+    assert bad.returncode == 2 and f"{envfile}:2: expected KEY=value" in bad.stderr
