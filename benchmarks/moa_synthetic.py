@@ -444,7 +444,7 @@ def main(argv: list[str] | None = None) -> None:
                     "optim.warmup_steps=1000 (repeatable; recorded in config.overrides)")
     ap.add_argument("--work", default=None, help="default work/moa-synthetic-bench[-quick]")
     ap.add_argument("--out", default=None,
-                    help="default benchmarks/results/moa_synthetic[_quick|_test_bars]_cpu.json")
+                    help="default benchmarks/results/moa_synthetic[_test_bars]_cpu[_quick].json")
     args = ap.parse_args(argv)
     seeds, runs = parse_seeds(args.seeds), parse_runs(args.runs)
     options = synth_options(args.preset, args.synth)
@@ -458,7 +458,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.profile == "test":
         suffix = "_test_bars"
     work = Path(args.work or ROOT / "work" / f"moa-synthetic-bench{suffix.replace('_', '-')}")
-    out = Path(args.out or ROOT / "benchmarks" / "results" / f"moa_synthetic{suffix}_cpu.json")
+    name = "moa_synthetic_cpu_quick" if args.quick else f"moa_synthetic{suffix}_cpu"
+    out = Path(args.out or ROOT / "benchmarks" / "results" / f"{name}.json")  # *_quick: ignored
     if args.fresh and work.exists():
         shutil.rmtree(work)
     if args.profile == "test":

@@ -447,10 +447,10 @@ def main(argv: list[str] | None = None) -> None:
     # after set_num_threads: records the threads every timing uses
     prov = provenance(command_line(__file__, argv))
     equivalence, rows = equivalence_check(), []
-    suffix = ("_quick" if args.quick else "") + \
-        ("" if args.allocator == "tuned" else f"_alloc-{args.allocator}") + \
+    suffix = ("" if args.allocator == "tuned" else f"_alloc-{args.allocator}") + \
         (f"_e{'-'.join(map(str, shape.experts))}" if args.experts else "") + \
-        (f"_k{'-'.join(map(str, shape.ks))}" if args.ks else "")
+        (f"_k{'-'.join(map(str, shape.ks))}" if args.ks else "") + \
+        ("_quick" if args.quick else "")  # last: *_quick.json is never committed
     out = Path(args.out or ROOT / "benchmarks" / "results" / f"moe_layer_{device}{suffix}.json")
     configs = [(E, k) for E in shape.experts for k in shape.ks]
     for E, k in configs:

@@ -397,9 +397,10 @@ def in_child(allocator: str, args: argparse.Namespace, out: Path) -> dict[str, A
 
 
 def calibration_check(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """Our measurement of transformers' blocks next to the issue's calibration figures (at its
-    size, against the routed-only dense and per-expert floors, as the issue states them), per
-    allocator."""
+    """Our measurement of transformers' blocks at the size of the issue's calibration figures
+    (against the routed-only dense and per-expert floors, as the issue states them), per
+    allocator; the issue's own figures are the record's config (`calibration_reference`),
+    never results."""
     size = (CALIBRATION["E"], CALIBRATION["k"])
     out: dict[str, Any] = {"size": f"E={size[0]} k={size[1]}", "floors": "routed experts only"}
     keys = ("hf_default_over_dense_floor", "hf_default_over_per_expert_floor",
@@ -407,8 +408,7 @@ def calibration_check(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
     for name, run in runs.items():
         row = next((r for r in run["results"] if (r["E"], r["k"]) == size), None)
         if row is not None:
-            out[name] = {key: {"measured": row["ratios_routed_only_floors"][key],
-                               "issue": CALIBRATION[key]} for key in keys}
+            out[name] = {key: row["ratios_routed_only_floors"][key] for key in keys}
     return out
 
 
@@ -445,7 +445,8 @@ def main(argv: list[str] | None = None) -> None:
                    "shared_expert_F": s["S"], "experts_topk": s["configs"], "dtype": "float32",
                    "router": "topk, softmax then top-k raw probabilities "
                              "(moe.renormalize=false = norm_topk_prob false)",
-                   "aux_loss_coef": 0.0, "z_loss_coef": 0.0, "capacity_factor": 0.0},
+                   "aux_loss_coef": 0.0, "z_loss_coef": 0.0, "capacity_factor": 0.0,
+                   "calibration_reference": CALIBRATION},
         "transformers": next(iter(runs.values()))["transformers"],
         "floors": "Comparable floors: per_expert_floor_full = per_expert_floor (routed "
                   "experts, swiglu_experts.py) + shared_router (router GEMM, softmax, top-k, "
@@ -472,7 +473,6 @@ def main(argv: list[str] | None = None) -> None:
         "acceptance": {**{name: run["acceptance"] for name, run in runs.items()},
                        "all_hold_per_allocator": {name: run["acceptance"]["all_hold"]
                                                   for name, run in runs.items()}},
-        "calibration_from_issue": CALIBRATION,
         "calibration_check": calibration_check(runs),
     }
     write_record(out, record, prov)

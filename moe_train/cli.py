@@ -7,7 +7,9 @@ and exit with status 2; no traceback.
 from __future__ import annotations
 
 import argparse
+import os
 import re
+import signal
 import sys
 
 from moe_train.errors import MACHINE_ERRNOS, MoeTrainError
@@ -300,6 +302,10 @@ def main(argv: list[str] | None = None) -> int:
     except MoeTrainError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # the reader of our output left (`... | head`): stop quietly
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # no second error when Python flushes at exit
+        return 128 + signal.SIGPIPE
     except OSError as exc:  # the machine, not the input: a full disk, a read-only mount
         if exc.filename is None or exc.errno not in MACHINE_ERRNOS:
             raise

@@ -199,10 +199,14 @@ def _source_prefix(inf, args: argparse.Namespace) -> list[int]:
                          getattr(args, "tgt_lang", None), whose)
 
 
-def _prompts(inf, args: argparse.Namespace, lines: list[str]) -> list[str]:
+def _prompts(inf, args: argparse.Namespace, lines: list[str], source: str = "input"
+             ) -> list[str]:
     """Raw lines as a decoder-only model's prompts (data.prompt_template), the languages from
-    --src-lang / --tgt-lang or the model's only choice."""
-    from moe_train.data.prompts import format_prompt
+    --src-lang / --tgt-lang or the model's only choice. A blank line (or one the tokenizer
+    keeps nothing of) stays blank; a prompt must leave room for a translation as long as its
+    source (`fit_prompt`): else the line is refused, or its source cut (--long-lines)."""
+    from moe_train.data.prompts import fit_prompt
+    from moe_train.eval.decode import max_source_tokens, positions_field
 
     corpora = inf.manifest.get("corpora", [])
 
@@ -221,8 +225,24 @@ def _prompts(inf, args: argparse.Namespace, lines: list[str]) -> list[str]:
     # collapses runs of whitespace); a blank line stays blank (translated to a blank line)
     template = inf.manifest.get("data_config", {}).get("prompt_template") or \
         inf.cfg.data.prompt_template
-    return [format_prompt(template, " ".join(line.split()), src, tgt) if line.strip() else ""
-            for line in lines]
+    limit, field = max_source_tokens(inf.model), positions_field(inf.model)
+    count = lambda text: len(inf.vocab.encode(text))  # noqa: E731
+    prompts = []
+    for line_no, line in enumerate(lines, start=1):
+        text = " ".join(line.split())
+        if not text or not count(text):
+            prompts.append("")
+            continue
+        prompt, kept = fit_prompt(template, text, src, tgt, count, limit)
+        if kept is not None:
+            where = (f"{source}:{line_no}: its prompt and a translation as long as its source "
+                     f"need more than the model's {field}={limit} positions")
+            if args.long_lines == "error" or kept == 0:
+                raise DataError(f"{where}; nothing was translated (shorten or split the line"
+                                + (", or pass --long-lines truncate)" if kept else ")"))
+            _warn(f"{where}; translating its first {kept} words only")
+        prompts.append(prompt)
+    return prompts
 
 
 def _raw_text_labels(inf, args: argparse.Namespace):
@@ -263,7 +283,7 @@ def _translate_raw(inf, args: argparse.Namespace, source: str, lines: list[str],
     from moe_train.eval.decode import translate_lines
 
     if inf.cfg.decoder_only:
-        lines, prefix = _prompts(inf, args, lines), []
+        lines, prefix = _prompts(inf, args, lines, source), []
     else:
         prefix = _source_prefix(inf, args)
     return translate_lines(inf.model, inf.vocab, lines, ecfg, device, prefix,
@@ -288,8 +308,10 @@ def cmd_translate(args: argparse.Namespace) -> int:
     inf = load_for_inference(args.checkpoint, device)
     hyps = _translate_raw(inf, args, source, lines, _eval_config(args, inf.cfg.eval), device)
     text = lines_text(hyps)
-    if args.output == "-":
-        sys.stdout.write(text)
+    if args.output == "-":  # UTF-8 like --output FILE, whatever the locale
+        sys.stdout.flush()
+        sys.stdout.buffer.write(text.encode("utf-8"))
+        sys.stdout.buffer.flush()
     else:
         write_text(args.output, text)
     return 0

@@ -285,6 +285,10 @@ class LoggingConfig:
     """Directory for TensorBoard event files ('' disables TensorBoard)."""
 
 
+MAX_LENPEN = 10.0
+"""Largest eval.lenpen: 1024 ** 100 overflows a float (typical values are 0.6 to 2)."""
+
+
 @dataclass
 class EvalConfig:
     """Decoding."""
@@ -303,7 +307,9 @@ class EvalConfig:
     def __post_init__(self) -> None:
         _positive(self, "eval", "beam", "max_sentences")
         _at_most("size", self, "eval", "beam", "max_sentences", "max_len_b")
-        _check(self.lenpen >= 0, "eval.lenpen", "a non-negative number", self.lenpen)
+        _check(0 <= self.lenpen <= MAX_LENPEN, "eval.lenpen",
+               f"a number from 0 to {MAX_LENPEN} (length ** lenpen overflows beyond)",
+               self.lenpen)
         _check(self.max_len_a >= 0 and self.max_len_b >= 0, "eval.max_len_a",
                "non-negative max_len_a and max_len_b", (self.max_len_a, self.max_len_b))
 

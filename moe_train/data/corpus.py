@@ -211,21 +211,29 @@ def read_text_input(path: str | os.PathLike) -> tuple[str, list[str]]:
     if str(path) == STDIN:
         name, data = STDIN_NAME, sys.stdin.buffer.read()
     else:
-        name = str(path)
-        if not Path(path).is_file():
-            raise DataError(f"{name}: file not found")
-        data = Path(path).read_bytes()
+        name, data = str(path), _read_input_bytes(Path(path))
     lines = _decode_lines(data, name)
     if not lines:
         raise DataError(f"{name}: empty input (expected one sentence per line)")
     return name, lines
 
 
+def _read_input_bytes(path: Path) -> bytes:
+    """The bytes of a file, or of a pipe (`<(...)`, a FIFO, /dev/stdin); one-line errors."""
+    if not path.exists():
+        raise DataError(f"{path}: file not found")
+    if path.is_dir():
+        raise DataError(f"{path}: a directory; expected a text file")
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as exc:
+        raise DataError(f"{path}: cannot read it ({exc.strerror})") from None
+
+
 def _read_lines(path: Path, max_chars: int) -> list[str]:
     """Decode, split and validate one side; return its lines with whitespace normalised."""
-    if not path.is_file():
-        raise DataError(f"{path}: file not found")
-    raw = _decode_lines(path.read_bytes(), path)
+    raw = _decode_lines(_read_input_bytes(path), path)
     lines: list[str] = []
     for line_no, line in enumerate(raw, start=1):
         if len(line) > max_chars:
@@ -245,7 +253,7 @@ def _read_lines(path: Path, max_chars: int) -> list[str]:
 def read_pairs(files: CorpusFiles, max_chars: int) -> tuple[list[str], list[str]]:
     """Read and validate both sides of a corpus; return (sources, targets), aligned by line."""
     for path in (files.src, files.tgt):
-        if not path.is_file():
+        if not path.exists():
             raise DataError(f"{path}: file not found")
     src = _read_lines(files.src, max_chars)
     tgt = _read_lines(files.tgt, max_chars)

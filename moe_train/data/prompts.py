@@ -10,6 +10,7 @@ de) and ``{src_name}`` / ``{tgt_name}`` (English names such as German; the code 
 from __future__ import annotations
 
 import string
+from typing import Callable
 
 from moe_train.errors import ConfigError
 
@@ -54,3 +55,23 @@ def format_prompt(template: str, source: str, src_lang: str, tgt_lang: str) -> s
     """The prompt of one source sentence."""
     return template.format(source=source, src_lang=src_lang, tgt_lang=tgt_lang,
                            src_name=language_name(src_lang), tgt_name=language_name(tgt_lang))
+
+
+def fit_prompt(template: str, text: str, src_lang: str, tgt_lang: str,
+               count: Callable[[str], int], limit: int | None) -> tuple[str, int | None]:
+    """The prompt of `text` for a model of `limit` positions, and how many of its words it
+    keeps (None: all). A prompt fits when it leaves the model room for a translation as long as
+    the source (`count`: tokens of a text); else the source's words are cut from the end
+    (0 kept: not even its first word fits)."""
+    def tokens(words: list[str]) -> int:
+        source = " ".join(words)
+        return count(format_prompt(template, source, src_lang, tgt_lang)) + count(source) + 1
+
+    words = text.split()
+    if limit is None or tokens(words) <= limit:
+        return format_prompt(template, text, src_lang, tgt_lang), None
+    lo, hi = 0, len(words)  # the most words that fit: in [lo, hi)
+    while lo < hi - 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if tokens(words[:mid]) <= limit else (lo, mid)
+    return format_prompt(template, " ".join(words[:lo]), src_lang, tgt_lang), lo

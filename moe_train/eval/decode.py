@@ -198,8 +198,10 @@ def translate_lines(model: torch.nn.Module, vocab: Vocab, lines: Sequence[str],
     model.eval()
     encoded = encode_lines(vocab, lines, max_source_tokens(model), source, prefix_ids,
                            long_lines, warn, positions_field(model))
-    # a blank line translates to a blank line (the model never saw an empty source)
-    order = sorted((i for i, line in enumerate(lines) if line.strip()),
+    # a blank line translates to a blank line (the model never saw an empty source), and so
+    # does one the tokenizer keeps nothing of (a zero-width space, a stray BOM)
+    order = sorted((i for i, line in enumerate(lines)
+                    if line.strip() and len(encoded[i]) > len(prefix_ids)),
                    key=lambda i: -len(encoded[i]))
     out: list[str] = [""] * len(encoded)
     for start in range(0, len(order), ecfg.max_sentences):

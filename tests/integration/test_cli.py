@@ -137,3 +137,23 @@ def test_prepare_train_evaluate_translate(tiny_corpus, tmp_path):
     run_cli(["translate", "--checkpoint", str(work / "ckpt" / "export"), "--input",
              str(src_file), "--output", str(out_file), "--beam", "3"], cwd=tmp_path)
     assert len(out_file.read_text().splitlines()) == len(src_file.read_text().splitlines())
+    # standard output: UTF-8 whatever the locale says, and a reader that has left (`| head`)
+    # ends the command quietly (128 + SIGPIPE), not in a traceback
+    import subprocess
+    import sys
+
+    from tests.conftest import cli_env
+
+    export = str(work / "ckpt" / "export")
+    env = {**cli_env(), "PYTHONIOENCODING": "ascii"}
+    to_stdout = subprocess.run([sys.executable, "-m", "moe_train", "translate", "--checkpoint",
+                                export, "--input", str(src_file), "--beam", "3"], cwd=tmp_path,
+                               env=env, capture_output=True, timeout=300)
+    assert to_stdout.returncode == 0, to_stdout.stderr[-2000:]
+    assert to_stdout.stdout.decode("utf-8") == out_file.read_text(encoding="utf-8")
+    proc = subprocess.Popen([sys.executable, "-m", "moe_train", "translate", "--checkpoint",
+                             export, "--input", str(src_file), "--beam", "1"], cwd=tmp_path,
+                            env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()  # the reader leaves before anything is written
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 141 and b"Traceback" not in err, err[-2000:]

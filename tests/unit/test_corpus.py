@@ -184,3 +184,22 @@ def test_discover_no_match_for_split(opus: Path) -> None:
     with pytest.raises(DataError) as info:
         discover(opus, domains=["med"], splits=["test"])
     assert "no corpus matches" in str(info.value) and "\n" not in str(info.value)
+
+
+def test_raw_text_input_from_a_pipe(tmp_path: Path) -> None:
+    """`--input <(...)`, a FIFO, /dev/stdin: not regular files, but inputs all the same."""
+    import os
+    import threading
+
+    from moe_train.data.corpus import read_text_input
+
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    writer = threading.Thread(target=lambda: fifo.write_text("a b\nc d\n"))
+    writer.start()
+    assert read_text_input(fifo) == (str(fifo), ["a b", "c d"])
+    writer.join()
+    with pytest.raises(DataError, match="a directory; expected a text file"):
+        read_text_input(tmp_path)
+    with pytest.raises(DataError, match="nope: file not found"):
+        read_text_input(tmp_path / "nope")

@@ -127,3 +127,36 @@ def test_blank_lines_translate_to_blank_lines():
     out = translate_lines(model, FakeVocab(), ["abc", "", "   ", "hello there"], ecfg,
                           torch.device("cpu"), labels=labels)
     assert out == [alone[0], "", "", alone[1]] and alone[0] != ""
+
+
+def test_a_line_the_tokenizer_keeps_nothing_of_translates_to_a_blank_line():
+    """A zero-width space or a stray BOM is not blank to str.strip() but encodes to nothing:
+    the model would translate an empty source (it never saw one) into invented text."""
+    class Dropping(FakeVocab):
+        def encode_batch(self, lines):
+            return [[4 + (ord(c) % 20) for c in line if c not in "\u200b\ufeff"]
+                    for line in lines]
+
+    model = _model("tgt_lang")
+    out = translate_lines(model, Dropping(), ["abc", "\u200b", "\ufeff", "hello"],
+                          EvalConfig(beam=2, max_len_a=0.0, max_len_b=4), torch.device("cpu"),
+                          labels=RawTextLabels(tgt_lang=1))
+    assert out[1] == out[2] == "" and out[0] and out[3]
+
+
+def test_a_decoder_only_prompt_leaves_room_for_its_translation():
+    """Cut to the positions, a long prompt lost its template's tail and left one output token
+    (an empty translation); the source's words are cut instead, keeping the template."""
+    from moe_train.data.prompts import DEFAULT_PROMPT, fit_prompt
+
+    count = lambda text: len(text.split())  # noqa: E731  (a word per token)
+    text = " ".join(f"w{i}" for i in range(30))
+    prompt, kept = fit_prompt(DEFAULT_PROMPT, text, "de", "en", count, limit=1000)
+    assert kept is None and text in prompt
+    prompt, kept = fit_prompt(DEFAULT_PROMPT, text, "de", "en", count, limit=40)
+    template_tokens = count(DEFAULT_PROMPT.format(source="", src_name="German",
+                                                  tgt_name="English"))
+    assert 0 < kept < 30 and template_tokens + 2 * kept + 1 <= 40
+    assert template_tokens + 2 * (kept + 1) + 1 > 40  # the most words that fit
+    assert prompt.endswith("English:")  # the template's tail is kept
+    assert fit_prompt(DEFAULT_PROMPT, text, "de", "en", count, limit=5)[1] == 0
