@@ -155,6 +155,7 @@ class StageContext:
         if not self.rt.is_main or stage in self._locks:
             return
         where = self.stage_dir(stage)
+        made = [p for p in (where, *where.parents) if not p.exists()]
         where.mkdir(parents=True, exist_ok=True)
         handle = open(where / LOCK, "w")  # noqa: SIM115 (held until finish)
         try:
@@ -164,7 +165,22 @@ class StageContext:
             raise ConfigError(f"stage {stage}: {where} is being written by another run (it "
                               f"holds {where / LOCK}); wait for it, or use another "
                               "moa.workdir / moa.backbone_dir") from None
-        self._locks[stage] = handle
+        self._locks[stage] = (handle, made)
+
+    def release(self, stage: str) -> None:
+        """Give `stage`'s directory free (`finish` does; a recipe does when a stage fails):
+        the lock file goes, and so do the directories taking it made, if nothing else is in
+        them (a stage that failed before writing leaves nothing behind)."""
+        handle, made = self._locks.pop(stage, (None, []))
+        if handle is None:
+            return
+        Path(handle.name).unlink(missing_ok=True)
+        handle.close()
+        for directory in made:  # innermost first
+            try:
+                directory.rmdir()
+            except OSError:  # not empty: the stage wrote there
+                break
 
     def require(self, stage: str, by: str) -> Path:
         """The directory of finished stage `stage`, which stage `by` needs."""
@@ -192,9 +208,7 @@ class StageContext:
                              "provenance": self._stage_provenance()}
         if self.rt.is_main:
             write_json(self.stage_dir(stage) / DONE, summary)
-        handle = self._locks.pop(stage, None)
-        if handle is not None:
-            handle.close()
+        self.release(stage)
         barrier(self.rt)
         return summary
 

@@ -78,4 +78,10 @@ def run_pipeline(ctx: StageContext, recipe: str = "moa", stage: str | None = Non
             except NotFinished:
                 pass  # the stage's own require() says so if it needs it
         order = [stage]
-    return {name: RECIPES[recipe][name](ctx) for name in order}
+    done = {}
+    for name in order:
+        try:
+            done[name] = RECIPES[recipe][name](ctx)
+        finally:  # a failed stage leaves its directory free (and no lock file behind)
+            ctx.release(name)
+    return done
