@@ -78,7 +78,7 @@ def _say(text: str) -> None:
 def _check_extractable(cfg, manifest: dict[str, Any]) -> None:
     """Refuse, before any work, a recipe whose EXTRACT_TASK sub-network cannot be extracted
     (`manifest`: the corpus the demo will make)."""
-    from moe_train.eval.extract import side_tasks, task_sides
+    from moe_train.eval.extract import side_tasks, task_sides, task_sources
 
     if EXTRACT_TASK not in cfg.data.pairs:
         raise ConfigError(f"data.pairs: the demo extracts the {EXTRACT_TASK} sub-network; keep "
@@ -86,7 +86,7 @@ def _check_extractable(cfg, manifest: dict[str, Any]) -> None:
     if not task_sides(cfg):
         raise ConfigError("moe.encoder_router / moe.decoder_router: the demo extracts a task "
                           "sub-network, so one side must route by task")
-    sources = {s: getattr(cfg.moe, f"{s}_task_source") for s in task_sides(cfg)}
+    sources = task_sources(cfg)
     try:
         side_tasks(EXTRACT_TASK, sources, manifest)
     except ConfigError as exc:

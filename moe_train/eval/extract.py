@@ -37,6 +37,11 @@ def task_sides(cfg: ExperimentConfig) -> list[str]:
     return [s for s in SIDES if cfg.moe.enabled and cfg.moe.router_name(s) == "task"]
 
 
+def task_sources(cfg: ExperimentConfig) -> dict[str, str]:
+    """{side: what it routes by} of the task-routed sides."""
+    return {s: getattr(cfg.moe, f"{s}_task_source") for s in task_sides(cfg)}
+
+
 def resolve_task(task: str, source: str, manifest: dict[str, Any]) -> int:
     """The task id of `task` for a side routing by `source`, one the model was trained on:
     a language pair ``xx-yy`` (any source but domain), a language (tgt_lang / src_lang), a
@@ -109,13 +114,22 @@ def _check_served(task: str, ids: dict[str, int], sources: dict[str, str],
     """Refuse side tasks that no training corpus had together (e.g. source and target
     language both de): the sub-network would serve nothing."""
     corpora = manifest.get("corpora", [])
-    tasks = [{s: _corpus_task(c, src, manifest) for s, src in sources.items()} for c in corpora]
-    if not corpora or any(all(t[s] is None or t[s][0] == i for s, i in ids.items())
-                          for t in tasks):
+    if not corpora or any(_has_tasks(c, ids, sources, manifest) for c in corpora):
         return
     raise ConfigError(f"--task {task}: no corpus the model trained on has these tasks together "
                       "(" + ", ".join(f"{s} {sources[s]} id {i}" for s, i in ids.items())
                       + "); it would serve nothing")
+
+
+def _has_tasks(corpus: dict[str, Any], ids: dict[str, int], sources: dict[str, str],
+               manifest: dict[str, Any]) -> bool:
+    """Whether `corpus` has task `ids[side]` on every side (a corpus of given task ids names
+    none: it has any)."""
+    for side, source in sources.items():
+        task = _corpus_task(corpus, source, manifest)
+        if task is not None and task[0] != ids[side]:
+            return False
+    return True
 
 
 def _corpus_task(corpus: dict[str, Any], source: str, manifest: dict[str, Any]
@@ -144,14 +158,9 @@ def serves(cfg: ExperimentConfig, manifest: dict[str, Any]) -> Callable[[dict[st
     extracted sub-network only its task's (a corpus of given task ids names none: kept); a full
     model every one."""
     task = cfg.moe.extracted_task
-    sources = {s: getattr(cfg.moe, f"{s}_task_source") for s in task_sides(cfg)} if task else {}
+    sources = task_sources(cfg) if task else {}
     ids = side_tasks(task, sources, manifest) if task else {}
-
-    def check(corpus: dict[str, Any]) -> bool:
-        tasks = {s: _corpus_task(corpus, src, manifest) for s, src in sources.items()}
-        return all(t is None or t[0] == ids[s] for s, t in tasks.items())
-
-    return check
+    return lambda corpus: _has_tasks(corpus, ids, sources, manifest)
 
 
 def serving_manifest(cfg: ExperimentConfig, manifest: dict[str, Any]) -> dict[str, Any]:
@@ -232,8 +241,7 @@ def extract(model: torch.nn.Module, cfg: ExperimentConfig, manifest: dict[str, A
         raise ConfigError(f"--checkpoint: already a sub-network (of task "
                           f"{cfg.moe.extracted_task!r}); extract from the full model")
     sides = task_sides(cfg)
-    sources = {s: getattr(cfg.moe, f"{s}_task_source") for s in sides}
-    task_ids = side_tasks(task, sources, manifest)
+    task_ids = side_tasks(task, task_sources(cfg), manifest)
     state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
     num_tasks: dict[str, int] = {}
     kept: dict[str, list[int]] = {}

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from moe_train.errors import CheckpointError
-from moe_train.parallel.zero3 import full_shape, is_zero3, z3_get, z3_set
+from moe_train.parallel.zero3 import copy_partition, full_shape, is_zero3, z3_get, z3_set
 from moe_train.utils.tensor_source import TensorSource
 from moe_train.utils.tensor_store import TensorStoreWriter
 
@@ -139,14 +139,9 @@ def set_param(optimizer: Any, p: nn.Parameter, value: Tensor) -> None:
     """Set `p` and its fp32 master copy (local: each rank writes what it owns); a frozen
     parameter has no master copy, only its own values (under ZeRO-3 its partition)."""
     if not p.requires_grad and hasattr(p, "ds_tensor"):
-        part = p.ds_tensor.reshape(-1)
-        lo = dist.get_rank(group=p.ds_process_group) * part.numel()
-        flat = value.reshape(-1)
-        n = max(0, min(part.numel(), flat.numel() - lo))
-        with torch.no_grad():
-            part[:n].copy_(flat[lo:lo + n].to(part.device, part.dtype))
+        copy_partition(p.ds_tensor, value, dist.get_rank(group=p.ds_process_group))
         return
-    if is_zero3(optimizer) and p.requires_grad:
+    if is_zero3(optimizer):
         z3_set(optimizer, p, None, value)
         return
     with torch.no_grad():

@@ -87,15 +87,20 @@ def z3_set(optimizer: Any, p: nn.Parameter, key: str | None, value: Tensor,
     if key is not None:
         _ensure_moments(optimizer, p, step)
     part, rank = _partition(optimizer, p, key)
-    flat = value.reshape(-1)
-    lo = rank * part.numel()
-    n = max(0, min(part.numel(), flat.numel() - lo))
+    copy_partition(part, value, rank)
+    if key is None:
+        copy_partition(p.ds_tensor, value, rank)
+
+
+def copy_partition(part: Tensor, value: Tensor, rank: int) -> None:
+    """Write rank `rank`'s partition of the full `value` into `part` (equal partitions, the
+    last one padded with zeros)."""
+    flat, dst = value.reshape(-1), part.view(-1)
+    lo = rank * dst.numel()
+    n = max(0, min(dst.numel(), flat.numel() - lo))
     with torch.no_grad():
-        part.zero_()
-        part[:n].copy_(flat[lo:lo + n].to(part.device, part.dtype))
-        if key is None:
-            p.ds_tensor.zero_()
-            p.ds_tensor[:n].copy_(flat[lo:lo + n].to(p.ds_tensor.device, p.ds_tensor.dtype))
+        dst.zero_()
+        dst[:n].copy_(flat[lo:lo + n].to(dst.device, dst.dtype))
 
 
 def adam_step(optimizer: Any) -> float:

@@ -197,9 +197,10 @@ def fit_clusterer(features_ND: np.ndarray, num_clusters: int, method: str = "gmm
                   ) -> FittedClusterer:
     """Fit PCA to min(pca_dim, D, N) dims, fewer where the rest carry no variance (of the
     features divided by their standard deviation when `standardize`; whitened when `whiten`;
-    each vector scaled to unit length when `unit_norm`), then the `method` clusterer with K = num_clusters on the N sampled sentence
-    features (the best of `inits` initialisations by likelihood for gmm, of at least 10 for
-    kmeans); cluster ids are made canonical (module docstring)."""
+    each vector scaled to unit length when `unit_norm`), then the `method` clusterer with
+    K = num_clusters on the N sampled sentence features (the best of `inits` initialisations
+    by likelihood for gmm, of at least 10 for kmeans); cluster ids are made canonical (module
+    docstring)."""
     if method not in CLUSTERERS:
         raise ConfigError(f"moa.clusterer: unknown clusterer {method!r} "
                           f"(known: {', '.join(sorted(CLUSTERERS))})")
