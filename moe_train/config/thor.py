@@ -86,6 +86,9 @@ class ThorConfig:
                 self.task_repr)
         _expect(self.token_routing in TOKEN_SELECTIONS, "thor.token_routing",
                 f"one of {', '.join(TOKEN_SELECTIONS)}", self.token_routing)
+        _expect(self.hierarchy or self.task_repr != "gold", "thor.task_repr",
+                "mixed or argmax when thor.hierarchy is false (no candidate set reads the gold "
+                "task's E_p, yet decoding would need every sentence's gold task)", self.task_repr)
         _expect(self.context_gate in CONTEXT_GATES, "thor.context_gate",
                 f"one of {', '.join(CONTEXT_GATES)}", self.context_gate)
         _expect(self.context_gate_init in CONTEXT_GATE_INITS, "thor.context_gate_init",

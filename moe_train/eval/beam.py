@@ -6,8 +6,8 @@ their own per-row state (cache, encoder output, mask, context) by the indices re
 `BeamBook`, fairseq's rule: each step takes the top 2K of the K x V extensions of each live sentence. Eos
 extensions ranked in the top K become finished hypotheses (scored sum(log p) / len**lenpen, len
 counting eos); the K best non-eos extensions stay live. A sentence is done once it has K
-finished hypotheses (so beam 1 is greedy) or reaches its length limit; done sentences leave the
-batch. `BeamBook` keeps the scores, tokens and finished hypotheses; the caller owns the model
+finished hypotheses or reaches its length limit; done sentences leave the batch (the searches
+run beam 1 as greedy search). `BeamBook` keeps the scores, tokens and finished hypotheses; the caller owns the model
 call and moves its own per-row state (cache, encoder output, mask, context) by the indices
 `select` returns.
 

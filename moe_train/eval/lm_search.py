@@ -195,11 +195,15 @@ def lm_beam_search(model: Any, prompt_BP: Tensor, prompt_mask_BP: Tensor | None,
 
     Each step takes the top 2K of the K x V extensions per sentence. Eos extensions ranked in the
     top K become finished hypotheses (scored sum(log p) / len**lenpen, len counting eos); the K
-    best non-eos extensions stay live. A sentence stops once it has K finished hypotheses (so
-    beam 1 is greedy) or reaches its length limit, and its rows leave the batch.
+    best non-eos extensions stay live. A sentence stops once it has K finished hypotheses or
+    reaches its length limit, and its rows leave the batch. Beam 1 is `lm_greedy_search`
+    itself (ties broken alike, as in `beam_search`).
     """
     if beam < 1:
         raise ValueError(f"beam: expected a positive integer, got {beam}")
+    if beam == 1:
+        return lm_greedy_search(model, prompt_BP, prompt_mask_BP, eos_id, pad_id, max_len_a,
+                                max_len_b, src_len_B, ctx, sync_done, min_len, max_new_B)
     B, K = prompt_BP.size(0), beam
     device = prompt_BP.device
     mask_BP, logits_B1V, ctx, cache = _prefill(model, prompt_BP, prompt_mask_BP, ctx)
@@ -208,11 +212,8 @@ def lm_beam_search(model: Any, prompt_BP: Tensor, prompt_mask_BP: Tensor | None,
 
     expand_N = torch.arange(B, device=device).repeat_interleave(K)
     live = _LiveRows(_Mask(mask_BP), ctx, cache)
-    if K > 1:  # one prefill per sentence, its rows repeated for the K beams
-        live.keep(expand_N)
-        logits_N1V = logits_B1V.index_select(0, expand_N)
-    else:
-        logits_N1V = logits_B1V
+    live.keep(expand_N)  # one prefill per sentence, its rows repeated for the K beams
+    logits_N1V = logits_B1V.index_select(0, expand_N)
     book = BeamBook(B, K, max_len_L, min_len_L, eos_id, lenpen, device)
     prev_N: Tensor | None = None  # the prefill gave step 0's logits
     for step in itertools.count():

@@ -151,11 +151,15 @@ def beam_search(model: IncrementalSeq2Seq, src_tokens_BS: Tensor, bos_id: int, e
     Each step takes the top 2K of the K x V extensions per sentence. Eos extensions ranked in the
     top K become finished hypotheses (scored sum(log p) / len**lenpen, len counting eos); the K
     best non-eos extensions stay live. A sentence stops once it has K finished hypotheses (the
-    fairseq rule, so beam 1 is greedy) or reaches its length limit, and its rows leave the batch
-    (`_LiveRows`).
+    fairseq rule) or reaches its length limit, and its rows leave the batch (`_LiveRows`).
+    Beam 1 is `greedy_search` itself: the rule gives the same search, and exact ties (common in
+    bf16 logits) are then broken alike, by the lower token id (topk orders ties arbitrarily).
     """
     if beam < 1:
         raise ValueError(f"beam: expected a positive integer, got {beam}")
+    if beam == 1:
+        return greedy_search(model, src_tokens_BS, bos_id, eos_id, pad_id, max_len_a, max_len_b,
+                             ctx, sync_done, min_len)
     B, K = src_tokens_BS.size(0), beam
     device = src_tokens_BS.device
     max_len_L = max_lengths(model, src_tokens_BS, pad_id, max_len_a, max_len_b).to(device)

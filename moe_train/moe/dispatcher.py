@@ -5,8 +5,8 @@ dispatcher (moe_train.parallel.expert_parallel) is tested against. `DenseDispatc
 layers whose every token uses every expert: soft routers over all experts (Gated Adapters) and
 task-routed layers that keep just the k experts of their task (an extracted sub-network).
 Nothing to sort, the experts get all rows at once. Dropless by default; with a
-capacity factor c, expert e keeps at most ceil(c * routed_slots / E) copies (first come, first
-served in token order) and the overflow is dropped and counted: a dropped copy contributes
+capacity factor c, expert e keeps at most ceil(c * routed_slots / E) copies (every token's first
+choice before any second, each in token order, as GShard) and the overflow is dropped and counted: a dropped copy contributes
 nothing to its token's output (the residual carries the token on). The limit applies while
 training only (`drop=True`, what MoELayer passes in train mode): evaluation and decoding are
 dropless, so a token's output never depends on what else is in the batch and incremental
@@ -42,11 +42,14 @@ class DispatchMeta:
 
 def apply_capacity(expert_ids_TK: Tensor, num_experts: int, capacity_factor: float
                    ) -> tuple[Tensor, Tensor]:
-    """Drop slots beyond each expert's capacity (in token order): (expert_ids_TK, dropped).
+    """Drop slots beyond each expert's capacity: (expert_ids_TK, dropped).
 
-    capacity = ceil(capacity_factor * routed_slots / E); ids of dropped slots become -1.
+    capacity = ceil(capacity_factor * routed_slots / E); ids of dropped slots become -1. Slots
+    are served slot-major, each in token order: every token's first choice before any second
+    choice (GShard's Algorithm 1, DeepSpeed's top2gating), so an early token's second expert
+    never takes the place of a later token's first.
     """
-    ids_S = expert_ids_TK.reshape(-1)
+    ids_S = expert_ids_TK.t().reshape(-1)  # slot-major: (k, t) -> k * T + t
     routed = ids_S >= 0
     # rounded first: 1.1 * 100 / 2 is 55.000000000000007 in floating point, not 56 slots
     capacity = math.ceil(round(capacity_factor * int(routed.sum()) / num_experts, 9))
@@ -60,7 +63,7 @@ def apply_capacity(expert_ids_TK: Tensor, num_experts: int, capacity_factor: flo
     rank_S[order_S] = rank_sorted
     over = routed & (rank_S >= capacity)
     kept = torch.where(over, torch.full_like(ids_S, -1), ids_S)
-    return kept.view_as(expert_ids_TK), over.sum()
+    return kept.view(expert_ids_TK.size(1), -1).t().contiguous(), over.sum()
 
 
 class LocalDispatcher:

@@ -112,10 +112,10 @@ class LinearGate(nn.Module):
         self.jitter_eps = jitter_eps
 
     def forward(self, x_TD: Tensor) -> tuple[Tensor, Tensor]:
+        x_TD = x_TD.float()  # first: bf16 spaces values near 1 by 2^-8 (eps 0.002: no jitter)
         if self.training and self.jitter_eps > 0:
             x_TD = x_TD * torch.empty_like(x_TD).uniform_(1.0 - self.jitter_eps,
                                                           1.0 + self.jitter_eps)
-        x_TD = x_TD.float()
         clean_TE = F.linear(x_TD, self.weight.weight.float())
         if not (self.training and self.noise is not None):
             return clean_TE, clean_TE
@@ -156,7 +156,8 @@ class _TopKGateFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, routed_TE: Tensor, clean_TE: Tensor, k: int, renormalize: bool,
-                aux_coef: float, z_coef: float, pad_mask_T: Tensor | None):
+                aux_coef: float, z_coef: float, pad_mask_T: Tensor | None,
+                first_choice_balance: bool = False):
         T, E = routed_TE.shape
         probs_TE = routed_TE.softmax(-1)
         ids_TK = top_k_ids(probs_TE, k)
@@ -167,7 +168,9 @@ class _TopKGateFn(torch.autograd.Function):
         keep_T = None if pad_mask_T is None else (~pad_mask_T).to(torch.float32)
         n_real = max(T, 1) if keep_T is None else keep_T.sum().clamp_min(1.0)
         lb, z = probs_TE.new_zeros(()), probs_TE.new_zeros(())
-        f_E = losses.assignment_fractions(counts_E)
+        f_E = losses.assignment_fractions(
+            losses.tokens_per_expert(ids_TK[:, :1], E, pad_mask_T) if first_choice_balance
+            else counts_E)
         if aux_coef > 0:
             lb = aux_coef * (E * (f_E * losses.mean_probs(probs_TE, pad_mask_T)).sum())
         lse_T = probs_TE.new_empty(0)
@@ -222,16 +225,19 @@ class _TopKGateFn(torch.autograd.Function):
         d_clean_TE = None
         if z_T is not None and not same:
             d_clean_TE = clean_TE.softmax(-1).mul_(z_T[:, None])
-        return d_routed_TE, d_clean_TE, None, None, None, None, None
+        return d_routed_TE, d_clean_TE, None, None, None, None, None, None
 
 
 def top_k_gate(routed_TE: Tensor, clean_TE: Tensor, k: int, renormalize: bool,
-               cfg: RouterConfig, pad_mask_T: Tensor | None
+               cfg: RouterConfig, pad_mask_T: Tensor | None, first_choice_balance: bool = False
                ) -> tuple[Tensor, Tensor, Tensor, dict[str, Tensor], Tensor, Tensor | None]:
     """Token top-k gating on float32 logits (`_TopKGateFn`): (probs_TE, expert_ids_TK,
-    weights_TK, weighted aux losses, counts_E, lse_T of the clean logits or None)."""
+    weights_TK, weighted aux losses, counts_E, lse_T of the clean logits or None).
+    `first_choice_balance`: the balance loss's f_e counts each token's first expert only
+    (GShard); otherwise every slot (sum_e f_e = 1 for any k)."""
     probs_TE, weights_TK, lb, z, ids_TK, counts_E, lse_T = _TopKGateFn.apply(
-        routed_TE, clean_TE, k, renormalize, cfg.aux_loss_coef, cfg.z_loss_coef, pad_mask_T)
+        routed_TE, clean_TE, k, renormalize, cfg.aux_loss_coef, cfg.z_loss_coef, pad_mask_T,
+        first_choice_balance)
     aux = {}
     if cfg.aux_loss_coef > 0:
         aux["load_balance"] = lb

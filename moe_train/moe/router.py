@@ -8,7 +8,7 @@ holds the token-level ones; moe_train.moe.sentence_router the sentence- and task
   raw probabilities with ``moe.renormalize: false`` (Qwen's norm_topk_prob false).
 - ``switch``: top-1 whose weight is the raw top-1 probability (Switch Transformer), so the gate
   gets a gradient from the main loss.
-- ``gshard``: top-2, renormalised (GShard).
+- ``gshard``: top-2, renormalised; the balance loss counts first choices only (GShard).
 - ``topp``: per token, the fewest experts whose probability mass reaches p (Eqs. 5-7), raw
   probabilities as weights, plus the entropy loss of Eq. 13.
 - ``sentence``: one decision per sentence from its mean-pooled states (Switch-SL / SGMoE-SL).
@@ -39,6 +39,8 @@ class TopKRouter(Router):
     """Token-level top-k: softmax over E, the k largest, weights renormalised over the k."""
 
     name = "topk"
+    first_choice_balance = False
+    """Whether the balance loss's f_e counts each token's first expert only."""
 
     def __init__(self, d_model: int, num_experts: int, cfg: RouterConfig) -> None:
         super().__init__(num_experts)
@@ -59,7 +61,8 @@ class TopKRouter(Router):
         pad_mask_T = None if rctx is None else rctx.pad_mask_T
         clean_TE, logits_TE = self.gate(x_TD)
         probs_TE, expert_ids_TK, weights_TK, aux, counts_E, lse_T = top_k_gate(
-            logits_TE, clean_TE, self.k, self.renormalize, self.cfg, pad_mask_T)
+            logits_TE, clean_TE, self.k, self.renormalize, self.cfg, pad_mask_T,
+            self.first_choice_balance)
         same = logits_TE is clean_TE and lse_T is not None  # no noise: one set of logits
         return Routing(
             expert_ids_TK=expert_ids_TK, weights_TK=weights_TK.to(x_TD.dtype), probs_TE=probs_TE,
@@ -79,9 +82,12 @@ class SwitchRouter(TopKRouter):
 
 
 class GShardRouter(TopKRouter):
-    """GShard: top-2, weights renormalised over the two."""
+    """GShard: top-2, weights renormalised over the two; the balance loss is
+    E * sum_e (c_e / S) m_e with c_e the tokens whose first choice is e (GShard Algorithm 1,
+    DeepSpeed's top2gating)."""
 
     name = "gshard"
+    first_choice_balance = True
 
     def _selection(self, cfg: RouterConfig) -> tuple[int, bool]:
         return 2, True

@@ -14,7 +14,7 @@ from typing import Any, Callable, Sequence
 
 from moe_train.config.schema import ExperimentConfig
 from moe_train.errors import CheckpointError
-from moe_train.parallel.collectives import parameters_are_finite
+from moe_train.parallel.collectives import all_reduce_floats, parameters_are_finite
 from moe_train.parallel.expert_checkpoint import (expert_tensors, full_expert_state,
                                                   load_expert_shards, save_expert_shards)
 from moe_train.parallel.expert_parallel import without_deepspeed_moe_checkpointing
@@ -24,6 +24,11 @@ from moe_train.train.checkpoint import (latest_tag, load_checkpoint, read_meta, 
                                         step_tag, verify)
 from moe_train.train.export import export_inference, export_streamed
 from moe_train.train.resume import check_resume_config, check_resume_data
+from moe_train.utils.atomic import write_json
+from moe_train.utils.safe_load import read_json_object
+
+ENDED = "ended.json"
+"""The summary of a run that ended (max_steps or early stopping), beside its checkpoints."""
 
 
 class Checkpointer:
@@ -114,6 +119,27 @@ class Checkpointer:
         state = module.state_dict()
         state.update(full_expert_state(tag_dir))
         return export_inference(out, state, self.cfg, self.manifest, self.tokenizer_files)
+
+    def record_end(self, summary: dict[str, Any]) -> None:
+        """Rank 0 notes that the run ended at ``summary["step"]``, after its export, so that a
+        later ``--resume`` returns this summary instead of validating and exporting again."""
+        if self.rt.is_main:
+            write_json(self.dir / ENDED, summary)
+
+    def ended_at(self, step: int, max_steps: int) -> dict[str, Any] | None:
+        """The recorded summary when the run already ended at `step`, the step it resumes
+        from: it reached `max_steps` or stopped early (a raised max_steps continues a run that
+        only reached the old one; patience cannot change on resume). Collective: rank 0 reads
+        the record and every rank follows its answer; other ranks get ``{"step": step}``."""
+        summary = None
+        if self.rt.is_main and (self.dir / ENDED).is_file():
+            record = read_json_object(self.dir / ENDED, "the summary of the run's end")
+            if record.get("step") == step and (record.get("stopped_early") or step >= max_steps):
+                summary = record
+        ended = summary is not None
+        if self.rt.world_size > 1:
+            ended = all_reduce_floats(self.rt, float(ended))[0] > 0
+        return (summary or {"step": step}) if ended else None
 
     def _save_experts(self, tag_dir: Path) -> None:
         if self.cfg.uses_experts:

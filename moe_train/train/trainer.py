@@ -40,7 +40,7 @@ from moe_train.parallel.expert_parallel import (check_moe_against_data,
                                                 setup_expert_parallel, wire_expert_parallel)
 from moe_train.parallel.runtime import ParallelRuntime
 from moe_train.train.checkpoint import latest_tag
-from moe_train.train.checkpointer import Checkpointer
+from moe_train.train.checkpointer import ENDED, Checkpointer
 from moe_train.train.ds_config import build_deepspeed_config, deepspeed_config_errors
 from moe_train.train.init_from import build_start_model
 from moe_train.train.early_stop import EarlyStop
@@ -157,6 +157,7 @@ class Trainer:
                                         self.tokenizer_files, self._log_main)
         if resume and tag is None:
             self._log_main(f"| resume: no checkpoint in {ckpt_dir}; starting from step 0")
+        self.resumed = tag is not None
         if tag is not None:  # strict: the config must match (train/resume.py)
             meta = self.checkpoints.load(tag)
             self.step = meta["step"]
@@ -455,6 +456,13 @@ class Trainer:
         train_tokens_local = 0.0
         early, validated_at, last_values = self.early, -1, None
         stopped_early = False
+        ended = self.checkpoints.ended_at(self.step, tc.max_steps) if self.resumed else None
+        if ended is not None:
+            self.monitor.print(f"| resume: the run already ended at step {self.step} "
+                               f"({'early stop' if ended.get('stopped_early') else 'max_steps'});"
+                               f" nothing to train, its summary is in "
+                               f"{self.checkpoints.dir / ENDED}")
+            return ended
         while self.step < tc.max_steps:
             sums = self.train_step()
             self._count_nonfinite(bool(sums["nonfinite"]))
@@ -514,8 +522,11 @@ class Trainer:
         exported: dict[str, Any] = {"exported_step": self.step}
         if source != path:
             exported = {"exported_step": early.best_step, "exported_dev": early.best_values}
-        return {"step": self.step, "train_seconds": elapsed, "wall_seconds": wall,
-                "stopped_early": stopped_early,
-                **({"early_stop": early.state()} if tc.patience else {}), **exported,
-                "train_tokens_per_s": tokens / max(elapsed, 1e-9),
-                "checkpoint": str(path), "export": str(self.checkpoints.export_dir), **final}
+        summary = {"step": self.step, "train_seconds": elapsed, "wall_seconds": wall,
+                   "stopped_early": stopped_early,
+                   **({"early_stop": early.state()} if tc.patience else {}), **exported,
+                   "train_tokens_per_s": tokens / max(elapsed, 1e-9),
+                   "checkpoint": str(path), "export": str(self.checkpoints.export_dir), **final}
+        if stopped_early or self.step >= tc.max_steps:  # not a time limit: that run goes on
+            self.checkpoints.record_end(summary)
+        return summary

@@ -41,6 +41,15 @@ def test_training_stops_after_patience_validations_without_a_gain(tiny_prepared,
     exported = load_export_weights(tmp_path / "ckpt" / "export")
     name = next(k for k in exported if k.endswith("weight") and not torch.equal(best[k], last[k]))
     assert torch.equal(exported[name], best[name])
+    # resumed, the ended run neither trains on past its plateau nor validates and exports again:
+    # it returns the summary it ended with
+    export_mtime = (tmp_path / "ckpt" / "export" / "model.safetensors").stat().st_mtime_ns
+    again = run_cli(["train", "--config", CONFIG, "--resume", *overrides], cwd=ROOT)
+    assert "| resume: the run already ended at step 15 (early stop)" in again.stdout, \
+        again.stdout[-2000:]
+    assert json.loads(again.stdout.strip().splitlines()[-1]) == summary
+    assert (tmp_path / "ckpt" / "latest").read_text().strip() == "step_00000015"
+    assert (tmp_path / "ckpt" / "export" / "model.safetensors").stat().st_mtime_ns == export_mtime
 
 
 def test_export_best_off_exports_the_last_step(tiny_prepared, tmp_path):

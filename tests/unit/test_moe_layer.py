@@ -63,6 +63,16 @@ def test_capacity_drops_overflow_in_token_order():
     assert torch.equal(kept, ids) and int(dropped) == 0
 
 
+def test_capacity_serves_every_first_choice_before_any_second():
+    """GShard's order: token 2 and 3 keep their first expert, which the second choices of
+    tokens 0 and 1 would have taken in plain token order."""
+    ids = torch.tensor([[0, 1], [0, 1], [1, 0], [1, 0]])
+    kept, dropped = apply_capacity(ids, num_experts=2, capacity_factor=0.5)  # capacity 2
+    assert kept.tolist() == [[0, -1], [0, -1], [1, -1], [1, -1]] and int(dropped) == 4
+    kept, _ = apply_capacity(ids, num_experts=2, capacity_factor=0.75)  # capacity 3
+    assert kept.tolist() == [[0, 1], [0, -1], [1, 0], [1, -1]]
+
+
 def test_dropless_never_drops_under_total_imbalance():
     torch.manual_seed(0)
     E, D, T = 8, 6, 64

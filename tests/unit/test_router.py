@@ -60,6 +60,19 @@ def test_gshard_is_renormalised_top2_whatever_k() -> None:
     assert torch.allclose(gshard.weights_TK.sum(-1), torch.ones(6))
 
 
+def test_gshard_balance_loss_counts_first_choices_only() -> None:
+    """GShard: E * sum_e (c_e / S) m_e, c_e the tokens whose first choice is e (DeepSpeed's
+    top2gating); top-k counts every slot."""
+    P_E = P_TE.mean(0)
+    first_E = torch.tensor([2, 1, 1, 2]) / 6  # first choices 0, 3, 1, 2, 0, 3
+    slots_E = torch.tensor([3, 3, 4, 2]) / 12  # both slots: [0,1] [3,2] [1,2] [2,0] [0,1] [3,2]
+    gshard = identity_router("gshard", aux_loss_coef=1.0, z_loss_coef=0.0).route(X_TD)
+    topk = identity_router("topk", k=2, aux_loss_coef=1.0, z_loss_coef=0.0).route(X_TD)
+    assert gshard.aux_losses["load_balance"].item() == pytest.approx(E * float(first_E @ P_E))
+    assert topk.aux_losses["load_balance"].item() == pytest.approx(E * float(slots_E @ P_E))
+    assert gshard.stats["tokens_per_expert"].tolist() == [3, 3, 4, 2]  # statistics: every slot
+
+
 def test_switch_weight_is_the_raw_top1_probability() -> None:
     out = identity_router("switch", k=2).route(X_TD)
     assert out.expert_ids_TK.flatten().tolist() == [0, 3, 1, 2, 0, 3]
@@ -136,6 +149,24 @@ def test_noisy_gating_and_jitter_only_in_training() -> None:
         assert not torch.equal(noisy.probs_TE, router.route(X_TD).probs_TE)
     plain = identity_router("topk", k=2).train()
     assert torch.allclose(plain.route(X_TD).probs_TE, P_TE, atol=1e-6)
+
+
+def test_jitter_is_drawn_in_float32_for_a_bf16_input() -> None:
+    """Near 1 bf16 steps by 2^-8: a bf16 draw in [0.999, 1.001] is the constant 1.0, and one
+    in [0.99, 1.01] never exceeds 1.0078 (biased low). Drawn in float32 it jitters every token."""
+    from moe_train.moe.gating import LinearGate
+
+    torch.manual_seed(0)
+    gate = LinearGate(64, 8, jitter_eps=1e-3).train()
+    x_TD = torch.randn(2000, 64).to(torch.bfloat16)
+    jittered_TE = gate(x_TD)[1]
+    moved_T = (jittered_TE - gate.eval()(x_TD)[1]).abs().amax(-1) > 0
+    assert float(moved_T.float().mean()) > 0.99
+    scale = LinearGate(1, 1, jitter_eps=1e-2).train()
+    with torch.no_grad():
+        scale.weight.weight.fill_(1.0)
+    u_T = scale(torch.ones(20000, 1, dtype=torch.bfloat16))[1].squeeze(1)
+    assert abs(float(u_T.mean()) - 1.0) < 1e-3 and float(u_T.max()) > 1.009
 
 
 @pytest.mark.parametrize("noisy", [False, True])
@@ -345,7 +376,8 @@ def test_routing_rejects_mismatched_shapes() -> None:
                 probs_TE=torch.zeros(3, 5), num_experts=4)
 
 
-@pytest.mark.parametrize("name,k", [("topk", 1), ("topk", 2), ("switch", 1), ("topk", 3)])
+@pytest.mark.parametrize("name,k", [("topk", 1), ("topk", 2), ("switch", 1), ("topk", 3),
+                                    ("gshard", 2)])
 @pytest.mark.parametrize("padded", [False, True])
 @pytest.mark.parametrize("noisy", [False, True])
 def test_topk_gate_equals_composed_ops(name: str, k: int, padded: bool, noisy: bool) -> None:
@@ -379,7 +411,8 @@ def test_topk_gate_equals_composed_ops(name: str, k: int, padded: bool, noisy: b
     w_TK, ids_TK = probs_TE.topk(router.k, dim=-1)
     if router.renormalize:
         w_TK = w_TK / w_TK.sum(-1, keepdim=True)
-    aux = {"load_balance": 0.3 * losses.load_balance_loss(probs_TE, ids_TK, pad_T),
+    balanced_TK = ids_TK[:, :1] if router.first_choice_balance else ids_TK  # GShard: first only
+    aux = {"load_balance": 0.3 * losses.load_balance_loss(probs_TE, balanced_TK, pad_T),
            "z_loss": 0.2 * losses.z_loss(clean_TE, pad_T)}
     loss(w_TK, probs_TE, aux).backward()
     assert torch.equal(out.expert_ids_TK, ids_TK)

@@ -181,6 +181,15 @@ def test_beam_one_equals_greedy(seed: int) -> None:
     assert [len(g) for g in greedy] != [0, 0, 0]
 
 
+def test_beam_one_breaks_exact_ties_as_greedy_does() -> None:
+    """Equal logits (common in bf16) go to the lower token id in both searches; topk alone
+    orders ties arbitrarily."""
+    model = TableModel({}, {A: 0.3, B_: 0.3, C: 0.3, EOS: 0.1}, vocab=6)
+    greedy = greedy_search(model, SRC, BOS, EOS, PAD, max_len_a=0.0, max_len_b=3)
+    assert greedy == [[A, A]] * 3  # the third token is the forced eos
+    assert beam_search(model, SRC, BOS, EOS, PAD, beam=1, max_len_a=0.0, max_len_b=3) == greedy
+
+
 def test_batched_search_equals_one_sentence_at_a_time() -> None:
     model = small_model(3)
     batched = beam_search(model, SRC, BOS, EOS, PAD, beam=4, max_len_a=1.0, max_len_b=3)

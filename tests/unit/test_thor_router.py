@@ -424,6 +424,14 @@ def test_context_gate_init_is_checked() -> None:
         ThorConfig(context_gate_init="zeros")
 
 
+def test_gold_representation_needs_the_hierarchy() -> None:
+    """Without candidate sets nothing reads E_p, yet gold would need each test sentence's task."""
+    with pytest.raises(ConfigError, match="thor.task_repr: expected mixed or argmax when "
+                                          "thor.hierarchy is false"):
+        ThorConfig(task_repr="gold", hierarchy=False)
+    ThorConfig(task_repr="argmax", hierarchy=False)  # harmless: the same routing as mixed
+
+
 def test_decoder_context_is_the_inclusive_causal_prefix_mean() -> None:
     """Decoder, b^g = 0 (g = 1/2). Sentence 0: x = (4,0,0,0), (0,4,0,0), (0,0,0,8); prefix
     means (4,0,0,0), (2,2,0,0), (4/3,4/3,0,8/3); router inputs (4,0,0,0), (1,3,0,0),
