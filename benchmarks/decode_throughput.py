@@ -51,7 +51,8 @@ from moe_train.models.build import build_model  # noqa: E402
 from moe_train.models.context import ForwardContext  # noqa: E402
 from moe_train.moe.routing import NUM_LANGS_KEY  # noqa: E402
 from moe_train.utils.provenance import provenance  # noqa: E402
-from moe_train.utils.cli_args import command_line, exit_bad_input, script_parser  # noqa: E402
+from moe_train.utils.cli_args import (  # noqa: E402
+    command_line, exit_bad_input, results_path, script_parser)
 
 PAD, BOS, EOS = 0, 1, 2
 LANGS = ["cs", "de", "en", "fr"]
@@ -381,8 +382,8 @@ def main(argv: list[str] | None = None) -> None:
               ep=not (args.no_ep or args.sweep_only))
     name = "decode_throughput" + (f"_e{args.experts}" if args.experts else "") + \
         ("_sweep" if args.sweep_only else "_batches" if args.batches else "")
-    out = Path(args.out or ROOT / "benchmarks" / "results" /
-               f"{name}_{device}{'_quick' if args.quick else ''}.json")
+    out = results_path(args.out, ROOT / "benchmarks" / "results" /
+                       f"{name}_{device}{'_quick' if args.quick else ''}.json")
 
     models: dict[str, Any] = {}
     params: dict[str, Any] = {}

@@ -42,7 +42,8 @@ from moe_train.moe.experts import Experts  # noqa: E402
 from moe_train.utils.atomic import write_json  # noqa: E402
 from moe_train.utils.malloc import tune_cpu_allocator  # noqa: E402
 from moe_train.utils.provenance import finish, provenance  # noqa: E402
-from moe_train.utils.cli_args import command_line, int_at_least, script_parser  # noqa: E402
+from moe_train.utils.cli_args import (  # noqa: E402
+    command_line, int_at_least, results_path, script_parser)
 
 D, FFN, K = 256, 1024, 2
 SENT_LEN = 32
@@ -233,7 +234,8 @@ def main(argv: list[str] | None = None) -> None:
     allocator = tune_cpu_allocator() if device == "cpu" else None
     prov = provenance(command_line(__file__, argv))
     suffix = "_quick" if args.quick else ""
-    out = Path(args.out or ROOT / "benchmarks" / "results" / f"kernels_{device}{suffix}.json")
+    out = results_path(args.out,
+                       ROOT / "benchmarks" / "results" / f"kernels_{device}{suffix}.json")
     torch.manual_seed(0)
     rows = [r for E in args.experts for s in args.slots
             for r in bench_config(E, s, device, backends, args.reps)]

@@ -58,7 +58,8 @@ from moe_train.stages.evaluate import hypotheses_file, read_lines  # noqa: E402
 from moe_train.utils.atomic import write_json, write_text  # noqa: E402
 from moe_train.utils.provenance import provenance  # noqa: E402
 from moe_train.utils.cli_args import (  # noqa: E402
-    comma_list, command_line, exit_bad_input, int_at_least, non_negative_float, script_parser)
+    comma_list, command_line, exit_bad_input, int_at_least, non_negative_float, results_path,
+    script_parser)
 
 DATA_CONFIG = "configs/opus-de-en-cpu.yaml"
 MOA_CONFIG = "configs/moa-opus-de-en.yaml"
@@ -301,7 +302,7 @@ def main(argv: list[str] | None = None) -> None:
     suffix = "_quick" if args.quick else ""
     bench = f"moa_real_data_de_en{seed_tag}{steps_tag}_cpu{suffix}"
     work = ROOT / "work" / f"moa-opus-de-en{seed_tag}{suffix}".replace("_", "-")
-    out = Path(args.out or ROOT / "benchmarks" / "results" / f"{bench}.json")
+    out = results_path(args.out, ROOT / "benchmarks" / "results" / f"{bench}.json")
     if args.fresh and work.exists():
         shutil.rmtree(work)
     anchors = 2 if args.quick else args.anchors

@@ -66,7 +66,7 @@ from moe_train.eval.significance import paired_bootstrap  # noqa: E402
 from moe_train.utils.atomic import atomic_dir, write_json  # noqa: E402
 from moe_train.utils.provenance import finish, provenance  # noqa: E402
 from moe_train.utils.cli_args import (  # noqa: E402
-    command_line, exit_bad_input, int_at_least, script_parser)
+    command_line, exit_bad_input, int_at_least, results_path, script_parser)
 
 PRESET = "domain-matters"
 """Corpus difficulty: moe_train.data.synthetic.PRESETS[PRESET]."""
@@ -459,7 +459,8 @@ def main(argv: list[str] | None = None) -> None:
         suffix = "_test_bars"
     work = Path(args.work or ROOT / "work" / f"moa-synthetic-bench{suffix.replace('_', '-')}")
     name = "moa_synthetic_cpu_quick" if args.quick else f"moa_synthetic{suffix}_cpu"
-    out = Path(args.out or ROOT / "benchmarks" / "results" / f"{name}.json")  # *_quick: ignored
+    out = results_path(
+        args.out, ROOT / "benchmarks" / "results" / f"{name}.json")  # *_quick: ignored
     if args.fresh and work.exists():
         shutil.rmtree(work)
     if args.profile == "test":

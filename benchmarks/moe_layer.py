@@ -51,7 +51,8 @@ from moe_train.parallel.runtime import free_port, init_runtime  # noqa: E402
 from moe_train.utils.atomic import write_json  # noqa: E402
 from moe_train.utils.malloc import tune_cpu_allocator  # noqa: E402
 from moe_train.utils.provenance import finish, provenance  # noqa: E402
-from moe_train.utils.cli_args import command_line, int_at_least, script_parser  # noqa: E402
+from moe_train.utils.cli_args import (  # noqa: E402
+    command_line, int_at_least, results_path, script_parser)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -431,6 +432,10 @@ def main(argv: list[str] | None = None) -> None:
     if max(shape.ks) > min(shape.experts):
         ap.error(f"--ks/--experts: expected every k at most the fewest experts, got k "
                  f"{list(shape.ks)} with {list(shape.experts)} experts")
+    odd = [E for E in shape.experts if E % 2]
+    if odd:
+        ap.error(f"--experts: expected even counts (each is also measured split over two "
+                 f"expert-parallel ranks), got {odd}")
     if args.peak_child:  # RSS measurement: glibc as the parent's environment set it
         init_runtime(tune_allocator=False)
         torch.set_num_threads(args.threads)
@@ -438,6 +443,12 @@ def main(argv: list[str] | None = None) -> None:
         _, steps = build_steps(int(E), int(k), shape, device, only=impl)
         print(json.dumps(measure_peak(steps[impl], device)))
         return
+    suffix = ("" if args.allocator == "tuned" else f"_alloc-{args.allocator}") + \
+        (f"_e{'-'.join(map(str, shape.experts))}" if args.experts else "") + \
+        (f"_k{'-'.join(map(str, shape.ks))}" if args.ks else "") + \
+        ("_quick" if args.quick else "")  # last: *_quick.json is never committed
+    out = results_path(
+        args.out, ROOT / "benchmarks" / "results" / f"moe_layer_{device}{suffix}.json")
     allocator: dict[str, Any] = {"mode": args.allocator}
     if args.allocator == "tuned":
         allocator.update(tune_cpu_allocator())
@@ -447,11 +458,6 @@ def main(argv: list[str] | None = None) -> None:
     # after set_num_threads: records the threads every timing uses
     prov = provenance(command_line(__file__, argv))
     equivalence, rows = equivalence_check(), []
-    suffix = ("" if args.allocator == "tuned" else f"_alloc-{args.allocator}") + \
-        (f"_e{'-'.join(map(str, shape.experts))}" if args.experts else "") + \
-        (f"_k{'-'.join(map(str, shape.ks))}" if args.ks else "") + \
-        ("_quick" if args.quick else "")  # last: *_quick.json is never committed
-    out = Path(args.out or ROOT / "benchmarks" / "results" / f"moe_layer_{device}{suffix}.json")
     configs = [(E, k) for E in shape.experts for k in shape.ks]
     for E, k in configs:
         rows.append(row := bench_config(E, k, shape, args))

@@ -39,7 +39,7 @@ from real_data import (  # noqa: E402
 from moe_train.utils.atomic import write_text  # noqa: E402
 from moe_train.utils.provenance import provenance  # noqa: E402
 from moe_train.utils.cli_args import (  # noqa: E402
-    comma_list, command_line, int_at_least, positive_float, script_parser)
+    comma_list, command_line, int_at_least, positive_float, results_path, script_parser)
 
 VARIANTS = ("dense", "token-token", "token-target", "token-lp", "target-target", "lp-lp")
 TASK_ROUTED = ("token-target", "token-lp", "target-target", "lp-lp")
@@ -167,7 +167,8 @@ def main(argv: list[str] | None = None) -> None:
     prov = provenance(command_line(__file__, argv))
     suffix = "_quick" if args.quick else ""
     work = Path(args.work or ROOT / "work" / f"multilingual{suffix.replace('_', '-')}")
-    out = Path(args.out or ROOT / "benchmarks" / "results" / f"multilingual_opus_cpu{suffix}.json")
+    out = results_path(
+        args.out, ROOT / "benchmarks" / "results" / f"multilingual_opus_cpu{suffix}.json")
     if args.fresh and work.exists():
         shutil.rmtree(work)
     prepared = work / "prepared"

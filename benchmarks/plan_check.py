@@ -28,7 +28,7 @@ from moe_train.config import load_config  # noqa: E402
 from moe_train.eval.plan_measure import MEASURED_CHECKS, measured_vs_planned  # noqa: E402
 from moe_train.utils.atomic import write_json  # noqa: E402
 from moe_train.utils.provenance import finish, provenance  # noqa: E402
-from moe_train.utils.cli_args import command_line, script_parser  # noqa: E402
+from moe_train.utils.cli_args import command_line, results_path, script_parser  # noqa: E402
 
 BOUND = 0.15
 CASES: list[tuple[str, str, list[str], int | None, int | None, bool]] = [
@@ -78,8 +78,9 @@ def run_case(name: str, check: str, extra: list[str], micro_batch: int | None,
 
 def main(argv: list[str] | None = None) -> None:
     ap = script_parser(__file__, __doc__)
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "plan_check_cpu.json"))
+    ap.add_argument("--out", default=None, help="default benchmarks/results/plan_check_cpu.json")
     args = ap.parse_args(argv)
+    out = results_path(args.out, ROOT / "benchmarks" / "results" / "plan_check_cpu.json")
     prov = provenance(command_line(__file__, argv))
     warnings.simplefilter("ignore", FutureWarning)
     rows = [run_case(*case) for case in CASES]
@@ -96,8 +97,8 @@ def main(argv: list[str] | None = None) -> None:
         "bound": BOUND,
         "provenance": finish(prov),
     }
-    write_json(Path(args.out), record)
-    print(f"wrote {args.out}")
+    write_json(out, record)
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

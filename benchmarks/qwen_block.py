@@ -102,7 +102,8 @@ from moe_train.models.hf_qwen2moe import moe_blocks, qwen_hf_config  # noqa: E40
 from moe_train.utils.atomic import write_json  # noqa: E402
 from moe_train.utils.malloc import malloc_set_by_environment, tune_cpu_allocator  # noqa: E402
 from moe_train.utils.provenance import provenance  # noqa: E402
-from moe_train.utils.cli_args import command_line, int_at_least, script_parser  # noqa: E402
+from moe_train.utils.cli_args import (  # noqa: E402
+    command_line, int_at_least, results_path, script_parser)
 
 FULL = {"T": 2048, "D": 512, "F": 352, "S": 1408, "configs": [(60, 4), (8, 2)], "reps": 25,
         "warmup": 2}
@@ -431,7 +432,7 @@ def main(argv: list[str] | None = None) -> None:
     s = QUICK if args.quick else FULL
     reps, warmup = args.reps or s["reps"], s["warmup"] if args.warmup is None else args.warmup
     suffix = "_quick" if args.quick else ""
-    out = Path(args.out or ROOT / "benchmarks" / "results" / f"qwen_block_cpu{suffix}.json")
+    out = results_path(args.out, ROOT / "benchmarks" / "results" / f"qwen_block_cpu{suffix}.json")
     if args.child_out:  # one allocator's measurements, for the parent to merge
         write_json(Path(args.child_out), measure(args.allocator, s, reps, warmup))
         return

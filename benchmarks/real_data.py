@@ -32,7 +32,8 @@ for _path in (ROOT, ROOT / "benchmarks"):
 from moe_train.utils.atomic import write_json  # noqa: E402
 from moe_train.utils.provenance import finish, provenance  # noqa: E402
 from moe_train.utils.cli_args import (  # noqa: E402
-    command_line, existing_dir, exit_bad_input, int_at_least, non_negative_float, script_parser)
+    command_line, existing_dir, exit_bad_input, int_at_least, non_negative_float, results_path,
+    script_parser)
 
 DEFAULT_DATA = ROOT.parent / "shared" / "data" / "opus-multidomain"
 CONFIG = ROOT / "configs" / "opus-de-en-cpu.yaml"
@@ -106,7 +107,8 @@ def start_record(args: argparse.Namespace, argv: list[str] | None, name: str
     prov = provenance(command_line(str(Path(__file__).with_name(f"{name}.py")), argv))
     suffix = "_quick" if args.quick else ""
     work = Path(args.work or ROOT / "work" / f"{name}-{args.data}{suffix.replace('_', '-')}")
-    out = Path(args.out or ROOT / "benchmarks" / "results" / f"{name}_{args.data}_cpu{suffix}.json")
+    out = results_path(
+        args.out, ROOT / "benchmarks" / "results" / f"{name}_{args.data}_cpu{suffix}.json")
     if args.fresh and work.exists():
         shutil.rmtree(work)
     return prov, work, out, suffix
@@ -157,7 +159,8 @@ def main(argv: list[str] | None = None) -> None:
     prov = provenance(command_line(__file__, argv))
     suffix = "_quick" if args.quick else ""
     work = Path(args.work or ROOT / "work" / f"opus-de-en{suffix.replace('_', '-')}")
-    out = Path(args.out or ROOT / "benchmarks" / "results" / f"real_data_de_en_cpu{suffix}.json")
+    out = results_path(
+        args.out, ROOT / "benchmarks" / "results" / f"real_data_de_en_cpu{suffix}.json")
     if args.fresh and work.exists():
         shutil.rmtree(work)
     beam = 1 if args.quick else args.beam

@@ -47,7 +47,8 @@ from moe_train.kernels.grad_buffers import GradBuffers  # noqa: E402
 from moe_train.kernels.swiglu_ffn import swiglu_ffn, swiglu_grouped  # noqa: E402
 from moe_train.utils.malloc import tune_cpu_allocator  # noqa: E402
 from moe_train.utils.provenance import provenance  # noqa: E402
-from moe_train.utils.cli_args import command_line, int_at_least, script_parser  # noqa: E402
+from moe_train.utils.cli_args import (  # noqa: E402
+    command_line, int_at_least, results_path, script_parser)
 
 FULL = {"T": 2048, "D": 512, "F": 352, "configs": [(60, 4), (8, 2)], "reps": 15}
 QUICK = {"T": 128, "D": 64, "F": 48, "configs": [(8, 2)], "reps": 2}
@@ -152,7 +153,8 @@ def main(argv: list[str] | None = None) -> None:
     s = QUICK if args.quick else FULL
     reps = args.reps or s["reps"]
     suffix = "_quick" if args.quick else ""
-    out = Path(args.out or ROOT / "benchmarks" / "results" / f"swiglu_experts_cpu{suffix}.json")
+    out = results_path(
+        args.out, ROOT / "benchmarks" / "results" / f"swiglu_experts_cpu{suffix}.json")
     allocator = tune_cpu_allocator()
     torch.manual_seed(0)
     results = [bench(s["T"], E, k, s["D"], s["F"], reps) for E, k in s["configs"]]

@@ -36,7 +36,7 @@ for _path in (ROOT, ROOT / "benchmarks"):
 from real_data import write_record  # noqa: E402
 
 from moe_train.utils.provenance import provenance  # noqa: E402
-from moe_train.utils.cli_args import command_line, script_parser  # noqa: E402
+from moe_train.utils.cli_args import command_line, results_path, script_parser  # noqa: E402
 
 GIB = 2**30
 WORLD = 2
@@ -168,8 +168,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     prov = provenance(command_line(__file__, argv))
-    out = Path(args.out or ROOT / "benchmarks" / "results" /
-               f"zero3_memory_cpu{'_quick' if args.quick else ''}.json")
+    out = results_path(args.out, ROOT / "benchmarks" / "results" /
+                       f"zero3_memory_cpu{'_quick' if args.quick else ''}.json")
     from moe_train.parallel.runtime import free_port
 
     parts: dict[str, list[dict[str, Any]]] = {}

@@ -87,6 +87,19 @@ def comma_list(known: tuple[str, ...] | list[str]) -> Callable[[str], list[str]]
     return parse
 
 
+def results_path(out: str | None, default: Path, flag: str = "--out") -> Path:
+    """Where a script writes its results: `out` when given, else `default`. Checked before any
+    work starts: a directory or a place that cannot be written is the one error line (exit 2)
+    at once, not a traceback after an hour of measuring."""
+    from moe_train.errors import DataError
+    from moe_train.utils.atomic import check_out_file
+
+    try:
+        return check_out_file(default if out is None else out, flag)
+    except DataError as exc:
+        exit_bad_input(str(exc))
+
+
 def script_parser(file: str, doc: str | None) -> OneLineParser:
     """The parser of a script such as benchmarks/x.py: named by its folder and file (how the
     README runs it), described by its docstring's first line."""

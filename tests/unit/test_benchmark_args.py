@@ -33,7 +33,7 @@ BAD: dict[str, list[list[str]]] = {
                       ["--fresh", "--runs", "top1"], ["--synth", "nope=1"],
                       ["--set", "optim.warmup_steps=-1"]],
     "moe_layer": [["--ks", "0"], ["--threads", "0"], ["--experts", "2", "--ks", "3"],
-                  ["--experts", "1"]],
+                  ["--experts", "1"], ["--ks", "1", "--experts", "8", "3"]],
     "multilingual": [["--variants", "dense,nope"], ["--minutes", "0"], ["--beam", "0"],
                      ["--test-dir", MISSING], ["--fresh", "--test-dir", EMPTY],
                      ["--fresh", "--variants", "token-target", "--extract", "xx-en"],
@@ -49,8 +49,11 @@ BAD: dict[str, list[list[str]]] = {
 WORK_DIRS = ("moa-opus-de-en", "moa-synthetic-bench", "multilingual", "opus-de-en",
              "thor-synthetic", "gad-synthetic")
 """The default work directories (under ROOT/work) that `--fresh` would empty."""
+OUT_IS_A_DIR = [(name, ["--out", EMPTY]) for name in SCRIPTS] + \
+    [(name, ["--fresh", "--out", EMPTY]) for name in ("multilingual", "thor", "moa_synthetic")]
+"""Every script checks where its results go before it measures (or empties its work)."""
 CASES = [(name, ["--no-such-option"]) for name in SCRIPTS] + \
-    [(name, argv) for name, cases in BAD.items() for argv in cases]
+    [(name, argv) for name, cases in BAD.items() for argv in cases] + OUT_IS_A_DIR
 
 
 def test_the_cases_name_real_scripts() -> None:
