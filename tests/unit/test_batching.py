@@ -157,6 +157,17 @@ def test_decoder_only_rows_the_model_reads_stay_within_the_budget() -> None:
         assert len(b) == 1 or lm_inputs(b.src_tokens_BS, b.tgt_in_BT, PAD)[0].numel() <= 160
 
 
+def test_bucket_key_is_the_padded_width_each_sentence_needs() -> None:
+    """Encoder-decoder: the longer side plus eos / bos; decoder-only: prompt + target + 1."""
+    from types import SimpleNamespace
+
+    from moe_train.data.batching import bucket_key
+
+    ds = SimpleNamespace(src_lengths=np.array([5, 2]), tgt_lengths=np.array([3, 4]))
+    assert bucket_key(ds).tolist() == [6, 5]
+    assert bucket_key(SimpleNamespace(**vars(ds), concatenated=True)).tolist() == [9, 7]
+
+
 def test_t1_each_sentence_once_per_epoch_new_order_each_epoch() -> None:
     ds = FakeDataset([120, 40, 77])
     it = TrainBatchIterator(ds, 150, PAD, BOS, EOS, seed=5)

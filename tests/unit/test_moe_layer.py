@@ -63,6 +63,13 @@ def test_capacity_drops_overflow_in_token_order():
     assert torch.equal(kept, ids) and int(dropped) == 0
 
 
+def test_capacity_counts_routed_slots_only():
+    """Unused slots (-1: top-p's short rows, padding) take no capacity: 4 routed of 8 slots."""
+    ids = torch.tensor([[0, -1], [0, -1], [0, -1], [1, -1]])
+    kept, dropped = apply_capacity(ids, num_experts=2, capacity_factor=1.0)  # ceil(4 / 2) = 2
+    assert kept.tolist() == [[0, -1], [0, -1], [-1, -1], [1, -1]] and int(dropped) == 1
+
+
 def test_capacity_serves_every_first_choice_before_any_second():
     """GShard's order: token 2 and 3 keep their first expert, which the second choices of
     tokens 0 and 1 would have taken in plain token order."""

@@ -277,6 +277,19 @@ def test_learned_task_router_routes_by_task_only() -> None:
     assert router.gate.weight.grad.abs().sum() > 0
 
 
+def test_learned_task_router_k1_weights_by_the_raw_probability() -> None:
+    """k = 1 as Switch: the raw top-1 probability (0.4), not 1, so the translation loss reaches
+    the task gate."""
+    router = build_router("task", E, E, RouterConfig(k=1, num_tasks=2, task_source="tgt_lang"))
+    with torch.no_grad():
+        router.gate.weight.copy_(torch.eye(E))
+        router.embed.weight.copy_(torch.stack([P_TE[0], P_TE[1]]).log())
+    out = router.route(torch.randn(4, E), RoutingContext.from_batch(2, 2,
+                                                                    task_ids_B=torch.tensor([0, 1])))
+    assert out.expert_ids_TK.view(-1).tolist() == [0, 0, 3, 3]
+    assert torch.allclose(out.weights_TK.view(-1), torch.full((4,), 0.4))
+
+
 def test_fixed_table_task_router() -> None:
     cfg = RouterConfig(k=2, assignment=[[0, 1], [2, 3], [3, 1]])
     router = build_router("task", 8, E, cfg)

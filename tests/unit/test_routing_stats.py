@@ -177,6 +177,7 @@ def test_metrics_hand_computed() -> None:
     assert load_cv(np.array([3, 5])) == pytest.approx(0.25)  # std 1, mean 4
     assert load_cv(np.zeros(4)) is None
     assert expert_purity(table) == pytest.approx(7 / 8)
+    assert expert_purity(np.array([[3, 3], [0, 2]])) == pytest.approx(5 / 8)  # rows: experts
     assert normalized_mutual_info(np.array([[5, 0], [0, 7]])) == pytest.approx(1.0)
     assert normalized_mutual_info(np.array([[2, 2], [3, 3]])) == pytest.approx(0.0, abs=1e-12)
     # [[1,1],[0,2]]: U = 4, expert sums (2, 2), domain sums (1, 3); MI = sum n/U ln(U n / (n_e n_d))
@@ -271,6 +272,24 @@ def test_evaluate_checks_the_references_before_decoding() -> None:
 
     with pytest.raises(DataError, match="raw text"):
         evaluate_dataset(model, dataset, None, {}, None, None, 1024)
+
+
+def test_evaluate_scores_each_direction_and_domain_apart(monkeypatch) -> None:
+    """en->de translated perfectly and de->en not at all: each direction's score is its own."""
+    import moe_train.eval.evaluate as evaluate
+
+    refs = ["a b c d e f", "g h i j k l", "m n o p q r", "s t u v w x"]
+    dataset = type("D", (), {"raw_tgt": staticmethod(refs.__getitem__),
+                             "__len__": lambda self: 4, "domain_ids": np.array([0, 1, 0, 1]),
+                             "src_lang_ids": np.array([0, 0, 1, 1]),
+                             "tgt_lang_ids": np.array([1, 1, 0, 0])})()
+    monkeypatch.setattr(evaluate, "translate_dataset",
+                        lambda *a, **k: {0: refs[0], 1: refs[1], 2: "zzz", 3: "yyy"})
+    metrics, _ = evaluate.evaluate_dataset(None, dataset, None, {"domains": ["it", "law"],
+                                                                 "langs": ["en", "de"]},
+                                           None, None, 100)
+    assert {p: m["bleu"] for p, m in metrics["pairs"].items()} == {"en-de": 100.0, "de-en": 0.0}
+    assert set(metrics["domains"]) == {"it", "law"} and metrics["domains"]["it"]["bleu"] < 100
 
 
 @pytest.mark.parametrize("columns", [["de"], ["de", "en", "fr", "cs", "ja", "ko", "zh", "es"]])

@@ -72,6 +72,20 @@ def test_mismatched_or_empty_input_is_refused(args, match):
         paired_bootstrap(GOOD, BAD, REFS, samples=0)
 
 
+def test_interval_is_the_2_5_and_97_5_percentiles_of_sacrebleu_deltas():
+    """The resamples are numpy's default_rng(seed) draws; each delta is sacreBLEU's corpus
+    score on the drawn sentences, and ci95 their 2.5th and 97.5th percentiles."""
+    import numpy as np
+
+    mix = [r if i % 3 else b for i, (r, b) in enumerate(zip(REFS, BAD))]
+    out = paired_bootstrap(mix, BAD, REFS, samples=200, seed=7)["bleu"]
+    draws = np.random.default_rng(7).integers(0, len(REFS), size=(200, len(REFS)))
+    deltas = [BLEU().corpus_score([mix[i] for i in d], [[REFS[i] for i in d]]).score
+              - BLEU().corpus_score([BAD[i] for i in d], [[REFS[i] for i in d]]).score
+              for d in draws]
+    assert out["ci95"] == [round(float(x), 2) for x in np.percentile(deltas, [2.5, 97.5])]
+
+
 def test_strata_resample_each_test_set_apart():
     """Two test sets joined end to end, A better on the first and B on the second: drawing
     each set's sentences apart keeps the mix fixed, so the interval is narrower than when the
@@ -82,6 +96,7 @@ def test_strata_resample_each_test_set_apart():
     assert split["strata"] == [60, 60] and split["bleu"]["delta"] == plain["delta"] == 0
     width = split["bleu"]["ci95"][1] - split["bleu"]["ci95"][0]
     assert 0 < width < plain["ci95"][1] - plain["ci95"][0]
+    assert split["bleu"]["ci95"][0] < 0 < split["bleu"]["ci95"][1]  # each set drawn from itself
     one = paired_bootstrap(GOOD, BAD, REFS, samples=50, strata=[60])
     assert one.pop("strata") == [60] and one == paired_bootstrap(GOOD, BAD, REFS, samples=50)
     for bad in ([60, 1], [61, -1], [0, 60]):

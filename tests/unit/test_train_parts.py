@@ -58,6 +58,8 @@ def test_label_smoothed_loss_ignores_padding():
     lp = torch.log_softmax(logits, -1)
     assert nll.item() == pytest.approx(sum(-lp[b, t, target[b, t]].item() for b, t in keep),
                                        rel=1e-6)
+    smooth = sum(-lp[b, t].mean().item() for b, t in keep)  # padded positions smooth nothing
+    assert loss.item() == pytest.approx(0.9 * nll.item() + 0.1 * smooth, rel=1e-6)
 
 
 def test_deepspeed_config_mapping():
