@@ -68,6 +68,7 @@ def _worker(rank: int, port: int, s: dict[str, Any], overrides: list[str], sourc
         return time.perf_counter() - start
 
     run()  # warm-up
+    torch.distributed.barrier()  # start together: one rank's head start is no all-to-all time
     timing = ep.dist = TimingDist(ep.dist)
     total = run()
     Path(out_dir, f"{rank}.json").write_text(json.dumps(

@@ -29,6 +29,7 @@ Shape legend: B sequences, T positions, D hidden size, V vocabulary, E routed ex
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 from torch import Tensor, nn
@@ -248,6 +249,10 @@ class Qwen2MoEForCausalLM(nn.Module):
                                      moe_intermediate_size=1, shared_expert_intermediate_size=1)
         self.hf = HFModel(placeholder)
         self.hf.config = qwen_hf_config(cfg)
+        # transformers 5.2x renamed forward's past_key_values to cache (the old name warns on
+        # every call and is to be removed): the name this version takes
+        self.cache_kw = ("cache" if "cache" in inspect.signature(self.hf.forward).parameters
+                         else "past_key_values")
         rcfg = router_config(cfg, "decoder", manifest)
         thor = cfg.uses_thor
         if thor:  # a model attribute (``task_predictor.*``); BlockCalls only points at it
@@ -292,11 +297,11 @@ class Qwen2MoEForCausalLM(nn.Module):
                 position_ids_BT = (attention_mask_BT.long().cumsum(-1) - 1).clamp_min(0)[:, -T:]
         self.calls.start(ctx, routing_state)
         out = self.hf(input_ids=input_ids_BT, attention_mask=attention_mask_BT,
-                      position_ids=position_ids_BT, past_key_values=past_key_values,
-                      use_cache=use_cache, logits_to_keep=logits_to_keep)
+                      position_ids=position_ids_BT, use_cache=use_cache,
+                      logits_to_keep=logits_to_keep, **{self.cache_kw: past_key_values})
         extras = dict(self.calls.provided)  # THOR: task_probs_BK etc. (task accuracy)
         if use_cache:
-            extras["past_key_values"] = out.past_key_values
+            extras["past_key_values"] = getattr(out, self.cache_kw)
         return ModelOutput(out.logits, dict(self.calls.aux), extras)
 
     def new_routing_state(self) -> QwenRoutingState:

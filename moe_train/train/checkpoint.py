@@ -204,7 +204,10 @@ def _write_synced(path: Path, text: str) -> None:
 
 def _rotate(ckpt_dir: Path, keep_last: int, latest: str, keep: Collection[str] = ()) -> None:
     """Remove all but the newest `keep_last` steps; never `latest` (called after it moved) nor
-    a tag in `keep` (the best validation's checkpoint)."""
+    a tag in `keep` (the best validation's checkpoint). Half-written saves of an interrupted
+    run (``.tmp-step_N``, model-sized) go too: this run's own save is complete by now."""
+    for stale in ckpt_dir.glob(".tmp-step_*"):
+        shutil.rmtree(stale, ignore_errors=True)
     if keep_last > 0:
         for old in list_tags(ckpt_dir)[:-keep_last]:
             if old != latest and old not in keep:

@@ -81,6 +81,26 @@ def test_crash_inside_save_leaves_a_complete_latest(tmp_path, monkeypatch, phase
     _save(d, 3)  # the resumed run saves step 3 again (or finds it complete)
     assert ckpt.latest_tag(d, warn=None) == "step_00000003"
     assert ckpt.list_tags(d) == ["step_00000002", "step_00000003"]
+    assert not list(d.glob(".tmp-*"))
+
+
+def test_a_save_removes_what_an_interrupted_save_left(tmp_path, monkeypatch):
+    """Ctrl-C inside the save of step 3; the resumed run's next save is step 5: the
+    model-sized .tmp-step_00000003 must not stay behind for good."""
+    d = tmp_path / "ckpt"
+    _save(d, 2)
+
+    def crash(p, step):
+        if p == "engine_saved":
+            raise KeyboardInterrupt(p)
+
+    monkeypatch.setattr(ckpt, "_test_hook", crash)
+    with pytest.raises(KeyboardInterrupt):
+        _save(d, 3)
+    assert (d / ".tmp-step_00000003").is_dir()
+    monkeypatch.undo()
+    _save(d, 5)
+    assert not list(d.glob(".tmp-*")) and ckpt.latest_tag(d, warn=None) == "step_00000005"
 
 
 def test_a_complete_step_latest_does_not_name_is_replaced_by_the_new_save(tmp_path, monkeypatch):

@@ -281,3 +281,19 @@ def test_prompts_must_be_left_padded(model) -> None:
     ids, mask = left_pad(prompts(0, [3, 5]))
     with pytest.raises(ValueError, match="left-padded"):
         lm_greedy_search(model, ids, mask.flip(1), EOS, PAD)
+
+
+def test_the_cache_goes_by_the_name_this_transformers_takes(model, monkeypatch) -> None:
+    """transformers 5.2x renamed forward's past_key_values to cache; the old name warns on every
+    call and is to be removed, so the search passes the one the installed version takes."""
+    import inspect
+
+    takes = set(inspect.signature(model.hf.forward).parameters)
+    rows = prompts(4, [5, 3])
+    expected = greedy(model, rows)
+    seen: list[set[str]] = []
+    forward = model.hf.forward
+    monkeypatch.setattr(model.hf, "forward", lambda *a, **kw: seen.append(set(kw)) or
+                        forward(*a, **kw))
+    assert greedy(model, rows) == expected
+    assert len(seen) > 1 and all(kw <= takes for kw in seen), (seen, takes)
