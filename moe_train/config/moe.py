@@ -75,6 +75,10 @@ def _at_most(kind: str, obj: object, section: str, *names: str) -> None:
         _expect(value <= limit, f"{section}.{name}", expected, value)
 
 
+BALANCE_LOSSES = ("switch", "cv2")
+"""`RouterConfig.balance_loss` values."""
+
+
 @dataclass
 class RouterConfig:
     """Router settings (the ``moe.*`` router fields); checked on construction."""
@@ -94,7 +98,11 @@ class RouterConfig:
     jitter_eps: float = 0.0
     """Multiply router inputs by Uniform(1 - eps, 1 + eps) (training only; Switch uses 0.01)."""
     aux_loss_coef: float = 0.01
-    """Weight of the Switch load-balancing loss (0 disables it)."""
+    """Weight of the load-balancing loss (`balance_loss`; 0 disables it)."""
+    balance_loss: str = "switch"
+    """switch: E * sum_e f_e P_e (Switch Transformer; GShard's with first choices). cv2: SGMoE's
+    CV(Importance)^2 + CV(Load)^2 of Shazeer et al. (2017), each weighted by aux_loss_coef, Load
+    from the noise's smooth estimator: sentence router with noisy_gating only."""
     z_loss_coef: float = 0.001
     """Weight of the router z-loss (ST-MoE; 0 disables it)."""
     entropy_coef: float = 1e-4
@@ -133,6 +141,11 @@ class RouterConfig:
         for name in ("aux_loss_coef", "z_loss_coef", "entropy_coef"):
             _expect(getattr(self, name) >= 0, f"{s}.{name}", "a non-negative number",
                     getattr(self, name))
+        _expect(self.balance_loss in BALANCE_LOSSES, f"{s}.balance_loss",
+                f"one of {', '.join(BALANCE_LOSSES)}", self.balance_loss)
+        _expect(self.balance_loss != "cv2" or self.noisy_gating or not self.aux_loss_coef,
+                f"{s}.noisy_gating", "true with balance_loss cv2 (Load is the probability, "
+                "under the gate's noise, that an expert stays in the top k)", self.noisy_gating)
         _expect(0.0 < self.top_p <= 1.0, f"{s}.top_p", "a number in (0, 1]", self.top_p)
         _expect(self.task_source in TASK_SOURCES, f"{s}.task_source",
                 f"one of {', '.join(TASK_SOURCES)}", self.task_source)

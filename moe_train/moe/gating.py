@@ -112,25 +112,34 @@ class LinearGate(nn.Module):
         self.jitter_eps = jitter_eps
 
     def forward(self, x_TD: Tensor) -> tuple[Tensor, Tensor]:
+        clean_TE, routed_TE, _ = self.scores(x_TD)
+        return clean_TE, routed_TE
+
+    def scores(self, x_TD: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
+        """`forward`'s two logits and the noise's scale softplus(x W_noise) (None without noisy
+        gating); the scale also outside training, where no noise is drawn (SGMoE's Load)."""
         x_TD = x_TD.float()  # first: bf16 spaces values near 1 by 2^-8 (eps 0.002: no jitter)
         if self.training and self.jitter_eps > 0:
             x_TD = x_TD * torch.empty_like(x_TD).uniform_(1.0 - self.jitter_eps,
                                                           1.0 + self.jitter_eps)
         clean_TE = F.linear(x_TD, self.weight.weight.float())
-        if not (self.training and self.noise is not None):
-            return clean_TE, clean_TE
+        if self.noise is None:
+            return clean_TE, clean_TE, None
         std_TE = F.softplus(F.linear(x_TD, self.noise.weight.float()))
-        return clean_TE, clean_TE + torch.randn_like(clean_TE) * std_TE
+        if not self.training:
+            return clean_TE, clean_TE, std_TE
+        return clean_TE, clean_TE + torch.randn_like(clean_TE) * std_TE, std_TE
 
 
 def _gate_losses(cfg: RouterConfig, probs_TE: Tensor, expert_ids_TK: Tensor,
                  logits_TE: Tensor, pad_mask_T: Tensor | None, *,
-                 counts_E: Tensor | None = None, lse_T: Tensor | None = None
-                 ) -> dict[str, Tensor]:
-    """Load-balance and z losses (weighted), skipping those whose coefficient is 0; `counts_E`
-    and `lse_T` are reused when the caller has them."""
+                 counts_E: Tensor | None = None, lse_T: Tensor | None = None,
+                 balance: bool = True) -> dict[str, Tensor]:
+    """Load-balance and z losses (weighted), skipping those whose coefficient is 0 (`balance`
+    False: the caller computes its own balance loss); `counts_E` and `lse_T` are reused when
+    the caller has them."""
     aux: dict[str, Tensor] = {}
-    if cfg.aux_loss_coef > 0:
+    if balance and cfg.aux_loss_coef > 0:
         aux["load_balance"] = cfg.aux_loss_coef * losses.load_balance_loss(
             probs_TE, expert_ids_TK, pad_mask_T, counts_E)
     if cfg.z_loss_coef > 0:

@@ -9,6 +9,8 @@ Shape legend: T tokens (flattened batch positions), E experts, K expert slots pe
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -75,6 +77,45 @@ def load_balance_loss(probs_TE: Tensor, expert_ids_TK: Tensor,
     if counts_E is None:
         counts_E = tokens_per_expert(expert_ids_TK, E, pad_mask_T)
     return E * (assignment_fractions(counts_E) * mean_probs(probs_TE, pad_mask_T)).sum()
+
+
+def cv_squared(values_E: Tensor) -> Tensor:
+    """Squared coefficient of variation, var / mean^2, with the population variance (as in
+    Shazeer et al.'s own code); 0 for fewer than two values."""
+    v_E = values_E.float()
+    if v_E.numel() < 2:
+        return v_E.sum() * 0.0
+    return v_E.var(unbiased=False) / (v_E.mean().square() + 1e-10)
+
+
+def prob_in_top_k(clean_NE: Tensor, noisy_NE: Tensor, std_NE: Tensor, k: int) -> Tensor:
+    """P(x, i) of Shazeer et al. (2017), Appendix A: the probability that expert i is among the
+    k largest noisy logits when only its own noise is drawn again,
+    Phi((clean_i - kth_excluding(noisy, k, i)) / std_i). The threshold is the k-th largest
+    noisy logit for an expert outside the top k and the (k+1)-th for one inside. All ones when
+    k >= E (no expert can leave)."""
+    N, E = noisy_NE.shape
+    if k >= E:
+        return torch.ones_like(clean_NE, dtype=torch.float32)
+    top_NK = noisy_NE.float().topk(k + 1, dim=-1).values
+    inside_N1, outside_N1 = top_NK[:, k:k + 1], top_NK[:, k - 1:k]
+    is_in_NE = noisy_NE.float() > inside_N1
+    threshold_NE = torch.where(is_in_NE, inside_N1, outside_N1)
+    z_NE = (clean_NE.float() - threshold_NE) / std_NE.float()
+    return 0.5 * (1.0 + torch.erf(z_NE / math.sqrt(2.0)))
+
+
+def importance_load_losses(gates_NE: Tensor, clean_NE: Tensor, noisy_NE: Tensor,
+                           std_NE: Tensor, k: int, pad_mask_N: Tensor | None = None
+                           ) -> tuple[Tensor, Tensor]:
+    """SGMoE's auxiliary losses (Shazeer et al. 2017, Appendix A) over the real rows:
+    (CV(Importance)^2, CV(Load)^2), Importance_e the sum of the rows' gate values G(x)_e (zero
+    outside the top k), Load_e the sum of `prob_in_top_k` (differentiable through the clean
+    logits and the noise's scale)."""
+    keep_N = _keep(pad_mask_N, gates_NE)
+    importance_E = keep_N @ gates_NE.float()
+    load_E = keep_N @ prob_in_top_k(clean_NE, noisy_NE, std_NE, k)
+    return cv_squared(importance_E), cv_squared(load_E)
 
 
 def z_loss(logits_TE: Tensor, pad_mask_T: Tensor | None = None, lse_T: Tensor | None = None

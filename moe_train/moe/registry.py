@@ -39,6 +39,9 @@ def build_router(name: str, d_model: int, num_experts: int, cfg: RouterConfig,
         known = ", ".join(sorted(ROUTERS))
         raise ConfigError(f"moe.router: unknown router {name!r} (known: {known})")
     _expect(num_experts >= 1, "moe.num_experts", "a positive integer", num_experts)
+    if cfg.balance_loss != "switch" and name != "sentence":
+        raise ConfigError(f"moe.balance_loss: {cfg.balance_loss} (SGMoE's importance and load "
+                          f"losses) is built for the sentence router, got router {name!r}")
     return ROUTERS[name](d_model, num_experts, cfg, **settings)
 
 

@@ -44,7 +44,8 @@ class SentenceRouter(Router):
     non-pad token states at this layer (Eq. 1 of the task-routing paper). Every token of a
     sentence, padding included, gets the sentence's experts and weights. Weights are the raw
     probability for k = 1 (Switch-SL) and renormalised for k > 1 (SGMoE-SL). Load-balance and
-    z losses are computed over sentences that have a real token. On the decoder side a
+    z losses are computed over sentences that have a real token; ``balance_loss: cv2`` gives
+    SGMoE's importance and load losses instead (noisy gating, Shazeer et al. 2017). On the decoder side a
     sentence representation must be given: pooling decoder states would let each position see
     future target tokens.
     """
@@ -60,11 +61,18 @@ class SentenceRouter(Router):
 
     def forward(self, x_TD: Tensor, rctx: RoutingContext | None = None) -> Routing:
         rctx = _require_sentences(rctx, "sentence")
-        clean_BE, logits_BE = self.gate(sentence_repr(x_TD, rctx, self.name))
+        clean_BE, logits_BE, std_BE = self.gate.scores(sentence_repr(x_TD, rctx, self.name))
         probs_BE = logits_BE.softmax(-1)
         ids_BK, weights_BK = top_k_select(probs_BE, self.k, renormalize=self.k > 1)
         empty_B = _sentence_pad_mask(rctx)
-        aux = _gate_losses(self.cfg, probs_BE, ids_BK, clean_BE, empty_B)
+        cv2 = self.cfg.balance_loss == "cv2" and self.cfg.aux_loss_coef > 0
+        aux = _gate_losses(self.cfg, probs_BE, ids_BK, clean_BE, empty_B, balance=not cv2)
+        if cv2:  # G(x) = softmax over the kept top k of the noisy logits: the weights here
+            gates_BE = torch.zeros_like(probs_BE).scatter(1, ids_BK, weights_BK)
+            importance, load = losses.importance_load_losses(gates_BE, clean_BE, logits_BE,
+                                                             std_BE, self.k, empty_B)
+            aux["importance"] = self.cfg.aux_loss_coef * importance
+            aux["load"] = self.cfg.aux_loss_coef * load
         sid_T = rctx.sentence_ids_T
         expert_ids_TK = ids_BK[sid_T]
         stats = _token_stats(expert_ids_TK, self.num_experts, rctx.pad_mask_T, None)

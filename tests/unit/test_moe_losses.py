@@ -11,12 +11,8 @@ import pytest
 import torch
 
 from moe_train.moe.losses import (
-    entropy_loss,
-    load_balance_loss,
-    routing_entropy,
-    tokens_per_expert,
-    z_loss,
-)
+    cv_squared, entropy_loss, importance_load_losses, load_balance_loss, prob_in_top_k,
+    routing_entropy, tokens_per_expert, z_loss)
 
 # Four real tokens (E = 4), top-1 choices 0, 0, 0, 1.
 PROBS_TE = torch.tensor([[0.7, 0.1, 0.1, 0.1],
@@ -124,3 +120,36 @@ def test_all_padding_gives_zero_losses_still_on_graph() -> None:
     assert total.item() == 0.0
     total.backward()
     assert torch.equal(logits_TE.grad, torch.zeros(3, 4))
+
+
+def test_cv_squared_hand_values() -> None:
+    assert cv_squared(torch.tensor([1.0, 3.0])).item() == pytest.approx(0.25)  # var 1, mean 2
+    assert cv_squared(torch.tensor([2.0, 2.0, 2.0])).item() == 0.0
+    assert cv_squared(torch.tensor([5.0])).item() == 0.0
+
+
+def test_prob_in_top_k_matches_redrawing_one_experts_noise() -> None:
+    """Shazeer et al.'s P(x, i): expert i's noise drawn again, the others' kept as drawn."""
+    torch.manual_seed(0)
+    clean_NE = torch.tensor([[1.0, 0.5, 0.2, -0.3, 0.8]])
+    std_NE = torch.tensor([[0.5, 1.0, 0.7, 0.4, 0.9]])
+    noisy_NE = clean_NE + torch.randn(1, 5) * std_NE
+    k, draws = 2, 200_000
+    got = prob_in_top_k(clean_NE, noisy_NE, std_NE, k)[0]
+    for i in range(5):
+        redrawn_DE = noisy_NE.repeat(draws, 1)
+        redrawn_DE[:, i] = clean_NE[0, i] + torch.randn(draws) * std_NE[0, i]
+        in_top = (redrawn_DE.topk(k, dim=-1).indices == i).any(-1).float().mean()
+        assert got[i].item() == pytest.approx(in_top.item(), abs=0.005), i
+    assert torch.equal(prob_in_top_k(clean_NE, noisy_NE, std_NE, 5), torch.ones(1, 5))
+
+
+def test_importance_and_load_losses_over_real_rows() -> None:
+    gates_NE = torch.tensor([[0.6, 0.4, 0.0], [0.0, 0.7, 0.3], [0.9, 0.1, 0.0]])
+    clean_NE = torch.tensor([[1.0, 0.5, -1.0], [-1.0, 0.8, 0.2], [2.0, 0.0, -2.0]])
+    std_NE = torch.ones(3, 3)
+    pad_N = torch.tensor([False, False, True])  # the third row is padding: left out
+    importance, load = importance_load_losses(gates_NE, clean_NE, clean_NE, std_NE, 2, pad_N)
+    assert importance.item() == pytest.approx(cv_squared(torch.tensor([0.6, 1.1, 0.3])).item())
+    expected_E = prob_in_top_k(clean_NE[:2], clean_NE[:2], std_NE[:2], 2).sum(0)
+    assert load.item() == pytest.approx(cv_squared(expected_E).item())

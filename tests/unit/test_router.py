@@ -459,3 +459,44 @@ def test_topk_gate_without_aux_losses_and_weights_only() -> None:
     w_TK = router.gate(x_TD)[1].softmax(-1).topk(2, dim=-1).values
     (w_TK / w_TK.sum(-1, keepdim=True)).pow(2).sum().backward()
     torch.testing.assert_close(got, router.gate.weight.weight.grad)
+
+
+def test_sentence_router_with_sgmoe_importance_and_load_losses() -> None:
+    """balance_loss cv2 (SGMoE-SL): CV(Importance)^2 + CV(Load)^2 of the real sentences, each
+    times aux_loss_coef, in place of the Switch loss; Load trains the noise's scale too."""
+    from moe_train.moe import losses
+
+    torch.manual_seed(0)
+    cfg = RouterConfig(k=2, noisy_gating=True, balance_loss="cv2", aux_loss_coef=0.1,
+                       z_loss_coef=0.0)
+    router = build_router("sentence", 6, 4, cfg).train()
+    with torch.no_grad():
+        router.gate.noise.weight.normal_(0.0, 0.5)
+    repr_BD = torch.randn(5, 6)
+    pad_BT = torch.tensor([[0, 0], [0, 1], [1, 1], [0, 0], [0, 0]]).bool()  # sentence 2: empty
+    rctx = RoutingContext.from_batch(5, 2, pad_mask_BT=pad_BT, sentence_repr_BD=repr_BD)
+    x_TD = torch.randn(10, 6)  # not read: the sentences' representation is given
+    torch.manual_seed(1)
+    out = router.route(x_TD, rctx)
+    assert set(out.aux_losses) == {"importance", "load"}
+    torch.manual_seed(1)  # the same noise, by hand
+    clean_BE, noisy_BE, std_BE = router.gate.scores(repr_BD)
+    ids_BK, w_BK = out.expert_ids_TK[::2], out.weights_TK[::2]
+    gates_BE = torch.zeros(5, 4).scatter(1, ids_BK, w_BK)
+    keep = [0, 1, 3, 4]
+    importance = losses.cv_squared(gates_BE[keep].sum(0))
+    load = losses.cv_squared(losses.prob_in_top_k(clean_BE, noisy_BE, std_BE, 2)[keep].sum(0))
+    assert out.aux_losses["importance"].item() == pytest.approx(0.1 * importance.item(), rel=1e-5)
+    assert out.aux_losses["load"].item() == pytest.approx(0.1 * load.item(), rel=1e-5)
+    sum(out.aux_losses.values()).backward()
+    assert router.gate.weight.weight.grad.abs().sum() > 0
+    assert router.gate.noise.weight.grad.abs().sum() > 0
+
+
+def test_sgmoe_losses_need_noise_and_the_sentence_router() -> None:
+    with pytest.raises(ConfigError, match="moe.noisy_gating: expected true with balance_loss cv2"):
+        RouterConfig(balance_loss="cv2")
+    with pytest.raises(ConfigError, match="moe.balance_loss: expected one of switch, cv2"):
+        RouterConfig(balance_loss="cv")
+    with pytest.raises(ConfigError, match="built for the sentence router, got router 'topk'"):
+        build_router("topk", 6, 4, RouterConfig(balance_loss="cv2", noisy_gating=True))
