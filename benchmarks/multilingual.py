@@ -102,7 +102,8 @@ def run_variant(args, variant: str, work: Path, prepared: Path, common: list[str
     record: dict[str, Any] = {
         "config": str(config(variant).relative_to(ROOT)),
         "steps": summary["step"], "train_seconds": round(summary["train_seconds"], 1),
-        "train_tokens_per_s": round(summary["train_tokens_per_s"], 1),
+        "train_tokens_per_s": (None if summary["train_tokens_per_s"] is None
+                               else round(summary["train_tokens_per_s"], 1)),
         "dev_loss": summary.get("dev/loss"), "dev_ppl": summary.get("dev/ppl"),
         "params": {k: v for k, v in last_json(cli(["params", "--checkpoint", str(export)],
                                                   vdir / "params.log")).items()

@@ -244,8 +244,9 @@ def run_demo(workdir: Path, minutes: float | None = None, overrides: list[str] |
     routing = _routing(workdir, inf, test, cfg, rt)
     metrics["extraction"] = _extraction(workdir, inf, test, cfg, rt)
     write_json(workdir / "test_metrics.json", metrics)
+    tokens_per_s = summary["train_tokens_per_s"]  # None: no step trained by any run here
     _say(f"done in {(time.time() - t0) / 60:.1f} min | {summary['step']} steps | "
-         f"{summary['train_tokens_per_s']:.0f} target tokens/s")
+         + (f"{tokens_per_s:.0f} target tokens/s" if tokens_per_s else "no training measured"))
     _say(f"work directory: {workdir}")
     _say(f"  checkpoint:  {cfg.checkpoint.dir} (export: {summary['export']})")
     _say(f"  routing:     {routing} (CSV tables and PNG heatmaps per MoE layer)")

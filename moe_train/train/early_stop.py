@@ -46,6 +46,12 @@ class EarlyStop:
             self.bad += 1
         return self.bad >= self.patience
 
+    @property
+    def plateaued(self) -> bool:
+        """Whether the last `patience` validations brought no improvement: a checkpoint with
+        this state is where its run stopped early."""
+        return self.patience > 0 and self.bad >= self.patience
+
     def state(self) -> dict[str, Any]:
         """What the summary reports: the best value and its step."""
         return {"metric": self.key, "best": self.sign * self.best, "best_step": self.best_step}

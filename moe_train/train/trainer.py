@@ -366,6 +366,7 @@ class Trainer:
                                               window["tokens"])
         if tokens == 0:  # every step of the window was skipped: no loss to report
             loss = nll = float("nan")
+        tokens_per_s = tokens / max(elapsed, 1e-9)
         tokens = max(tokens, 1.0)
         grad_norm = self.last_grad_norm
         if grad_norm is None:
@@ -375,7 +376,7 @@ class Trainer:
                   "train/ppl": 2 ** (nll / tokens / math.log(2)),
                   "train/lr": (self.engine.get_lr()[0] if self.last_lr is None
                                else self.last_lr),
-                  "train/tokens_per_s": tokens / max(elapsed, 1e-9),
+                  "train/tokens_per_s": tokens_per_s,
                   "train/memory_mb": peak_memory_mb(self.rt.device),
                   "train/epoch": float(self.batches.epoch)}
         if grad_norm is not None:
@@ -411,10 +412,11 @@ class Trainer:
                     values[f"moe_{key}/{tag}"] = float(value)
             self.monitor.scalars(self.step, values)
 
-    def _validate(self, with_bleu: bool, have: dict[str, Any] | None = None
-                  ) -> dict[str, Any]:
+    def _validate(self, with_bleu: bool, have: dict[str, Any] | None = None,
+                  to_tensorboard: bool = True) -> dict[str, Any]:
         """Dev loss (and BLEU): logged and returned. `have`: this step's validation already
-        done; only what it lacks (BLEU) is computed and logged."""
+        done; only what it lacks (BLEU) is computed and logged. `to_tensorboard` False: printed
+        only (a resumed run that trained no step: its last run wrote this step's events)."""
         if self.dev_set is None:
             return {}
         values: dict[str, Any] = dict(have) if have is not None else self.validate_loss()
@@ -433,7 +435,8 @@ class Trainer:
             msg += f" | task acc {values['dev/task_accuracy']:.4f}"
         if "dev/bleu" in values:
             msg += f" | greedy BLEU {values['dev/bleu']:.2f} | chrF {values['dev/chrf']:.2f}"
-        self.monitor.scalars(self.step, {k: float(v) for k, v in fresh.items()})
+        if to_tensorboard:
+            self.monitor.scalars(self.step, {k: float(v) for k, v in fresh.items()})
         self.monitor.print(msg)
         return values
 
@@ -455,7 +458,7 @@ class Trainer:
         paused = 0.0  # seconds in validation and checkpoints: not training time
         train_tokens_local = 0.0
         early, validated_at, last_values = self.early, -1, None
-        stopped_early = False
+        first_step = self.step
         ended = self.checkpoints.ended_at(self.step, tc.max_steps) if self.resumed else None
         if ended is not None:
             self.monitor.print(f"| resume: the run already ended at step {self.step} "
@@ -463,7 +466,9 @@ class Trainer:
                                f" nothing to train, its summary is in "
                                f"{self.checkpoints.dir / ENDED}")
             return ended
-        while self.step < tc.max_steps:
+        # killed after its last save, before the end record: a plateau stays a plateau
+        stopped_early = self.resumed and early.plateaued
+        while self.step < tc.max_steps and not stopped_early:
             sums = self.train_step()
             self._count_nonfinite(bool(sums["nonfinite"]))
             for k in window:
@@ -507,8 +512,10 @@ class Trainer:
         elapsed = wall - paused  # the training steps alone
         (tokens,) = all_reduce_floats(self.rt, train_tokens_local)
         done_here = validated_at == self.step  # validated in the loop: add only BLEU
-        final = self._validate(with_bleu=True, have=last_values if done_here else None)
-        if not done_here:  # off the schedule (a time limit, max_steps): for the best only
+        trained = self.step > first_step  # else resumed at its last step: validated before
+        final = self._validate(with_bleu=True, have=last_values if done_here else None,
+                               to_tensorboard=trained)
+        if not done_here and trained:  # off the schedule (time limit, max_steps): best only
             self._note_validation(final, scheduled=bool(tc.validate_every)
                                   and self.step % tc.validate_every == 0)
         path = self.save()
@@ -525,7 +532,7 @@ class Trainer:
         summary = {"step": self.step, "train_seconds": elapsed, "wall_seconds": wall,
                    "stopped_early": stopped_early,
                    **({"early_stop": early.state()} if tc.patience else {}), **exported,
-                   "train_tokens_per_s": tokens / max(elapsed, 1e-9),
+                   "train_tokens_per_s": tokens / elapsed if tokens and elapsed > 0 else None,
                    "checkpoint": str(path), "export": str(self.checkpoints.export_dir), **final}
         if stopped_early or self.step >= tc.max_steps:  # not a time limit: that run goes on
             self.checkpoints.record_end(summary)

@@ -50,6 +50,18 @@ def test_training_stops_after_patience_validations_without_a_gain(tiny_prepared,
     assert json.loads(again.stdout.strip().splitlines()[-1]) == summary
     assert (tmp_path / "ckpt" / "latest").read_text().strip() == "step_00000015"
     assert (tmp_path / "ckpt" / "export" / "model.safetensors").stat().st_mtime_ns == export_mtime
+    # killed in its export, before ended.json: the resumed run trains no step, validates
+    # without writing step 15's events again and measures no throughput
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    (tmp_path / "ckpt" / "ended.json").unlink()
+    third = run_cli(["train", "--config", CONFIG, "--resume", *overrides], cwd=ROOT)
+    resumed = json.loads(third.stdout.strip().splitlines()[-1])
+    assert resumed["step"] == 15 and resumed["train_tokens_per_s"] is None, resumed
+    assert resumed["dev/loss"] == summary["dev/loss"]
+    acc = EventAccumulator(str(tmp_path / "tb"))
+    acc.Reload()
+    assert [e.step for e in acc.Scalars("dev/loss")] == [5, 10, 15]
 
 
 def test_export_best_off_exports_the_last_step(tiny_prepared, tmp_path):
