@@ -182,9 +182,11 @@ def source_prefix(manifest: dict[str, Any], vocab, domain: str | None,
     """Tag ids to put before every raw-text source, as the model's data had them: the domain tag
     (data.domain_tags, from --domain), then the target-language tag (data.lang_tags, from
     --tgt-lang). A flag may be left out when the data had one choice."""
-    targets = sorted({c["tgt_lang"] for c in manifest["corpora"]})
-    held = {c["domain"] for c in manifest["corpora"]}  # an extracted sub-network's: its task's
-    domains = [d for d in manifest["domains"] if d in held] or list(manifest["domains"])
+    corpora = manifest.get("corpora", [])  # none: a converted model saw no corpus
+    targets = sorted({c["tgt_lang"] for c in corpora})
+    held = {c["domain"] for c in corpora}  # an extracted sub-network's: its task's
+    all_domains = manifest.get("domains", [])
+    domains = [d for d in all_domains if d in held] or list(all_domains)
     return vocab.source_prefix(
         _tag_choice("domain", domain, domains,
                     "was trained with domain tags (data.domain_tags) for", whose)
@@ -318,24 +320,14 @@ def cmd_translate(args: argparse.Namespace) -> int:
 
 
 def _prepared_split(inf, prepared_arg: str | None, split: str):
-    """The prepared split to score, checked against the model: its sentencepiece model, and
-    its domain and language lists (the ids of the data are read with the model's names)."""
+    """The prepared split to score, checked against the model (`check_model_data`: its
+    tokenizer, its domain and language lists)."""
+    from moe_train.data.prepare import check_model_data
     from moe_train.data.shards import nonempty_split
 
     prepared = Path(prepared_arg or inf.cfg.data.prepared_dir)
-    if (prepared / "spm.model").is_file() and \
-            (prepared / "spm.model").read_bytes() != (inf.source / "spm.model").read_bytes():
-        raise DataError(f"{prepared}: prepared with another sentencepiece model than "
-                        f"{inf.source}")
     dataset = nonempty_split(prepared, split)
-    for key in ("domains", "langs"):
-        ours, theirs = dataset.manifest.get(key, []), inf.manifest.get(key, [])
-        if not theirs:  # a converted model saw no corpus: the data names its own groups
-            inf.manifest = {**inf.manifest, key: list(ours)}
-        elif list(ours) != list(theirs):
-            raise DataError(f"{prepared}: its {key} {', '.join(ours) or 'none'} are not the "
-                            f"model's ({', '.join(theirs) or 'none'}, {inf.source}); prepare "
-                            "the data with the model's data settings")
+    inf.manifest = check_model_data(inf.source, inf.manifest, prepared, dataset.manifest)
     if inf.cfg.moe.extracted_task:
         from moe_train.eval.extract import serves
 

@@ -23,6 +23,7 @@ import numpy as np
 from moe_train.config.loader import load_config, merge, read_yaml
 from moe_train.errors import ConfigError
 from moe_train.utils.atomic import check_parent_writable
+from moe_train.utils.safe_load import read_json_object
 
 CORPUS = {"num_domains": 3, "target_langs": ["de", "fr"], "train_per_domain": 2000,
           "dev_per_domain": 20, "test_per_domain": 25}
@@ -114,7 +115,7 @@ def _check_reused_data(workdir: Path, cfg) -> None:
 
     path, now = workdir / "data-settings.json", json.loads(json.dumps(_data_settings(cfg)))
     if path.is_file():
-        then = json.loads(path.read_text(encoding="utf-8"))
+        then = read_json_object(path, "the demo's data settings (JSON object)", ConfigError)
         for key, value in now.items():
             if then.get(key) != value:
                 raise ConfigError(f"demo --workdir {workdir}: its corpus was made with {key} "

@@ -115,6 +115,34 @@ def tokenizer_files(directory: Path, manifest: dict[str, Any]) -> list[Path]:
     return [directory / manifest.get("spm_model", "spm.model")]
 
 
+def check_model_data(model_dir: Path, model_manifest: dict[str, Any], prepared: Path,
+                     manifest: dict[str, Any]) -> dict[str, Any]:
+    """Refuse prepared data a model did not see: another tokenizer (kind or file bytes), or
+    other domain / language lists (the data's ids are read with the model's names). A model
+    whose lists are empty (converted, it saw no corpus) takes the data's; returns its manifest
+    with them. One DataError line naming both directories."""
+    kind = ["a Hugging Face tokenizer" if m.get("tokenizer") == HFTokenizer.kind
+            else "sentencepiece" for m in (manifest, model_manifest)]
+    if kind[0] != kind[1]:
+        raise DataError(f"{prepared}: tokenized with {kind[0]}, the model {model_dir} with "
+                        f"{kind[1]}; expected data prepared with the model's tokenizer")
+    for path in tokenizer_files(prepared, manifest):
+        mine = model_dir / path.name
+        if path.is_file() and (not mine.is_file() or mine.read_bytes() != path.read_bytes()):
+            raise DataError(f"{prepared}: its {path.name} is not the model's ({model_dir}); "
+                            "expected data prepared with the model's tokenizer")
+    model_manifest = dict(model_manifest)
+    for key in ("domains", "langs"):
+        ours, theirs = list(manifest.get(key, [])), list(model_manifest.get(key, []))
+        if not theirs:
+            model_manifest[key] = ours
+        elif ours != theirs:
+            raise DataError(f"{prepared}: its {key} {', '.join(ours) or 'none'} are not the "
+                            f"model's ({', '.join(theirs) or 'none'}, {model_dir}); prepare "
+                            "the data with the model's data settings")
+    return model_manifest
+
+
 def _check_out_dir(out_dir: Path, overwrite: bool) -> None:
     """Refuse to clobber prepared data (unless `overwrite`) or anything that is not ours, and a
     place where the directory cannot be made (before any work)."""

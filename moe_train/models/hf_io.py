@@ -116,6 +116,11 @@ def _check_supported(hf: dict[str, Any], rope: dict[str, Any], source: Path) -> 
     activation."""
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     scaling = hf.get("rope_scaling")
+    if scaling is not None and not isinstance(scaling, dict):
+        raise ConfigError(f"{source}: rope_scaling is {scaling!r}; expected an object or null")
+    if not isinstance(hf.get("layer_types") or [], list):
+        raise ConfigError(f"{source}: layer_types is {hf.get('layer_types')!r}; expected a "
+                          "list of attention kinds")
     if rope_type != "default" or (scaling and scaling.get("rope_type",
                                                           scaling.get("type")) != "default"):
         raise ConfigError(f"{source}: rope scaling {scaling or rope!r}; expected the default "
@@ -145,8 +150,10 @@ def hf_weight_files(model_dir: Path) -> list[Path]:
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
         weight_map = read_json_object(index, "a safetensors index (weight_map)").get("weight_map")
-        if not isinstance(weight_map, dict):
-            raise CheckpointError(f"{index}: no weight_map; expected a safetensors index")
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) and v
+                                                       for v in weight_map.values()):
+            raise CheckpointError(f"{index}: no weight_map of tensor names to shard files; "
+                                  "expected a safetensors index")
         return [require_file(model_dir / name, "a weights shard named by the index")
                 for name in sorted(set(weight_map.values()))]
     return [require_file(model_dir / "model.safetensors", "the model's weights "
@@ -208,7 +215,8 @@ def hf_to_ours(src: TensorSource, cfg: ExperimentConfig, source: Path | str) -> 
         shape = (len(names), *reversed(src.shapes[names[0]]))
         plan[f"{PREFIX}model.layers.{layer}.mlp.moe.experts.{ours_name[proj]}"] = (
             shape, lambda names=names: torch.stack([src.get(k).t() for k in names]).contiguous())
-    if cfg.qwen.tie_word_embeddings and PREFIX + "lm_head.weight" not in plan:
+    if cfg.qwen.tie_word_embeddings and PREFIX + "lm_head.weight" not in plan and \
+            PREFIX + "model.embed_tokens.weight" in plan:  # missing: named by the shape check
         plan[PREFIX + "lm_head.weight"] = plan[PREFIX + "model.embed_tokens.weight"]
     return TensorSource.from_plan(plan, source)
 

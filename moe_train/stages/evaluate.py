@@ -153,10 +153,11 @@ def cached_scores(cache_dir: Path, key: dict[str, Any], compute: Callable[[], di
     path = Path(cache_dir) / f"{name}.json"
     if path.is_file():
         try:
-            stored = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError):
-            stored = None
-        if isinstance(stored, dict) and stored.get("key") == key:
+            stored = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+            stored = None  # a damaged entry: computed again and replaced
+        if isinstance(stored, dict) and stored.get("key") == key and \
+                isinstance(stored.get("scores"), dict):
             return dict(stored["scores"], cached=True)
     scores = compute()
     if write:

@@ -6,19 +6,22 @@ sharded; read through the mapping of moe_train.models.hf_io). Their names and fu
 be exactly the model's: a mismatch is one CheckpointError line naming the tensors. Tensors are
 read one at a time (safetensors headers give the shapes), so a ZeRO-3 model built partitioned
 (`moe_train.parallel.zero3.partitioned_build`) is filled without any rank holding it whole:
-only the main rank reads, and each value is scattered to the partitions.
+only the main rank reads, and each value is scattered to the partitions. A step checkpoint
+is the exception: its consolidated state is read whole on every rank (export it first).
 """
 
 from __future__ import annotations
 
 import contextlib
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 
 from moe_train.config.schema import ExperimentConfig
-from moe_train.errors import CheckpointError
+from moe_train.data.hf_tokenizer import TOKENIZER_JSON, HFTokenizer
+from moe_train.errors import CheckpointError, MoeTrainError
 from moe_train.parallel.zero3 import full_shape, load_partitioned
 from moe_train.utils.safe_load import read_json_object
 from moe_train.utils.tensor_source import Shape, TensorSource
@@ -31,25 +34,33 @@ def is_hf_model_dir(path: Path) -> bool:
     return config.is_file() and "model_type" in read_json_object(config, "a config.json")
 
 
-def open_init_weights(path: str | Path, cfg: ExperimentConfig) -> TensorSource:
-    """The weights `train.init_from` names, under our tensor names, read lazily."""
+def open_init_weights(path: str | Path, cfg: ExperimentConfig,
+                      manifest: dict[str, Any] | None = None) -> TensorSource:
+    """The weights `train.init_from` names, under our tensor names, read lazily. Given the
+    run's data `manifest`, the source must have seen the same tokenizer, domains and
+    languages (`check_model_data`; a Hugging Face directory: its tokenizer.json)."""
+    from moe_train.data.prepare import check_model_data
     from moe_train.models.hf_io import hf_source
     from moe_train.train.checkpoint import consolidated_state_dict
     from moe_train.train.export import export_source, read_parts
 
-    path = Path(path)
+    path, prepared = Path(path), Path(cfg.data.prepared_dir)
     try:
         if path.is_dir() and is_hf_model_dir(path):
             if not cfg.decoder_only:
                 raise CheckpointError(f"{path} is a Hugging Face model directory; expected "
                                       "model.arch hf_qwen2_moe to start from it (or a moe_train "
                                       "export / checkpoint)")
+            if manifest is not None and (path / TOKENIZER_JSON).is_file():
+                check_model_data(path, {"tokenizer": HFTokenizer.kind}, prepared, manifest)
             return hf_source(path, cfg)
-        kind, where, _, _, _ = read_parts(path)
+        kind, where, _, source_manifest, _ = read_parts(path)
+        if manifest is not None:
+            check_model_data(where, source_manifest, prepared, manifest)
         if kind == "step":
             return TensorSource.from_dict(consolidated_state_dict(where), where)
         return export_source(where)
-    except CheckpointError as exc:
+    except MoeTrainError as exc:
         raise CheckpointError(f"train.init_from: {exc}") from None
 
 
@@ -94,7 +105,7 @@ def build_start_model(cfg: ExperimentConfig, manifest: dict, ds_config: dict, is
     from moe_train.parallel.zero3 import partitioned_build
 
     init_from = cfg.train.init_from
-    src = open_init_weights(init_from, cfg) if init_from and load else None
+    src = open_init_weights(init_from, cfg, manifest) if init_from and load else None
     partitioned = bool(init_from) and cfg.optim.zero_stage == 3 and cfg.decoder_only
     with partitioned_build(ds_config) if partitioned else contextlib.nullcontext():
         model = build_model(cfg, manifest)

@@ -176,7 +176,10 @@ def load_arrays(path: str | os.PathLike, what: str, keys: Iterable[str], rows: i
 
     path = require_file(path, what, error)
     try:
-        with np.load(path, allow_pickle=False) as npz:
+        loaded = np.load(path, allow_pickle=False)
+        if not isinstance(loaded, np.lib.npyio.NpzFile):  # a plain .npy array
+            raise error(f"{path}: a single array, not an .npz archive; expected {what}")
+        with loaded as npz:
             arrays = {k: npz[k] for k in npz.files}
     except (OSError, ValueError, EOFError) as exc:
         raise _unreadable(path, what, exc, error) from None

@@ -83,7 +83,8 @@ def open_store(directory: Path, stem: str) -> tuple[TensorSource, dict[str, Any]
     obj = read_json_object(index, "a tensor store index")
     weight_map, meta = obj.get("weight_map"), obj.get("meta")
     if obj.get("format") != STORE_FORMAT or not isinstance(weight_map, dict) or \
-            not isinstance(meta, dict):
+            not isinstance(meta, dict) or not all(isinstance(v, str) and v
+                                                  for v in weight_map.values()):
         raise CheckpointError(f"{index}: expected a {STORE_FORMAT} index (format, meta, "
                               "weight_map)")
     files = sorted(set(weight_map.values()))

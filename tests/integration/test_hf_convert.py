@@ -201,6 +201,16 @@ def test_to_hf_refuses_a_router_transformers_lacks_and_tied_counts_once(tmp_path
     proc = run_cli(["convert", "--from-hf", str(hf_dir), "--out", str(ours_dir)], cwd=tmp_path)
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
     assert summary["parameters"] == sum(p.numel() for p in model.parameters())  # tied: once
+    # tied, but the weights lack the embedding it is tied to: one line, not a KeyError
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(hf_dir / "model.safetensors")
+    weights.pop("model.embed_tokens.weight")
+    save_file(weights, hf_dir / "model.safetensors", metadata={"format": "pt"})
+    proc = run_cli(["convert", "--from-hf", str(hf_dir), "--out", str(tmp_path / "x")],
+                   cwd=tmp_path, check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert "embed_tokens" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
     config = json.loads((ours_dir / "config.json").read_text())
     config["moe"]["decoder_router"] = "switch"
     (ours_dir / "config.json").write_text(json.dumps(config))

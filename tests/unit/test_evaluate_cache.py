@@ -95,7 +95,11 @@ def test_unreadable_or_foreign_entry_is_recomputed(fake_run):
     stored["key"]["decode"]["beam"] = 9  # an entry whose stored key does not match
     entry.write_text(json.dumps(stored))
     assert cached_scores(tmp / "cache", key, decode)["cached"] is False
-    assert decode.calls == 3
+    entry.write_bytes(b"\xff\xfe not UTF-8")
+    assert cached_scores(tmp / "cache", key, decode)["cached"] is False
+    entry.write_text(json.dumps({"key": key}))  # the right key, no scores
+    assert cached_scores(tmp / "cache", key, decode)["cached"] is False
+    assert decode.calls == 5
 
 
 def test_entry_of_an_older_format_is_recomputed(fake_run):

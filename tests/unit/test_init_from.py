@@ -75,6 +75,25 @@ def test_weights_of_another_shape_or_missing_paths_are_one_line_errors(tmp_path)
         build_start_model(seq2seq(f"train.init_from={hf_dir}"), MANIFEST, {}, True)
 
 
+def test_the_run_s_data_must_use_the_source_s_tokenizer_domains_and_languages(tmp_path) -> None:
+    """Names and shapes alone let a run start from embeddings of another vocabulary."""
+    (tmp_path / "spm.model").write_bytes(b"the export's tokenizer")
+    export = export_inference(tmp_path / "export", build_model(seq2seq(), MANIFEST).state_dict(),
+                              seq2seq(), MANIFEST, [tmp_path / "spm.model"])
+    prepared = tmp_path / "prepared"
+    prepared.mkdir()
+    (prepared / "spm.model").write_bytes(b"the export's tokenizer")
+    run = seq2seq(f"train.init_from={export}", f"data.prepared_dir={prepared}")
+    build_start_model(run, MANIFEST, {}, True)  # the same data settings: fine
+    with pytest.raises(CheckpointError, match=r"train.init_from: .*prepared: its domains b are "
+                                              r"not the model's \(a, .*export\)"):
+        build_start_model(run, {**MANIFEST, "domains": ["b"]}, {}, True)
+    (prepared / "spm.model").write_bytes(b"another tokenizer")
+    with pytest.raises(CheckpointError, match=r"train.init_from: .*prepared: its spm.model is "
+                                              r"not the model's"):
+        build_start_model(run, MANIFEST, {}, True)
+
+
 def test_each_tensor_is_read_once_and_tied_weights_once() -> None:
     cfg = qwen("qwen.tie_word_embeddings=true")
     torch.manual_seed(3)

@@ -238,6 +238,8 @@ def test_a_dangling_link_needs_its_target_directory(tmp_path, monkeypatch) -> No
     ("rope_parameters", {"rope_type": "linear", "factor": 4.0}, "scaled RoPE is not supported"),
     ("rope_scaling", {"rope_type": "yarn", "factor": 4.0}, "scaled RoPE is not supported"),
     ("use_sliding_window", True, "sliding-window attention"),
+    ("rope_scaling", "linear", "rope_scaling is 'linear'; expected an object or null"),
+    ("layer_types", 3, "layer_types is 3; expected a list of attention kinds"),
     ("hidden_act", "gelu", "hidden_act is 'gelu'; expected 'silu'"),
 ])
 def test_hf_config_types_name_the_file_and_key(tmp_path, key, value, needle) -> None:

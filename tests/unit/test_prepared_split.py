@@ -44,3 +44,17 @@ def test_a_converted_model_takes_the_data_s_names(tiny_prepared, tmp_path) -> No
     inf = _model(tiny_prepared, tmp_path, domains=[], langs=[])
     assert len(_prepared_split(inf, None, "test")) > 0
     assert (inf.manifest["domains"], inf.manifest["langs"]) == (data["domains"], data["langs"])
+
+
+def test_data_of_another_tokenizer_is_refused(tiny_prepared, tmp_path) -> None:
+    """Another sentencepiece model, or another kind of tokenizer: the ids would mean other
+    pieces (an index error, or a silent score of garbage)."""
+    inf = _model(tiny_prepared, tmp_path)
+    (inf.source / "spm.model").write_bytes(b"another model")
+    with pytest.raises(DataError, match=r"its spm.model is not the model's"):
+        _prepared_split(inf, None, "test")
+    (tmp_path / "hf").mkdir()
+    hf = _model(tiny_prepared, tmp_path / "hf", tokenizer="hf")
+    with pytest.raises(DataError, match=r"tokenized with sentencepiece, the model .* with a "
+                                         r"Hugging Face tokenizer"):
+        _prepared_split(hf, None, "test")

@@ -65,6 +65,8 @@ def test_source_prefix_follows_the_manifest(tiny_prepared):
     dom = vocab.domain_tag_id(domains[2])
     lang = vocab.lang_tag_id("de")  # tiny_prepared translates en -> de
     assert source_prefix(manifest, vocab, domains[2], "de") == []  # untagged data
+    bare = {k: v for k, v in manifest.items() if k not in ("corpora", "domains")}
+    assert source_prefix(bare, vocab, None, None) == []  # _check_manifest lets both be absent
     tagged = {**manifest, "domain_tags": True}
     assert source_prefix(tagged, vocab, domains[2], None) == [dom]
     both = {**tagged, "lang_tags": True}

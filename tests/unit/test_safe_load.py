@@ -318,3 +318,7 @@ def test_numpy_arrays_are_loaded_without_pickles_and_checked(tmp_path):
         load_arrays(tmp_path / "m.npz", "ids", ("split", "index", "domain"), 3)
     assert set(load_arrays(tmp_path / "m.npz", "ids", ("split", "index"), 3)) == {"split",
                                                                                    "index"}
+    np.save(tmp_path / "meta.npy", np.arange(3))  # an .npy under the archive's name
+    (tmp_path / "meta.npz").write_bytes((tmp_path / "meta.npy").read_bytes())
+    with pytest.raises(CheckpointError, match=r"meta\.npz: a single array, not an \.npz archive"):
+        load_arrays(tmp_path / "meta.npz", "ids", ("split",), 3)

@@ -54,6 +54,11 @@ def test_a_bad_index_or_missing_shard_is_one_line(tmp_path) -> None:
     index.write_text(json.dumps({**obj, "format": "other"}))
     with pytest.raises(CheckpointError, match="store.index.json: expected a moe_train-tensor"):
         open_store(tmp_path, "store")
+    for bad in (1, ["a"], ""):  # a shard entry that is no file name
+        name = next(iter(obj["weight_map"]))
+        index.write_text(json.dumps({**obj, "weight_map": {**obj["weight_map"], name: bad}}))
+        with pytest.raises(CheckpointError, match="store.index.json: expected a moe_train-tensor"):
+            open_store(tmp_path, "store")
     index.write_text(json.dumps(obj))
     (tmp_path / "store-00002.safetensors").unlink()
     with pytest.raises(CheckpointError, match="store-00002.safetensors: missing"):
