@@ -229,8 +229,12 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
                    help="sequences per GPU (default: data.max_tokens // seq-len)")
     p.add_argument("--seq-len", type=int_at_least(1), help="tokens per sequence (default: "
                    "data.max_len)")
+    p.add_argument("--target-len", type=int_at_least(1), help="decoder-only: target tokens of "
+                   "each sequence, the only ones the LM head and the loss see (default: half of "
+                   "seq-len)")
     p.add_argument("--activation-checkpointing", action="store_true",
-                   help="plan with model.activation_checkpointing")
+                   help="plan with activation checkpointing (default: "
+                   "model.activation_checkpointing)")
     p.add_argument("overrides", nargs="*", help="a.b=value overrides")
 
 

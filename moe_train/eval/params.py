@@ -219,21 +219,25 @@ def count_parameters(cfg: ExperimentConfig, vocab_size: int,
         if report[f"{side}_moe_layers"] > 0:
             router = cfg.moe.router_name(side) if cfg.moe.enabled else cfg.adapters.router
         report[f"{side}_router"] = router
-    report["vocab_size"] = vocab_size
+    # the embedding's rows: a decoder-only model's table may be larger than its tokenizer
+    report["vocab_size"] = cfg.qwen.vocab_size if cfg.decoder_only else vocab_size
     return report
 
 
-def _need_num_tasks(cfg: ExperimentConfig) -> None:
-    """Without the prepared data, numbers of tasks must come from the config."""
+def _need_num_tasks(cfg: ExperimentConfig, command: str = "params") -> None:
+    """Without the prepared data, numbers of tasks must come from the config (`command`: the
+    one messages name)."""
     if cfg.uses_thor and not cfg.thor.num_tasks:
-        raise ConfigError("thor.num_tasks: 0 takes K from the prepared data, which `params` "
+        raise ConfigError(f"thor.num_tasks: 0 takes K from the prepared data, which `{command}` "
                           "does not read; expected the number of tasks (e.g. "
                           "thor.num_tasks=5 for five domains)")
     for side in SIDES:
         if cfg.moe.learned_task_router(side) and not cfg.moe.num_tasks:
             raise ConfigError(f"moe.num_tasks: 0 takes the number of {side} tasks from the "
-                              "prepared data, which `params --config` does not read; expected "
-                              "the number of tasks (or use `params --checkpoint`)")
+                              f"prepared data, which `{command} --config` does not read; "
+                              "expected the number of tasks"
+                              + (" (or use `params --checkpoint`)" if command == "params"
+                                 else ""))
 
 
 def human(n: int) -> str:

@@ -115,6 +115,10 @@ class PlanInputs:
     precision: str = "bf16"
     """bf16, fp16 or fp32; auto means bf16 (the plan is for GPUs)."""
     headroom: float = HEADROOM
+    target_len: int = 0
+    """Decoder-only: the tokens of each sequence that are targets, the only positions the LM
+    head and the loss see (the trainer keeps their logits alone); 0: half of seq_len, a prompt
+    as long as its target. Seq2seq: every target token (seq_len)."""
 
     def __post_init__(self) -> None:
         if self.precision == "auto":
@@ -131,6 +135,9 @@ class PlanInputs:
         _expect(self.precision in ("bf16", "fp16", "fp32"), "--precision",
               "one of bf16, fp16, fp32, auto", self.precision)
         _expect(0 <= self.headroom < 1, "--headroom", "a fraction in [0, 1)", self.headroom)
+        _expect(isinstance(self.target_len, int) and 0 <= self.target_len <= self.seq_len,
+                "--target-len", f"at most --seq-len ({self.seq_len}), 0 for half of it",
+                self.target_len)
         _expect(self.world_size % self.ep == 0, "--ep",
               f"a divisor of the world size ({self.world_size})", self.ep)
         _expect(self.zero_stage != 3 or self.ep == 1, "--ep",
@@ -245,7 +252,7 @@ def _model_shape(cfg_json: str) -> ModelShape:
     from moe_train.config.loader import config_from_dict
 
     cfg = config_from_dict(json.loads(cfg_json))
-    _need_num_tasks(cfg)  # as `count_parameters` builds it: no data, task counts from cfg
+    _need_num_tasks(cfg, "plan")  # as `count_parameters` builds it: no data, task counts from cfg
     vocab = cfg.qwen.vocab_size if cfg.decoder_only else cfg.data.vocab_size
     with torch.device("meta"):
         model = build_model(cfg, {"langs": [cfg.thor.pivot_lang], "vocab_size": vocab,
@@ -303,6 +310,13 @@ def layer_bytes(layer: LayerShape, d: int, a: int, kern: Kernels) -> tuple[float
     return attn + norm + _ffn_bytes(layer.ffn, d, a, m, kern) + mask, per_src
 
 
+def target_tokens(inputs: PlanInputs, decoder_only: bool) -> int:
+    """Target tokens per sequence: what the LM head and the loss see."""
+    if not decoder_only:
+        return inputs.seq_len
+    return inputs.target_len or max(inputs.seq_len // 2, 1)
+
+
 def activation_bytes(shape: ModelShape, inputs: PlanInputs, kern: Kernels) -> dict[str, float]:
     """Activation bytes of one micro-batch: layers (or, checkpointed, their inputs),
     recomputed_layer, loss, other (embeddings, final norms) and total."""
@@ -313,7 +327,8 @@ def activation_bytes(shape: ModelShape, inputs: PlanInputs, kern: Kernels) -> di
     mask = (kern.mask_bytes or a) * (shape.embed_dropout > 0)
     other = (1 if qwen else 2) * tokens * d * (_norm_bytes("rmsnorm" if qwen else "layernorm",
                                                            a) + mask)
-    loss = LOSS_BYTES_PER_VOCAB * shape.vocab_size * tokens
+    loss = LOSS_BYTES_PER_VOCAB * shape.vocab_size * inputs.micro_batch * target_tokens(
+        inputs, qwen)
     if inputs.activation_checkpointing:
         kept = a * d * tokens * len(shape.layers)
         recomputed = max(per_layer, default=0) + a * d * tokens  # + its output's gradient
@@ -367,6 +382,8 @@ def plan_memory(cfg: ExperimentConfig, inputs: PlanInputs, *, kernels: str = "gp
     notes = []
     if kernels != "gpu":
         notes.append(f"activations as the {kernels} kernels keep them")
+    if ep > 1 and not k:
+        notes.append("the adapter layers' all-to-all buffers are not modelled")
     return {
         "arch": shape.arch, **asdict(inputs), "world_size": W, "kernels": kernels,
         "parameters": params, "gradients": grads, "optimizer_states": optim,
@@ -375,7 +392,7 @@ def plan_memory(cfg: ExperimentConfig, inputs: PlanInputs, *, kernels: str = "gp
         "activation_terms": {key: int(v) for key, v in act.items() if key != "total"},
         "dense_params": Pd, "expert_params": Pe, "held_params": held, "shard_params": shard,
         "gathered_block": block, "tokens_per_gpu": tokens, "experts_per_token": k,
-        "notes": notes,
+        "target_tokens": target_tokens(inputs, shape.arch == "hf_qwen2_moe"), "notes": notes,
     }
 
 
@@ -386,7 +403,9 @@ def format_plan(report: dict[str, Any]) -> str:
     lines = [f"plan: {r['config']}"] if r.get("config") else []
     lines.append(f"{r['nodes']} node(s) x {r['gpus_per_node']} GPUs ({r['gpu_mem_gb']:g} GiB "
                  f"each) | ZeRO-{zero} | ep {ep} | {r['precision']} | micro-batch "
-                 f"{r['micro_batch']} x {r['seq_len']} tokens | activation checkpointing "
+                 f"{r['micro_batch']} x {r['seq_len']} tokens"
+                 + (f" ({r['target_tokens']} target)" if r["arch"] == "hf_qwen2_moe" else "")
+                 + " | activation checkpointing "
                  f"{'on' if ckpt else 'off'}")
     lines.append(f"model: {human(r['dense_params'] + r['expert_params'])} parameters "
                  f"({human(r['dense_params'])} dense, {human(r['expert_params'])} in experts); "
@@ -404,7 +423,8 @@ def format_plan(report: dict[str, Any]) -> str:
              f"{'shard' if zero else 'held'}, {master}"),
             ("activations", r["activations"], act),
             ("all-to-all buffers", r["all_to_all"],
-             "one MoE layer, dispatch + combine" if r["all_to_all"] else "none (ep 1)"),
+             "one MoE layer, dispatch + combine" if r["all_to_all"] else
+             "none (ep 1)" if ep == 1 else "not modelled (adapter layers)"),
             ("optimizer step (transient)", r["optimizer_step"],
              "in the total only where above activations + all-to-all")]
     lines.append(f"{'per GPU':<30}{'GiB':>6}")
@@ -436,17 +456,33 @@ def inputs_from_args(args: Any, cfg: ExperimentConfig) -> PlanInputs:
                       zero_stage=get("zero", cfg.optim.zero_stage), ep=ep,
                       micro_batch=get("micro_batch", max(cfg.data.max_tokens // seq_len, 1)),
                       seq_len=seq_len,
-                      activation_checkpointing=bool(get("activation_checkpointing", False)),
-                      precision=get("precision", cfg.optim.precision))
+                      activation_checkpointing=bool(getattr(args, "activation_checkpointing",
+                                                            False))
+                      or cfg.model.activation_checkpointing,
+                      precision=get("precision", cfg.optim.precision),
+                      target_len=get("target_len", 0))
 
 
 def plan_from_args(args: Any) -> dict[str, Any]:
     """`moe-train plan`: load ``args.config`` with ``args.overrides``, plan (`inputs_from_args`)
     and name the config in the report; print it with `format_plan`."""
     from moe_train.config import load_config
+    from moe_train.train.ds_config import check_layout
 
-    cfg = load_config(args.config, getattr(args, "overrides", None) or [])
-    return {**plan_memory(cfg, inputs_from_args(args, cfg)), "config": str(args.config)}
+    overrides = list(getattr(args, "overrides", None) or [])
+    cfg = load_config(args.config, overrides)
+    inputs = inputs_from_args(args, cfg)
+    # the planned layout is one training accepts: the config validated with it (adapters and
+    # expert counts against the EP degree), and DeepSpeed's own combination rules
+    layout = {"moe.ep_size": inputs.ep, "optim.zero_stage": inputs.zero_stage}
+    report = plan_memory(cfg, inputs)  # its own checks first: they name the flag
+    try:
+        load_config(args.config, [*overrides, *(f"{k}={v}" for k, v in layout.items())])
+        check_layout(inputs.precision, inputs.zero_stage, inputs.ep)
+    except ConfigError as exc:
+        flags = f"--ep {inputs.ep} --zero {inputs.zero_stage} ({inputs.precision})"
+        raise ConfigError(f"{flags}: {exc}") from None
+    return {**report, "config": str(args.config)}
 
 
 __all__ = ["HEADROOM", "KERNELS", "ModelShape", "PlanInputs", "activation_bytes", "format_plan",

@@ -27,8 +27,8 @@ MEASURED_CHECKS: dict[str, tuple[str, list[str], int, int]] = {
 
 
 def measure_peak(cfg: ExperimentConfig, micro_batch: int, seq_len: int, *,
-                 activation_checkpointing: bool = False, steps: int = 2, seed: int = 0
-                 ) -> dict[str, Any]:
+                 activation_checkpointing: bool = False, steps: int = 2, seed: int = 0,
+                 target_len: int = 0) -> dict[str, Any]:
     """Peak live tensor bytes of a real fp32 training step on the CPU (one process, ZeRO 0).
 
     torch.profiler with ``profile_memory=True`` records every allocation and free of the c10
@@ -43,25 +43,30 @@ def measure_peak(cfg: ExperimentConfig, micro_batch: int, seq_len: int, *,
     measures the same bytes). One intra-op thread: same allocations, no oversubscription of a
     shared machine. `activation_checkpointing` builds the model with
     `model.activation_checkpointing` (per-layer recomputation, as training runs it). Random
-    tokens in [1, V): no padding. Returns peak, static (live when the last step starts),
+    tokens in [1, V): no padding. A decoder-only model reads sequences of `seq_len` tokens,
+    the last `target_len` of them targets (0: half), as the trainer does (`teacher_forced`:
+    logits of the target positions only). Returns peak, static (live when the last step starts),
     working (peak - static), peak_phase, optimizer_working (the optimizer step's own peak above
     static) and parameters.
     """
+    from moe_train.eval.plan import target_tokens
     from moe_train.models.context import ForwardContext
+    from moe_train.models.lm_batch import teacher_forced
     from moe_train.train.loss import label_smoothed_nll
 
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(
         cfg.model, activation_checkpointing=activation_checkpointing))
     vocab = cfg.qwen.vocab_size if cfg.decoder_only else cfg.data.vocab_size
     gen = torch.Generator().manual_seed(seed)
-    src_BS = torch.randint(1, vocab, (micro_batch, seq_len), generator=gen)
-    tgt_BT = torch.randint(1, vocab, (micro_batch, seq_len + 1), generator=gen)
+    T = target_tokens(PlanInputs(seq_len=seq_len, target_len=target_len), cfg.decoder_only)
+    S = seq_len - T + 1 if cfg.decoder_only else seq_len  # decoder-only: the prompt (its
+    # last position predicts the first target: prompt + target without bos is seq_len)
+    src_BS = torch.randint(1, vocab, (micro_batch, S), generator=gen)
+    tgt_BT = torch.randint(1, vocab, (micro_batch, T + 1), generator=gen)
 
     def loss_of(model: nn.Module) -> torch.Tensor:  # `out` dies here, as in the trainer
-        if cfg.decoder_only:
-            out = model(tgt_BT[:, :-1])
-        else:
-            out = model(src_BS, tgt_BT[:, :-1], ForwardContext(src_pad_mask_BS=src_BS.eq(0)))
+        ctx = ForwardContext(src_pad_mask_BS=src_BS.eq(0))
+        out = teacher_forced(model, src_BS, tgt_BT[:, :-1], ctx, 0, cfg.decoder_only)
         loss, _ = label_smoothed_nll(out.logits_BTV, tgt_BT[:, 1:], 0, cfg.optim.label_smoothing)
         return loss / tgt_BT[:, 1:].numel() + sum(out.aux_losses.values())
 
@@ -125,14 +130,16 @@ def _profiled_steps(cfg: ExperimentConfig, loss_of: Any, vocab: int, steps: int,
 
 
 def measured_vs_planned(cfg: ExperimentConfig, micro_batch: int, seq_len: int,
-                        activation_checkpointing: bool = False) -> dict[str, Any]:
+                        activation_checkpointing: bool = False, target_len: int = 0
+                        ) -> dict[str, Any]:
     """`measure_peak` next to `plan_memory` for the same shape (1 GPU, ZeRO 0, ep 1, fp32, CPU
     kernels), and the relative errors (planned - measured) / measured of the total and of the
     working set (what the step adds to parameters, gradients and optimizer state)."""
-    measured = measure_peak(cfg, micro_batch, seq_len,
+    measured = measure_peak(cfg, micro_batch, seq_len, target_len=target_len,
                             activation_checkpointing=activation_checkpointing)
     plan = plan_memory(cfg, PlanInputs(1, 1, 1024.0, 0, 1, micro_batch, seq_len,
-                                       activation_checkpointing, "fp32"), kernels="cpu")
+                                       activation_checkpointing, "fp32",
+                                       target_len=target_len), kernels="cpu")
     static = plan["parameters"] + plan["gradients"] + plan["optimizer_states"]
     working = plan["total"] - static
     return {"measured": measured,

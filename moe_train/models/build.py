@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import re
 from contextlib import contextmanager
+from dataclasses import fields
 from typing import Any, Iterator
 
 from torch import nn
 
-from moe_train.config.moe import task_count
+from moe_train.config.moe import RouterConfig, task_count
 from moe_train.config.schema import ExperimentConfig, ModelConfig
 from moe_train.models.transformer import Seq2SeqTransformer, dense_ffn_factory
 from moe_train.moe.adapters import AdapterExperts, AdapterSlot
@@ -72,8 +73,10 @@ def _side_fields(moe: Any, side: str) -> dict[str, str]:
     return names
 
 
-ADAPTER_FIELDS = {"moe.k": "adapters.k", "moe.num_experts": "adapters.num_experts",
-                  "moe.router": "adapters.router", "moe.tau": "adapters.tau"}
+ADAPTER_FIELDS = {**{f"moe.{f.name}": f"adapters.{f.name}" for f in fields(RouterConfig)},
+                  "moe.num_experts": "adapters.num_experts", "moe.router": "adapters.router"}
+"""An adapter router's settings are the adapters section's own (AdapterConfig extends
+RouterConfig): its errors name them."""
 
 
 def moe_ffn_factory(cfg: ExperimentConfig, manifest: dict[str, Any] | None = None):

@@ -28,16 +28,21 @@ def resolve_precision(precision: str, device: torch.device) -> str:
     return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
 
 
+def check_layout(precision: str, zero_stage: int, ep_size: int) -> None:
+    """Refuse 16-bit at ZeRO 0 with expert parallelism: DeepSpeed's 16-bit optimizer wrapper
+    keeps the fp32 master weights in rank 0's model file, which every rank loads, so on resume
+    each rank would take rank 0's experts."""
+    if precision != "fp32" and zero_stage == 0 and ep_size > 1:
+        raise ConfigError(f"optim.zero_stage: 0 with {precision} and moe.ep_size {ep_size} "
+                          "cannot checkpoint the experts' master weights; expected 1 or 2 (or "
+                          "optim.precision fp32)")
+
+
 def build_deepspeed_config(cfg: ExperimentConfig, world_size: int, device: torch.device
                            ) -> dict[str, Any]:
     """The DeepSpeed JSON config for this run."""
     precision = resolve_precision(cfg.optim.precision, device)
-    if precision != "fp32" and cfg.optim.zero_stage == 0 and cfg.moe.ep_size > 1:
-        # DeepSpeed's 16-bit optimizer wrapper keeps the fp32 master weights in rank 0's model
-        # file, which every rank loads: on resume each rank would take rank 0's experts
-        raise ConfigError(f"optim.zero_stage: 0 with {precision} and moe.ep_size "
-                          f"{cfg.moe.ep_size} cannot checkpoint the experts' master weights; "
-                          "expected 1 or 2 (or optim.precision fp32)")
+    check_layout(precision, cfg.optim.zero_stage, cfg.moe.ep_size)
     ds: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": cfg.optim.grad_accum,

@@ -135,7 +135,12 @@ def test_activations_scale_and_checkpointing_lowers_them(spec) -> None:
     ckpt = _plan(cfg, micro_batch=4, activation_checkpointing=True)
     assert ckpt["activations"] < p1["activations"]
     vocab = model_shape(cfg).vocab_size
-    assert p1["activation_terms"]["loss"] == LOSS_BYTES_PER_VOCAB * vocab * 4 * 128
+    targets = 64 if cfg.decoder_only else 128  # decoder-only: the LM head sees the targets only
+    assert p1["activation_terms"]["loss"] == LOSS_BYTES_PER_VOCAB * vocab * 4 * targets
+    if cfg.decoder_only:  # --target-len: by default half of each sequence
+        p3 = _plan(cfg, micro_batch=4, target_len=100)
+        assert p3["activation_terms"]["loss"] == LOSS_BYTES_PER_VOCAB * vocab * 4 * 100
+        assert p3["target_tokens"] == 100 and p1["target_tokens"] == 64
     terms = ckpt["activation_terms"]
     assert ckpt["activations"] == terms["layers"] + terms["other"] + max(
         terms["loss"], terms["recomputed_layer"])
@@ -213,7 +218,7 @@ def test_qwen_a27b_on_8_a100_80gb_with_zero3() -> None:
     assert r3["optimizer_states"] == 12 * r3["shard_params"]
     assert r3["gathered_block"] >= 151936 * 2048  # the embedding / LM head is the largest block
     assert r3["fits"] and r3["total"] <= r3["usable"] == int(0.9 * 80 * GIB)
-    r0 = plan_from_args(_args(CONFIGS / "qwen1.5-moe-a2.7b.yaml", zero=0, ep=4, **args))
+    r0 = plan_from_args(_args(CONFIGS / "qwen1.5-moe-a2.7b.yaml", zero=0, ep=1, **args))
     assert not r0["fits"]
     assert r0["parameters"] + r0["gradients"] + r0["optimizer_states"] > r0["usable"]
     ckpt = plan_from_args(_args(CONFIGS / "qwen1.5-moe-a2.7b.yaml", zero=3, ep=1,
@@ -234,3 +239,27 @@ def test_format_plan_table() -> None:
     assert ("does NOT fit" in text) == (not r["fits"])
     assert format_plan({**r, "fits": True}).count("fits:") == 1
     assert json.loads(json.dumps(r)) == r  # the CLI can print it as a JSON line
+
+
+def test_plan_refuses_layouts_training_refuses_and_reads_checkpointing_from_the_config() -> None:
+    """Expert counts and adapters are checked against --ep as the config checks moe.ep_size,
+    and 16-bit at ZeRO 0 with expert parallelism as DeepSpeed's config does."""
+    from types import SimpleNamespace
+
+    from moe_train.errors import ConfigError
+    from moe_train.eval.plan import plan_from_args
+
+    def args(*overrides, **flags):
+        base = dict(config=str(SEQ2SEQ_SMALL[0]), overrides=[*SEQ2SEQ_SMALL[1], *overrides],
+                    nodes=1,
+                    gpus_per_node=2, gpu_mem=80.0, zero=1, ep=1, micro_batch=2, seq_len=64,
+                    activation_checkpointing=False, target_len=None)
+        return SimpleNamespace(**{**base, **flags})
+
+    assert plan_from_args(args(ep=2))["ep"] == 2
+    with pytest.raises(ConfigError, match=r"^--ep 2 --zero 0 \(bf16\): optim.zero_stage: 0 "):
+        plan_from_args(args("optim.precision=bf16", ep=2, zero=0))
+    with pytest.raises(ConfigError, match=r"^--ep 2 --zero 1 \(.*\): .*multiple of moe.ep_size"):
+        plan_from_args(args("adapters.num_experts=3", "adapters.router=gumbel", "adapters.k=2",
+                            ep=2))
+    assert plan_from_args(args("model.activation_checkpointing=true"))["activation_checkpointing"]
