@@ -39,7 +39,6 @@ class MoELayer(nn.Module):
                              persistent=False)
         self.register_buffer("dropped_slots", torch.zeros((), dtype=torch.long),
                              persistent=False)
-        self.register_buffer("routing_entropy", torch.zeros(()), persistent=False)
         self.scalar_stats: dict[str, Tensor] = {}
         """The router's scalar statistics of the last forward (detached), logged per layer."""
 
@@ -69,14 +68,12 @@ class MoELayer(nn.Module):
     @torch.no_grad()
     def _record(self, routing: Routing, meta: Any) -> None:
         """Logging buffers: routed slots per expert (the router's count of real tokens when it
-        has one, else a histogram of the ids, padding already -1), dropped slots, entropy."""
+        has one, else a histogram of the ids, padding already -1), dropped slots, and the
+        router's scalar statistics (entropy only from a router with probabilities)."""
         counts = routing.stats.get("tokens_per_expert")
         if counts is None or counts.shape != self.tokens_per_expert_E.shape:
             counts = expert_histogram(routing.expert_ids_TK, routing.num_experts)
         self.tokens_per_expert_E.copy_(counts)
         self.dropped_slots.copy_(meta.dropped)
-        entropy = routing.stats.get("routing_entropy")
-        if entropy is not None:
-            self.routing_entropy.copy_(entropy.detach().float())
         self.scalar_stats = {key: value.detach() for key, value in routing.stats.items()
                              if isinstance(value, Tensor) and value.dim() == 0}

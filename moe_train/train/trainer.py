@@ -405,11 +405,10 @@ class Trainer:
             tag = name.replace(".ffn", "").replace("_layers.", "")
             self.monitor.histogram(self.step, f"moe_tokens_per_expert/{tag}", counts)
             cv = (counts.std(unbiased=False) / counts.mean().clamp_min(1e-9)).item()
-            values = {f"moe_dropped/{tag}": float(layer.dropped_slots),
-                      f"moe_entropy/{tag}": float(layer.routing_entropy), f"moe_load_cv/{tag}": cv}
-            for key, value in layer.scalar_stats.items():
-                if key != "routing_entropy":
-                    values[f"moe_{key}/{tag}"] = float(value)
+            values = {f"moe_dropped/{tag}": float(layer.dropped_slots), f"moe_load_cv/{tag}": cv}
+            for key, value in layer.scalar_stats.items():  # entropy: routers with probabilities
+                name = "entropy" if key == "routing_entropy" else key
+                values[f"moe_{name}/{tag}"] = float(value)
             self.monitor.scalars(self.step, values)
 
     def _validate(self, with_bleu: bool, have: dict[str, Any] | None = None,

@@ -243,3 +243,19 @@ def test_capacity_is_the_ceiling_of_the_exact_product(factor, routed, experts, c
     ids = torch.zeros(routed, 1, dtype=torch.long)  # every slot to expert 0
     kept, dropped = apply_capacity(ids, num_experts=experts, capacity_factor=factor)
     assert int((kept >= 0).sum()) == capacity and int(dropped) == routed - capacity
+
+
+def test_entropy_is_logged_only_for_routers_with_probabilities():
+    """A fixed task table has no distribution: no entropy statistic (it was logged as 0)."""
+    E, D = 4, 8
+    x, ctx = torch.randn(2, 3, D), ForwardContext(side="encoder", task_ids_B=torch.tensor([0, 1]))
+    topk = MoELayer(build_router("topk", D, E, RouterConfig(k=2)), LocalDispatcher(E),
+                    Experts(E, D, 16))
+    topk(x, ctx)
+    assert float(topk.scalar_stats["routing_entropy"]) > 0
+    table = build_router("task", D, E, RouterConfig(k=1, task_source="task_ids",
+                                                    assignment=[[0], [3]]))
+    fixed = MoELayer(table, LocalDispatcher(E), Experts(E, D, 16))
+    fixed(x, ctx)
+    assert "routing_entropy" not in fixed.scalar_stats
+    assert fixed.tokens_per_expert_E.tolist() == [3, 0, 0, 3]
