@@ -119,14 +119,17 @@ def check_model_data(model_dir: Path, model_manifest: dict[str, Any], prepared: 
                      manifest: dict[str, Any]) -> dict[str, Any]:
     """Refuse prepared data a model did not see: another tokenizer (kind or file bytes), or
     other domain / language lists (the data's ids are read with the model's names). A model
-    whose lists are empty (converted, it saw no corpus) takes the data's; returns its manifest
-    with them. One DataError line naming both directories."""
+    whose lists are empty (converted, it saw no corpus) takes the data's, and one without
+    tokenizer files (converted from a directory that had none) is not compared; returns its
+    manifest with the lists. One DataError line naming both directories."""
     kind = ["a Hugging Face tokenizer" if m.get("tokenizer") == HFTokenizer.kind
             else "sentencepiece" for m in (manifest, model_manifest)]
     if kind[0] != kind[1]:
         raise DataError(f"{prepared}: tokenized with {kind[0]}, the model {model_dir} with "
                         f"{kind[1]}; expected data prepared with the model's tokenizer")
-    for path in tokenizer_files(prepared, manifest):
+    files = tokenizer_files(prepared, manifest)
+    carried = any((model_dir / path.name).is_file() for path in files)  # converted: maybe none
+    for path in files if carried else ():
         mine = model_dir / path.name
         if path.is_file() and (not mine.is_file() or mine.read_bytes() != path.read_bytes()):
             raise DataError(f"{prepared}: its {path.name} is not the model's ({model_dir}); "

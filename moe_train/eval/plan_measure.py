@@ -59,8 +59,9 @@ def measure_peak(cfg: ExperimentConfig, micro_batch: int, seq_len: int, *,
     vocab = cfg.qwen.vocab_size if cfg.decoder_only else cfg.data.vocab_size
     gen = torch.Generator().manual_seed(seed)
     T = target_tokens(PlanInputs(seq_len=seq_len, target_len=target_len), cfg.decoder_only)
-    S = seq_len - T + 1 if cfg.decoder_only else seq_len  # decoder-only: the prompt (its
-    # last position predicts the first target: prompt + target without bos is seq_len)
+    # decoder-only: the source (its eos is stripped, the prompt's last position predicts the
+    # first target): prompt + target without bos is seq_len
+    S = seq_len - T + 2 if cfg.decoder_only else seq_len
     src_BS = torch.randint(1, vocab, (micro_batch, S), generator=gen)
     tgt_BT = torch.randint(1, vocab, (micro_batch, T + 1), generator=gen)
 

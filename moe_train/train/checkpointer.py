@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from moe_train.config.schema import ExperimentConfig
-from moe_train.errors import CheckpointError
+from moe_train.errors import CheckpointError, MoeTrainError
 from moe_train.parallel.collectives import all_reduce_floats, parameters_are_finite
 from moe_train.parallel.expert_checkpoint import (expert_tensors, full_expert_state,
                                                   load_expert_shards, save_expert_shards)
@@ -124,18 +124,33 @@ class Checkpointer:
         """Rank 0 notes that the run ended at ``summary["step"]``, after its export, so that a
         later ``--resume`` returns this summary instead of validating and exporting again."""
         if self.rt.is_main:
-            write_json(self.dir / ENDED, summary)
+            write_json(self.dir / ENDED, {"summary": summary,
+                                          "export_best": self.cfg.train.export_best})
+
+    def forget_end(self) -> None:
+        """A fresh run in this directory: an earlier run's end record is not this run's."""
+        if self.rt.is_main:
+            (self.dir / ENDED).unlink(missing_ok=True)
 
     def ended_at(self, step: int, max_steps: int) -> dict[str, Any] | None:
         """The recorded summary when the run already ended at `step`, the step it resumes
         from: it reached `max_steps` or stopped early (a raised max_steps continues a run that
-        only reached the old one; patience cannot change on resume). Collective: rank 0 reads
-        the record and every rank follows its answer; other ranks get ``{"step": step}``."""
+        only reached the old one; patience cannot change on resume), and exported as this
+        config would (train.export_best may change on resume: then it exports again). Paths
+        name this run's checkpoint.dir. A damaged record counts as none. Collective: rank 0
+        reads the record and every rank follows its answer; other ranks get ``{"step"}``."""
         summary = None
         if self.rt.is_main and (self.dir / ENDED).is_file():
-            record = read_json_object(self.dir / ENDED, "the summary of the run's end")
-            if record.get("step") == step and (record.get("stopped_early") or step >= max_steps):
-                summary = record
+            try:
+                record = read_json_object(self.dir / ENDED, "the summary of the run's end")
+            except MoeTrainError:
+                record = {}
+            found = record.get("summary")
+            if isinstance(found, dict) and found.get("step") == step and \
+                    record.get("export_best") == self.cfg.train.export_best and \
+                    (found.get("stopped_early") or step >= max_steps):
+                summary = {**found, "checkpoint": str(self.dir / step_tag(step)),
+                           "export": str(self.export_dir)}
         ended = summary is not None
         if self.rt.world_size > 1:
             ended = all_reduce_floats(self.rt, float(ended))[0] > 0

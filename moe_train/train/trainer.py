@@ -158,7 +158,10 @@ class Trainer:
         if resume and tag is None:
             self._log_main(f"| resume: no checkpoint in {ckpt_dir}; starting from step 0")
         self.resumed = tag is not None
-        if tag is not None:  # strict: the config must match (train/resume.py)
+        self.validated_step = -1  # the last step whose validation early stopping has seen
+        if tag is None:
+            self.checkpoints.forget_end()
+        else:  # strict: the config must match (train/resume.py)
             meta = self.checkpoints.load(tag)
             self.step = meta["step"]
             self.tokens_seen = meta.get("tokens_seen", 0)
@@ -167,6 +170,7 @@ class Trainer:
             self.early.load_state_dict(early_state)
             self.checkpoints.adopt_best(early_state.get("best_tag"))
             self._resume_nonfinite(meta.get("nonfinite") or {})
+            self.validated_step = int(meta.get("validated_step", -1))
         self.monitor = Monitor(rt, cfg.logging.tensorboard_dir, cfg.train.max_steps, self.step,
                                cfg.train.progress_bar)
         # the whole model: each rank holds 1/ep_size of the experts
@@ -340,7 +344,8 @@ class Trainer:
                 "world_size": self.rt.world_size,
                 "early_stop": self.early.state_dict() | {"best_tag": self.checkpoints.best_tag},
                 "nonfinite": {"total": self.nonfinite_steps,
-                              "in_a_row": self.nonfinite_in_a_row}}
+                              "in_a_row": self.nonfinite_in_a_row},
+                "validated_step": self.validated_step}
 
     def _note_validation(self, values: dict[str, Any], scheduled: bool = True) -> bool:
         """Feed a validation to early stopping (`scheduled`: on the train.validate_every
@@ -457,7 +462,6 @@ class Trainer:
         paused = 0.0  # seconds in validation and checkpoints: not training time
         train_tokens_local = 0.0
         early, validated_at, last_values = self.early, -1, None
-        first_step = self.step
         ended = self.checkpoints.ended_at(self.step, tc.max_steps) if self.resumed else None
         if ended is not None:
             self.monitor.print(f"| resume: the run already ended at step {self.step} "
@@ -485,7 +489,7 @@ class Trainer:
                     tc.patience > 0 and tc.early_stop_metric == "bleu")
                 last_values = self._validate(with_bleu=bleu_due)
                 plateau = self._note_validation(last_values)
-                validated_at = self.step
+                validated_at = self.validated_step = self.step
             out_of_time = tc.max_minutes and (time.time() - start) / 60 >= tc.max_minutes
             if self.rt.world_size > 1:  # all ranks must agree to stop together
                 out_of_time = all_reduce_floats(self.rt, float(bool(out_of_time)))[0] > 0
@@ -511,12 +515,15 @@ class Trainer:
         elapsed = wall - paused  # the training steps alone
         (tokens,) = all_reduce_floats(self.rt, train_tokens_local)
         done_here = validated_at == self.step  # validated in the loop: add only BLEU
-        trained = self.step > first_step  # else resumed at its last step: validated before
+        # resumed where the last run validated (killed after its final save): its values for
+        # the summary, but neither noted nor written again
+        before = not done_here and self.validated_step == self.step
         final = self._validate(with_bleu=True, have=last_values if done_here else None,
-                               to_tensorboard=trained)
-        if not done_here and trained:  # off the schedule (time limit, max_steps): best only
+                               to_tensorboard=not before)
+        if not done_here and not before:  # off the schedule (time limit, max_steps): best only
             self._note_validation(final, scheduled=bool(tc.validate_every)
                                   and self.step % tc.validate_every == 0)
+        self.validated_step = self.step
         path = self.save()
         source = self.checkpoints.restore_best(path)
         if source != path:

@@ -132,3 +132,34 @@ def test_a_run_stopped_off_the_validation_schedule_resumes_as_an_uninterrupted_o
     acc = EventAccumulator(str(whole / "tb"))
     acc.Reload()
     assert [e.step for e in acc.Scalars("dev/loss")] == [5, 10, 15, 20]  # once each
+
+
+def test_a_resume_at_a_step_never_validated_validates_and_notes_it(tiny_prepared, tmp_path):
+    """Killed in the save of step 8, resumed from step 6 (saved, never validated) with
+    max_steps 6: step 6 is validated, written and given to early stopping (so exported when
+    best), as an uninterrupted 6-step run does; not skipped as a step validated before."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from tests.conftest import cli_env
+
+    common = ["train.validate_every=4", "checkpoint.save_every=6", "checkpoint.keep_last=5",
+              "train.patience=100", "train.early_stop_metric=loss", "train.min_delta=0",
+              "train.bleu_sentences=4", "data.max_tokens=400"]
+    killed = run_cli(["train", "--config", CONFIG,
+                      *debug_overrides(tiny_prepared, tmp_path, "train.max_steps=8", *common)],
+                     cwd=ROOT, env={**cli_env(), "MOE_TRAIN_TEST_KILL_AT": "engine_saved@8"},
+                     check=False)
+    assert killed.returncode != 0
+    assert (tmp_path / "ckpt" / "latest").read_text().strip() == "step_00000006"
+    proc = run_cli(["train", "--config", CONFIG, "--resume",
+                    *debug_overrides(tiny_prepared, tmp_path, "train.max_steps=6", *common)],
+                   cwd=ROOT)
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert summary["early_stop"]["best_step"] in (4, 6)
+    assert summary["exported_step"] == summary["early_stop"]["best_step"]
+    assert summary["early_stop"]["best"] == pytest.approx(min(
+        read_meta(tmp_path / "ckpt" / "step_00000006")["early_stop"]["best_values"]
+        ["dev/loss"], summary["dev/loss"]))
+    acc = EventAccumulator(str(tmp_path / "tb"))
+    acc.Reload()
+    assert [e.step for e in acc.Scalars("dev/loss")] == [4, 6]

@@ -74,3 +74,28 @@ def test_save_refuses_a_nan_model_and_names_the_last_good_checkpoint(tmp_path):
         cp.save(7, lambda: built.append(7) or {"step": 7})
     assert not (cp.dir / "step_00000007").exists()
     assert built == []  # the run's state (token counts) is not touched by a refused save
+
+
+def test_an_ended_run_s_record(tmp_path):
+    """What `--resume` of an ended run returns: the record of the step it resumes from, when
+    that step ended the run and the export follows this config; paths under this run's
+    checkpoint.dir (which may have moved); a damaged record counts as none."""
+    cp = _checkpointer(tmp_path)
+    (tmp_path / "ckpt").mkdir()
+    summary = {"step": 8, "stopped_early": False, "dev/loss": 3.5,
+               "checkpoint": "/old/step_00000008", "export": "/old/export"}
+    cp.record_end(summary)
+    moved = _checkpointer(tmp_path / "moved")
+    (tmp_path / "moved" / "ckpt").mkdir(parents=True)
+    (tmp_path / "ckpt" / "ended.json").rename(tmp_path / "moved" / "ckpt" / "ended.json")
+    got = moved.ended_at(8, max_steps=8)
+    assert got == {**summary, "checkpoint": str(tmp_path / "moved" / "ckpt" / "step_00000008"),
+                   "export": str(tmp_path / "moved" / "ckpt" / "export")}
+    assert moved.ended_at(8, max_steps=20) is None  # a raised max_steps trains on
+    assert moved.ended_at(6, max_steps=8) is None  # another step: not this record
+    other = _checkpointer(tmp_path / "moved", "train.export_best=false")
+    assert other.ended_at(8, max_steps=8) is None  # exports otherwise now: export again
+    (tmp_path / "moved" / "ckpt" / "ended.json").write_text("{torn")
+    assert moved.ended_at(8, max_steps=8) is None
+    moved.forget_end()
+    assert not (tmp_path / "moved" / "ckpt" / "ended.json").exists()

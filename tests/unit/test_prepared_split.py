@@ -58,3 +58,15 @@ def test_data_of_another_tokenizer_is_refused(tiny_prepared, tmp_path) -> None:
     with pytest.raises(DataError, match=r"tokenized with sentencepiece, the model .* with a "
                                          r"Hugging Face tokenizer"):
         _prepared_split(hf, None, "test")
+
+
+def test_a_converted_model_without_tokenizer_files_is_not_compared(tmp_path) -> None:
+    from moe_train.data.prepare import check_model_data
+
+    (tmp_path / "model").mkdir()
+    (tmp_path / "prep").mkdir()
+    (tmp_path / "prep" / "tokenizer.json").write_text("{}")
+    got = check_model_data(tmp_path / "model", {"tokenizer": "hf", "domains": [], "langs": []},
+                           tmp_path / "prep", {"tokenizer": "hf", "domains": ["law"],
+                                               "langs": ["de", "en"]})
+    assert got["domains"] == ["law"] and got["langs"] == ["de", "en"]
