@@ -270,10 +270,10 @@ def test_learned_task_router_routes_by_task_only() -> None:
     assert torch.allclose(out.weights_TK, torch.tensor([[4 / 7, 3 / 7]] * 6), atol=1e-6)
     again = router.route(torch.randn(6, E) * 10, rctx)
     assert torch.equal(again.expert_ids_TK, out.expert_ids_TK)
-    # GShard's balance loss (seed notes OD-T2): first choices 0, 3, 0 of two tokens each
-    first_E, P_E = torch.tensor([4, 0, 0, 2]) / 6, (4 * P_TE[0] + 2 * P_TE[1]) / 6
+    # the balance loss counts both slots: experts 0, 1 (tasks 0, two sentences) and 3, 2
+    slots_E, P_E = torch.tensor([4, 4, 2, 2]) / 12, (4 * P_TE[0] + 2 * P_TE[1]) / 6
     assert out.aux_losses["load_balance"].item() == pytest.approx(
-        router.cfg.aux_loss_coef * E * float(first_E @ P_E), rel=1e-5)
+        router.cfg.aux_loss_coef * E * float(slots_E @ P_E), rel=1e-5)
     assert router.task_source == "tgt_lang" and ROUTERS["topk"].task_source is None
     # Gradients reach the task embedding and the gate through the weights and the aux losses.
     (out.weights_TK[:, 0].sum() + sum(out.aux_losses.values())).backward()
