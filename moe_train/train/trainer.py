@@ -420,7 +420,7 @@ class Trainer:
                   to_tensorboard: bool = True) -> dict[str, Any]:
         """Dev loss (and BLEU): logged and returned. `have`: this step's validation already
         done; only what it lacks (BLEU) is computed and logged. `to_tensorboard` False: printed
-        only (a resumed run that trained no step: its last run wrote this step's events)."""
+        only (resumed at a step the last run validated: it wrote this step's events)."""
         if self.dev_set is None:
             return {}
         values: dict[str, Any] = dict(have) if have is not None else self.validate_loss()
