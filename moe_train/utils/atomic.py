@@ -127,9 +127,12 @@ def atomic_dir(final: str | os.PathLike, overwrite: bool = False) -> Iterator[Pa
     """Yield a temporary directory beside `final`; rename it onto `final` on success.
 
     With `overwrite`, an existing `final` is replaced (moved aside, then removed) only after the
-    new directory is complete.
+    new directory is complete. A symlink is kept and the directory it leads to replaced (`--out
+    latest -> runs/7`), as `atomic_path` does for a file.
     """
     final = Path(final)
+    if final.is_symlink():
+        final = Path(os.path.realpath(final))
     if _not_a_file(final):
         raise FileExistsError(f"{final}: is neither a directory nor a file; not replacing it")
     final.parent.mkdir(parents=True, exist_ok=True)

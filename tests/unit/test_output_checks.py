@@ -134,6 +134,19 @@ def test_atomic_dir_recovers_what_a_killed_write_left(tmp_path) -> None:
     assert sorted(p.name for p in tmp_path.iterdir()) == [".exports.x.tmp", "export"]
 
 
+def test_atomic_dir_keeps_a_symlink_and_replaces_its_target(tmp_path) -> None:
+    runs, link = tmp_path / "runs" / "7", tmp_path / "latest"
+    runs.mkdir(parents=True)
+    (runs / "old.txt").write_text("old")
+    link.symlink_to(runs)
+    with atomic_dir(link, overwrite=True) as tmp:
+        (tmp / "new.txt").write_text("new")
+    assert link.is_symlink() and os.readlink(link) == str(runs)
+    assert sorted(p.name for p in runs.iterdir()) == ["new.txt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "runs"]
+    assert sorted(p.name for p in runs.parent.iterdir()) == ["7"]
+
+
 def test_atomic_dir_replaces_a_file_without_leftovers(tmp_path) -> None:
     out = tmp_path / "out"
     out.write_text("old file")
