@@ -51,7 +51,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from real_data import (  # noqa: E402
-    DEFAULT_DATA, QUICK_DATA, QUICK_MODEL, opus_test_dir, write_record)
+    DEFAULT_DATA, QUICK_DATA, QUICK_MODEL, fresh_work, opus_test_dir, write_record)
 
 from moe_train.eval.significance import paired_bootstrap  # noqa: E402
 from moe_train.stages.evaluate import hypotheses_file, read_lines  # noqa: E402
@@ -303,8 +303,7 @@ def main(argv: list[str] | None = None) -> None:
     bench = f"moa_real_data_de_en{seed_tag}{steps_tag}_cpu{suffix}"
     work = ROOT / "work" / f"moa-opus-de-en{seed_tag}{suffix}".replace("_", "-")
     out = results_path(args.out, ROOT / "benchmarks" / "results" / f"{bench}.json")
-    if args.fresh and work.exists():
-        shutil.rmtree(work)
+    work = fresh_work(work, args.fresh)
     anchors = 2 if args.quick else args.anchors
     data = args.data
     if args.test_dir:

@@ -60,7 +60,7 @@ from moa_real_data import (  # noqa: E402
     total_minutes,
 )
 from real_data import check_overrides as check_run_overrides  # noqa: E402
-from real_data import write_record  # noqa: E402
+from real_data import fresh_work, write_record  # noqa: E402
 
 from moe_train.eval.significance import paired_bootstrap  # noqa: E402
 from moe_train.utils.atomic import atomic_dir, write_json  # noqa: E402
@@ -461,8 +461,7 @@ def main(argv: list[str] | None = None) -> None:
     name = "moa_synthetic_cpu_quick" if args.quick else f"moa_synthetic{suffix}_cpu"
     out = results_path(
         args.out, ROOT / "benchmarks" / "results" / f"{name}.json")  # *_quick: ignored
-    if args.fresh and work.exists():
-        shutil.rmtree(work)
+    work = fresh_work(work, args.fresh)
     if args.profile == "test":
         t0 = time.time()
         record = {"benchmark": "moa_synthetic_test_bars_cpu",

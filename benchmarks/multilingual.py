@@ -34,7 +34,8 @@ for _path in (ROOT, ROOT / "benchmarks"):
         sys.path.insert(0, str(_path))
 
 from real_data import (  # noqa: E402
-    DEFAULT_DATA, QUICK_DATA, QUICK_TRAIN, last_json, opus_test_dir, write_record)
+    DEFAULT_DATA, QUICK_DATA, QUICK_TRAIN, fresh_work, last_json, opus_test_dir,
+    write_record)
 
 from moe_train.utils.atomic import write_text  # noqa: E402
 from moe_train.utils.provenance import provenance  # noqa: E402
@@ -170,8 +171,7 @@ def main(argv: list[str] | None = None) -> None:
     work = Path(args.work or ROOT / "work" / f"multilingual{suffix.replace('_', '-')}")
     out = results_path(
         args.out, ROOT / "benchmarks" / "results" / f"multilingual_opus_cpu{suffix}.json")
-    if args.fresh and work.exists():
-        shutil.rmtree(work)
+    work = fresh_work(work, args.fresh)
     prepared = work / "prepared"
     t0 = time.time()
     reused = (prepared / "manifest.json").is_file()

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -95,6 +96,31 @@ def add_record_arguments(ap: argparse.ArgumentParser, name: str, unit: str) -> N
                     help=f"tiny corpus / model, a few steps per {unit}: checks the script")
 
 
+WORK_MARK = ".moe-train-benchmark"
+"""The file a benchmark leaves in its work directory: `--fresh` deletes only a directory that
+holds it (or an empty one), never one of the user's own named by mistake in `--work`."""
+
+
+def fresh_work(work: Path, fresh: bool) -> Path:
+    """Make `work` this benchmark's work directory and mark it; with `fresh`, delete it first.
+
+    A directory without the mark and with content is refused in one line (exit 2), not
+    deleted. A symlink is kept and the directory it leads to emptied. Returns `work`."""
+    if work.is_symlink():
+        work = Path(os.path.realpath(work))
+    if work.exists() and not work.is_dir():
+        exit_bad_input(f"--work {work}: is not a directory")
+    if fresh and work.exists():
+        if not (work / WORK_MARK).is_file() and any(work.iterdir()):
+            exit_bad_input(f"--work {work}: --fresh deletes only a benchmark's work directory "
+                           f"(one holding {WORK_MARK}) and this one has none: delete it "
+                           "yourself or name another")
+        shutil.rmtree(work)
+    work.mkdir(parents=True, exist_ok=True)
+    (work / WORK_MARK).touch()
+    return work
+
+
 def start_record(args: argparse.Namespace, argv: list[str] | None, name: str
                  ) -> tuple[dict, Path, Path, str] | None:
     """The common start of the recorded per-recipe runs (thor.py, gad.py): None (after one
@@ -109,8 +135,7 @@ def start_record(args: argparse.Namespace, argv: list[str] | None, name: str
     work = Path(args.work or ROOT / "work" / f"{name}-{args.data}{suffix.replace('_', '-')}")
     out = results_path(
         args.out, ROOT / "benchmarks" / "results" / f"{name}_{args.data}_cpu{suffix}.json")
-    if args.fresh and work.exists():
-        shutil.rmtree(work)
+    work = fresh_work(work, args.fresh)
     return prov, work, out, suffix
 
 
@@ -161,8 +186,7 @@ def main(argv: list[str] | None = None) -> None:
     work = Path(args.work or ROOT / "work" / f"opus-de-en{suffix.replace('_', '-')}")
     out = results_path(
         args.out, ROOT / "benchmarks" / "results" / f"real_data_de_en_cpu{suffix}.json")
-    if args.fresh and work.exists():
-        shutil.rmtree(work)
+    work = fresh_work(work, args.fresh)
     beam = 1 if args.quick else args.beam
     paths = [f"data.prepared_dir={work / 'prepared'}", f"checkpoint.dir={work / 'checkpoints'}",
              f"logging.tensorboard_dir={work / 'tensorboard'}"]

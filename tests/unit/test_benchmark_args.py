@@ -110,3 +110,36 @@ def test_argument_types() -> None:
         with pytest.raises(argparse.ArgumentTypeError) as exc:
             parse(text)
         assert says in str(exc.value)
+
+
+def test_fresh_deletes_only_a_benchmark_work_directory(tmp_path: Path, capsys) -> None:
+    """`--fresh --work ~/notes` must not delete the user's directory: only one a benchmark
+    marked (or an empty one) is emptied; a symlink is kept and its directory emptied."""
+    real_data = load_benchmark("real_data")
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "thesis.tex").write_text("x")
+    with pytest.raises(SystemExit) as exc:
+        real_data.fresh_work(mine, fresh=True)
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and err.count("\n") == 1 and f"--work {mine}" in err
+    assert (mine / "thesis.tex").read_text() == "x"
+    # used once without --fresh, it is the benchmark's: the next --fresh empties it
+    assert real_data.fresh_work(mine, fresh=False) == mine
+    assert (mine / "thesis.tex").exists() and (mine / real_data.WORK_MARK).is_file()
+    real_data.fresh_work(mine, fresh=True)
+    assert sorted(p.name for p in mine.iterdir()) == [real_data.WORK_MARK]
+    (mine / "stage").mkdir()
+    link = tmp_path / "latest"
+    link.symlink_to(mine)
+    assert real_data.fresh_work(link, fresh=True) == mine
+    assert link.is_symlink() and sorted(p.name for p in mine.iterdir()) == [real_data.WORK_MARK]
+    empty, new = tmp_path / "empty", tmp_path / "a" / "new"
+    empty.mkdir()
+    for work in (empty, new):
+        real_data.fresh_work(work, fresh=True)
+        assert (work / real_data.WORK_MARK).is_file()
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(SystemExit):
+        real_data.fresh_work(tmp_path / "file", fresh=True)
+    assert (tmp_path / "file").read_text() == "x"
