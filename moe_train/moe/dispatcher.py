@@ -4,10 +4,10 @@
 dispatcher (moe_train.parallel.expert_parallel) is tested against. `DenseDispatcher` serves
 layers whose every token uses every expert: soft routers over all experts (Gated Adapters) and
 task-routed layers that keep just the k experts of their task (an extracted sub-network).
-Nothing to sort, the experts get all rows at once. Dropless by default; with a
-capacity factor c, expert e keeps at most ceil(c * routed_slots / E) copies (every token's first
-choice before any second, each in token order, as GShard) and the overflow is dropped and counted: a dropped copy contributes
-nothing to its token's output (the residual carries the token on). The limit applies while
+Nothing to sort, the experts get all rows at once. Dropless by default; with a capacity
+factor c, expert e keeps at most ceil(c * routed_slots / E) copies (every token's first choice
+before any second, each in token order, as GShard) and the overflow is dropped and counted: a
+dropped copy contributes nothing to its token's output (the residual carries the token on). The limit applies while
 training only (`drop=True`, what MoELayer passes in train mode): evaluation and decoding are
 dropless, so a token's output never depends on what else is in the batch and incremental
 decoding equals full decoding.

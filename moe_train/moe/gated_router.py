@@ -32,7 +32,7 @@ from moe_train.config.gated import GatedConfig
 from moe_train.config.moe import RouterConfig
 from moe_train.errors import ConfigError
 from moe_train.moe import losses
-from moe_train.moe.gating import Router, _require_sentences, _sentence_pad_mask
+from moe_train.moe.gating import Router, _require_sentences, _sentence_pad_mask, linear_fp32
 from moe_train.moe.routing import (TARGET_TOKENS_KEY, Routing, RoutingContext, context_rows,
                                     expand_rows)
 
@@ -58,7 +58,7 @@ class GatedRouter(Router):
         """(W_g agg(x) of every token (T, E), and of the rows the gate loss averages over:
         sentences (B, E) in the encoder, tokens in the decoder), float32."""
         agg_ND, row_T = context_rows(x_TD, rctx)  # encoder: one gate per sentence, B rows
-        logits_NE = self.gate(agg_ND).float()
+        logits_NE = linear_fp32(agg_ND, self.gate)
         return expand_rows(logits_NE, row_T), logits_NE
 
     def forward(self, x_TD: Tensor, rctx: RoutingContext | None = None) -> Routing:

@@ -89,6 +89,13 @@ def top_p_select(probs_TE: Tensor, p: float) -> tuple[Tensor, Tensor]:
 # Building blocks
 
 
+def linear_fp32(x: Tensor, layer: nn.Linear) -> Tensor:
+    """`layer(x)` computed in float32 whatever the parameter dtype: a router's logits rounded to
+    bf16 tie or swap near-equal experts (and an fp32 export would then choose others)."""
+    bias = None if layer.bias is None else layer.bias.float()
+    return F.linear(x.float(), layer.weight.float(), bias)
+
+
 class LinearGate(nn.Module):
     """Router logits x W_g, with optional input jitter and noisy gating in training.
 

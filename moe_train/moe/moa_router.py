@@ -18,7 +18,8 @@ from torch import Tensor, nn
 from moe_train.config.moe import RouterConfig
 from moe_train.errors import ConfigError
 from moe_train.moe import losses
-from moe_train.moe.gating import Router, _check_k, _require_sentences, _token_stats, sentence_repr
+from moe_train.moe.gating import (Router, _check_k, _require_sentences, _token_stats, linear_fp32,
+                                   sentence_repr)
 from moe_train.moe.routing import Routing, RoutingContext
 
 
@@ -35,7 +36,7 @@ class MoAGate(nn.Module):
 
     def forward(self, h_BD: Tensor) -> Tensor:
         """Scores (B, K), float32."""
-        return self.out(torch.tanh(self.hidden(h_BD))).float()
+        return linear_fp32(torch.tanh(linear_fp32(h_BD, self.hidden)), self.out)
 
 
 def gumbel_max_select(scores_BE: Tensor, k: int, tau: float,

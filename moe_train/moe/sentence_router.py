@@ -26,6 +26,7 @@ from moe_train.moe.gating import (
     _require_sentences,
     _sentence_pad_mask,
     _token_stats,
+    linear_fp32,
     sentence_repr,
     top_k_select,
 )
@@ -45,9 +46,9 @@ class SentenceRouter(Router):
     sentence, padding included, gets the sentence's experts and weights. Weights are the raw
     probability for k = 1 (Switch-SL) and renormalised for k > 1 (SGMoE-SL). Load-balance and
     z losses are computed over sentences that have a real token; ``balance_loss: cv2`` gives
-    SGMoE's importance and load losses instead (noisy gating, Shazeer et al. 2017). On the decoder side a
-    sentence representation must be given: pooling decoder states would let each position see
-    future target tokens.
+    SGMoE's importance and load losses instead (noisy gating, Shazeer et al. 2017). On the
+    decoder side a sentence representation must be given: pooling decoder states would let each
+    position see future target tokens.
     """
 
     name = "sentence"
@@ -148,7 +149,7 @@ class TaskRouter(Router):
 
     def _gate_NE(self) -> tuple[Tensor, Tensor]:
         """(logits_NE, probs_NE) of the learned gate for every task."""
-        logits_NE = self.gate(self.embed.weight).float()
+        logits_NE = linear_fp32(self.embed.weight, self.gate)
         return logits_NE, logits_NE.softmax(-1)
 
     @torch.no_grad()

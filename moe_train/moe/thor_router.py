@@ -31,7 +31,8 @@ from moe_train.config.thor import ThorConfig
 from moe_train.errors import ConfigError
 from moe_train.models.context import ForwardContext
 from moe_train.moe import losses
-from moe_train.moe.gating import LinearGate, Router, _token_stats, top_k_ids, top_k_select
+from moe_train.moe.gating import (LinearGate, Router, _token_stats, linear_fp32, top_k_ids,
+                                   top_k_select)
 from moe_train.moe.gating import top_p_select
 from moe_train.moe.routing import (Routing, RoutingContext, context_rows, expand_rows,
                                    task_ids_from_context)
@@ -63,10 +64,11 @@ class TaskPredictor(nn.Module):
         nn.init.xavier_uniform_(self.proj.weight)
         nn.init.normal_(self.task_embed_KD, std=d_model ** -0.5)
 
-    def forward(self, x_BSD: Tensor, ctx: ForwardContext) -> tuple[dict[str, Any], dict[str, Tensor]]:
+    def forward(self, x_BSD: Tensor, ctx: ForwardContext
+                ) -> tuple[dict[str, Any], dict[str, Tensor]]:
         pad_BS = ctx.src_pad_mask_BS
         h_BSD = x_BSD if pad_BS is None else x_BSD.masked_fill(pad_BS[..., None], float("-inf"))
-        logits_BK = self.proj(h_BSD.amax(1)).float()  # Eq. 8 ([CLS] is never padding)
+        logits_BK = linear_fp32(h_BSD.amax(1), self.proj)  # Eq. 8 ([CLS] is never padding)
         probs_BK = logits_BK.softmax(-1)
         gold_B = self.gold_tasks(ctx)
         aux: dict[str, Tensor] = {}
@@ -133,7 +135,7 @@ class ThorRouter(Router):
     def candidate_sets(self, repr_BD: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """(task probabilities over all E (float32), candidates_BC, g^t_BE: the probabilities
         renormalised over each sentence's candidates, 0 elsewhere)."""
-        probs_BE = self.task_gate(repr_BD).float().softmax(-1)
+        probs_BE = linear_fp32(repr_BD, self.task_gate).softmax(-1)
         cand_BC = top_k_ids(probs_BE, self.set_size)
         in_set_BE = torch.zeros_like(probs_BE, dtype=torch.bool).scatter_(1, cand_BC, True)
         g_BE = probs_BE * in_set_BE
