@@ -16,7 +16,7 @@ to load ZeRO optimizer partitions at another data-parallel world size).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
@@ -108,15 +108,55 @@ def _frozen_value(p: nn.Parameter) -> Tensor:
     return p.detach().float().cpu().clone()
 
 
+def _unfused_master(optimizer: Any, p: nn.Parameter) -> Tensor | None:
+    """The fp32 copy DeepSpeed keeps of `p` in 16-bit training at ZeRO 0 (its
+    FP16_UnfusedOptimizer: `fp16_groups` and `fp32_groups`, parameter for parameter; Adam's
+    state is keyed by the copy); None otherwise (fp32: `p` is its own master)."""
+    low, high = getattr(optimizer, "fp16_groups", None), getattr(optimizer, "fp32_groups", None)
+    if not isinstance(low, list) or not isinstance(high, list):
+        return None
+    for group_low, group_high in zip(low, high):
+        for a, b in zip(group_low, group_high):
+            if a is p:
+                return b
+    return None
+
+
 def fp32_param(optimizer: Any, p: nn.Parameter) -> Tensor:
-    """The fp32 master value of `p` (collective under ZeRO 1-3); a frozen parameter's own."""
+    """The fp32 master value of `p` (collective under ZeRO 1-3); a frozen parameter's own.
+    In 16-bit training the module holds the master's rounding: exports and checkpoints take
+    the master, what the optimizer updates."""
     if not p.requires_grad:  # not in the optimizer: no master copy, no partition
         return _frozen_value(p)
     if is_zero3(optimizer):
         return z3_get(optimizer, p, None)
     if _zero12(optimizer):
         return _zero_get(optimizer, p, None)
-    return p.detach().float().cpu().clone()
+    master = _unfused_master(optimizer, p)
+    return (p if master is None else master).detach().float().cpu().clone()
+
+
+def master_tensors(model: nn.Module, optimizer: Any, keep: bool = True
+                   ) -> Iterator[tuple[str, Tensor | None]]:
+    """(name, fp32 CPU copy) of every state-dict entry of `model`, each trainable parameter as
+    its fp32 master (`fp32_param`), buffers and frozen parameters as they are (gathered under
+    ZeRO-3). Collective under ZeRO 1-3: every rank iterates to the end; ranks that do not
+    `keep` get None."""
+    for name, t in model.state_dict(keep_vars=True).items():
+        if isinstance(t, nn.Parameter):
+            value = fp32_param(optimizer, t)
+        elif hasattr(t, "ds_id"):
+            value = _frozen_value(t)
+        else:
+            value = t.detach().float().cpu().clone() if t.is_floating_point() else \
+                t.detach().cpu().clone()
+        yield name, value if keep else None
+
+
+def _state_key(optimizer: Any, p: nn.Parameter) -> Tensor:
+    """What a ZeRO-0 optimizer keys `p`'s Adam state by: its fp32 master when it has one."""
+    master = _unfused_master(optimizer, p)
+    return p if master is None else master
 
 
 def get_moments(optimizer: Any, p: nn.Parameter) -> dict[str, Tensor] | None:
@@ -129,7 +169,7 @@ def get_moments(optimizer: Any, p: nn.Parameter) -> dict[str, Tensor] | None:
             return None
         get = z3_get if is_zero3(optimizer) else _zero_get
         return {k: get(optimizer, p, k) for k in MOMENTS}
-    slot = optimizer.state.get(p, {})
+    slot = optimizer.state.get(_state_key(optimizer, p), {})
     if not all(k in slot for k in MOMENTS):
         return None
     return {k: slot[k].detach().cpu().clone() for k in MOMENTS}
@@ -137,7 +177,9 @@ def get_moments(optimizer: Any, p: nn.Parameter) -> dict[str, Tensor] | None:
 
 def set_param(optimizer: Any, p: nn.Parameter, value: Tensor) -> None:
     """Set `p` and its fp32 master copy (local: each rank writes what it owns); a frozen
-    parameter has no master copy, only its own values (under ZeRO-3 its partition)."""
+    parameter has no master copy, only its own values (under ZeRO-3 its partition). At ZeRO
+    0 in 16-bit only `p`: DeepSpeed's own checkpoint restores the masters there (expert
+    files written before they held masters hold `p`'s rounding)."""
     if not p.requires_grad and hasattr(p, "ds_tensor"):
         copy_partition(p.ds_tensor, value, dist.get_rank(group=p.ds_process_group))
         return
@@ -159,9 +201,10 @@ def set_moments(optimizer: Any, p: nn.Parameter, moments: dict[str, Tensor], ste
         for k in MOMENTS:
             put(optimizer, p, k, moments[k], step)
         return
-    slot = optimizer.state.setdefault(p, {})
+    key = _state_key(optimizer, p)
+    slot = optimizer.state.setdefault(key, {})
     for k in MOMENTS:
-        slot[k] = moments[k].to(p.device, p.dtype).clone()
+        slot[k] = moments[k].to(key.device, key.dtype).clone()
     slot["step"] = torch.tensor(step, dtype=torch.float32)
 
 

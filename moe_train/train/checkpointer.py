@@ -19,7 +19,8 @@ from moe_train.parallel.expert_checkpoint import (expert_tensors, full_expert_st
                                                   load_expert_shards, save_expert_shards)
 from moe_train.parallel.expert_parallel import without_deepspeed_moe_checkpointing
 from moe_train.parallel.runtime import ParallelRuntime
-from moe_train.parallel.zero3 import gathered_tensors, is_partitioned
+from moe_train.parallel.optim_state import master_tensors
+from moe_train.parallel.zero3 import is_partitioned
 from moe_train.train.checkpoint import (latest_tag, load_checkpoint, read_meta, save_checkpoint,
                                         step_tag, verify)
 from moe_train.train.export import export_inference, export_streamed
@@ -104,19 +105,20 @@ class Checkpointer:
         return self.dir / self.best_tag
 
     def export(self, tag_dir: Path) -> Path | None:
-        """Standalone weights (experts assembled from the checkpoint `tag_dir`), rank 0.
-        Under ZeRO-3 collective and streamed (`export_streamed`): every rank gathers one
-        parameter at a time, rank 0 writes it, then the experts one at a time from the files."""
-        module, out = self.engine.module, self.export_dir
+        """Standalone fp32 weights (experts assembled from the checkpoint `tag_dir`), written
+        by rank 0: every trainable parameter as its fp32 master, which 16-bit training keeps
+        beside the module's rounded copy (`master_tensors`; collective under ZeRO 1-3). Under
+        ZeRO-3 streamed (`export_streamed`): one parameter at a time, then the experts one at
+        a time from the files."""
+        module, out, main = self.engine.module, self.export_dir, self.rt.is_main
+        dense = master_tensors(module, self.engine.optimizer, keep=main)
         if is_partitioned(module):
-            main = self.rt.is_main
-            tensors = itertools.chain(gathered_tensors(module, keep=main),
-                                      expert_tensors(tag_dir) if main else ())
+            tensors = itertools.chain(dense, expert_tensors(tag_dir) if main else ())
             return export_streamed(out, tensors, self.cfg, self.manifest, self.tokenizer_files,
                                    active=main)
-        if not self.rt.is_main:
+        state = {name: t for name, t in dense if t is not None}
+        if not main:
             return None
-        state = module.state_dict()
         state.update(full_expert_state(tag_dir))
         return export_inference(out, state, self.cfg, self.manifest, self.tokenizer_files)
 

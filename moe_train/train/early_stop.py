@@ -19,31 +19,38 @@ class EarlyStop:
     def __init__(self, metric: str, patience: int, min_delta: float = 0.0) -> None:
         self.key, self.sign = METRICS[metric]
         self.patience, self.min_delta = patience, min_delta
-        self.best = -math.inf  # in sign-adjusted units
+        self.bar = -math.inf
+        """The best scheduled validation (sign-adjusted): what patience measures against."""
+        self.bad = 0
+        self.best = -math.inf
+        """The best of every validation (sign-adjusted), off-schedule ones included: the
+        checkpoint `train.export_best` exports."""
         self.best_step = 0
         self.best_values: dict[str, float] = {}
         """The validation values (numbers only) of the best step."""
-        self.bad = 0
         self.improved = False
 
     def update(self, step: int, values: dict[str, Any], scheduled: bool = True) -> bool:
         """Record one validation; True when the last `patience` brought no improvement.
         Validations without the metric (e.g. no BLEU that time) are ignored. One off the
-        train.validate_every schedule (a run's end at max_steps or its time limit) may set a
-        new best but does not count towards patience: an interrupted, resumed run then stops
-        where an uninterrupted one does."""
+        train.validate_every schedule (a run's end at max_steps or its time limit) may become
+        the best checkpoint to export but neither counts towards patience nor raises the bar
+        later validations are measured against: an interrupted, resumed run then stops where
+        an uninterrupted one does."""
         self.improved = False
         if self.patience <= 0 or self.key not in values:
             return False
         value = self.sign * float(values[self.key])
         if value > self.best + self.min_delta:
-            self.best, self.best_step, self.bad = value, step, 0
+            self.best, self.best_step = value, step
             self.best_values = {k: float(v) for k, v in values.items()
                                 if isinstance(v, (int, float)) and not isinstance(v, bool)}
             self.improved = True
-            return False
         if scheduled:
-            self.bad += 1
+            if value > self.bar + self.min_delta:
+                self.bar, self.bad = value, 0
+            else:
+                self.bad += 1
         return self.bad >= self.patience
 
     @property
@@ -59,6 +66,7 @@ class EarlyStop:
     def state_dict(self) -> dict[str, Any]:
         """JSON-safe state for checkpoints (no best yet: ``best`` is None)."""
         return {"metric": self.key, "best": None if math.isinf(self.best) else self.best,
+                "bar": None if math.isinf(self.bar) else self.bar,
                 "best_step": self.best_step, "bad": self.bad, "best_values": self.best_values}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -66,6 +74,8 @@ class EarlyStop:
         if state.get("metric") != self.key:
             return
         self.best = -math.inf if state.get("best") is None else float(state["best"])
+        bar = state.get("bar", state.get("best"))  # older checkpoints: one value for both
+        self.bar = -math.inf if bar is None else float(bar)
         self.best_step = int(state.get("best_step", 0))
         self.bad = int(state.get("bad", 0))
         self.best_values = dict(state.get("best_values") or {})

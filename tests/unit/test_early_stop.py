@@ -40,6 +40,32 @@ def test_improved_flags_each_new_best_and_state_round_trips() -> None:
     assert other.best_step == 0 and other.bad == 0
 
 
+def test_an_off_schedule_best_is_exported_but_sets_no_bar() -> None:
+    """Stopped at step 10 (max_steps, off a validate_every=4 schedule) and resumed: the step-10
+    validation improves, yet the resumed run must stop where the uninterrupted one does (never,
+    here: each scheduled validation beats the one before by more than min_delta). Step 10 may
+    still be the export while it is the best value seen."""
+    dev = {4: 8.367, 8: 7.956, 10: 7.756, 12: 7.603, 16: 7.388}
+    full = EarlyStop("loss", patience=1, min_delta=0.18)
+    assert [full.update(s, {"dev/loss": dev[s]}) for s in (4, 8, 12, 16)] == [False] * 4
+    cut = EarlyStop("loss", patience=1, min_delta=0.18)
+    for s in (4, 8):
+        cut.update(s, {"dev/loss": dev[s]})
+    assert not cut.update(10, {"dev/loss": dev[10]}, scheduled=False) and cut.improved
+    assert cut.state() == {"metric": "dev/loss", "best": 7.756, "best_step": 10}
+    resumed = EarlyStop("loss", patience=1, min_delta=0.18)
+    resumed.load_state_dict(json.loads(json.dumps(cut.state_dict())))
+    assert not resumed.update(12, {"dev/loss": dev[12]}) and not resumed.improved
+    assert not resumed.update(16, {"dev/loss": dev[16]}) and resumed.improved
+    assert resumed.state() == full.state() == {"metric": "dev/loss", "best": 7.388,
+                                               "best_step": 16}
+    old = cut.state_dict()
+    del old["bar"]  # a checkpoint written before the bar was kept apart
+    again = EarlyStop("loss", patience=1, min_delta=0.18)
+    again.load_state_dict(old)
+    assert again.bar == again.best
+
+
 def test_loss_is_lower_better_and_missing_values_are_ignored() -> None:
     stop = EarlyStop("loss", patience=1)
     assert not stop.update(1, {"dev/loss": 3.0})
