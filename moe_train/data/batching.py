@@ -175,11 +175,12 @@ def _corpus_draw(seed: int, corpus: int, size: int, start: int, count: int) -> n
 def bucket_key(dataset: ParallelDataset) -> np.ndarray:
     """Padded width each sentence needs: max(src_len + 1, tgt_len + 1) (eos / bos included);
     for a decoder-only model's data (``dataset.concatenated``) the prompt and the target form
-    one sequence: src_len + tgt_len + 1."""
+    one sequence, src_len + tgt_len (`lm_inputs` drops the prompt's eos and the target's
+    bos)."""
     src = np.asarray(dataset.src_lengths, dtype=np.int64)
     tgt = np.asarray(dataset.tgt_lengths, dtype=np.int64)
     if getattr(dataset, "concatenated", False):
-        return src + tgt + 1
+        return src + tgt
     return np.maximum(src, tgt) + 1
 
 
@@ -191,8 +192,8 @@ def cut_batches(keys_sorted: np.ndarray, max_tokens: int,
     Greedy: each batch is the longest run with size * width <= max_tokens (and at most
     `max_sentences`); a sentence longer than max_tokens forms a batch of its own. The width
     is the run's largest key; with `lm_parts` (prompt and target lengths in the same order, a
-    decoder-only model's data) it is the longest prompt plus the longest target plus one, the
-    row the model reads (prompts left-padded to the longest, targets right-padded).
+    decoder-only model's data) it is the longest prompt plus the longest target, the row the
+    model reads (prompts left-padded to the longest, targets right-padded; `lm_inputs`).
     """
     keys = np.asarray(keys_sorted, dtype=np.int64)
     bounds = [0]
@@ -207,7 +208,7 @@ def cut_batches(keys_sorted: np.ndarray, max_tokens: int,
         else:
             prompt, target = (np.maximum.accumulate(np.asarray(a[start:stop], dtype=np.int64))
                               for a in lm_parts)
-            widths = prompt + target + 1
+            widths = prompt + target
         # Cost (e - start) * width grows with e, so the feasible ends form a prefix.
         fits = int(np.count_nonzero(np.arange(1, stop - start + 1) * widths <= max_tokens))
         start += max(1, fits)

@@ -73,16 +73,16 @@ def check_fits_model(prepared_dir: str | os.PathLike, max_positions: int,
     have = load_manifest(prepared_dir)["splits"]
     for split in (s for s in splits if s in have):
         data = ShardedDataset(prepared_dir, split)
-        sides = (("source", data.src_lengths), ("target", data.tgt_lengths))
-        if data.concatenated:
-            sides = (("prompt + target", data.src_lengths + data.tgt_lengths),)
-        for side, lengths in sides:
-            longest = int(lengths.max()) + 1 if len(lengths) else 0
+        sides = (("source", data.src_lengths, 1), ("target", data.tgt_lengths, 1))
+        if data.concatenated:  # one row: the prompt without its eos, the target after bos
+            sides = (("prompt + target", data.src_lengths + data.tgt_lengths, 0),)
+        for side, lengths, eos in sides:
+            longest = int(lengths.max()) + eos if len(lengths) else 0
             if longest > max_positions:
                 raise ConfigError(
                     f"{field}: expected at least {longest}, got {max_positions} "
                     f"(the {split} split of {prepared_dir} has {side} sentences of "
-                    f"{longest - 1} tokens plus end-of-sentence)")
+                    f"{longest - eos} tokens" + (" plus end-of-sentence)" if eos else ")"))
 
 
 def check_prompt_template(prepared_dir: str | os.PathLike, template: str) -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import pytest
@@ -91,9 +90,7 @@ def test_counting_uses_the_meta_device(monkeypatch: pytest.MonkeyPatch) -> None:
         return model
 
     monkeypatch.setattr(params_mod, "build_model", spy)
-    start = time.perf_counter()
-    _report("moe128-big.yaml")
-    assert time.perf_counter() - start < 20  # ~1-2 s; a real 13B build would not finish
+    _report("moe128-big.yaml")  # a real 13B build would not fit this machine's memory
     assert all(p.device.type == "meta" for p in built[0].parameters())
 
 
