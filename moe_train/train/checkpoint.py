@@ -381,8 +381,10 @@ def read_meta(tag_dir: str | Path) -> dict[str, Any]:
 
 
 def consolidated_state_dict(tag_dir: str | Path) -> dict[str, torch.Tensor]:
-    """Model weights of a step checkpoint, read without DeepSpeed (ZeRO 0-2 keep them whole
-    in the model states; under ZeRO-3 the trainable ones come from the per-parameter state)."""
+    """Model weights of a step checkpoint, read without DeepSpeed: the model states, with the
+    trainable ones from the per-parameter fp32 state where there is one (ZeRO 1-3: under ZeRO-3
+    the model states hold only partitions, and in 16-bit training the masters are what the
+    export holds; at ZeRO 0 the model states' values, 16-bit in a 16-bit run)."""
     path = Path(tag_dir) / "mp_rank_00_model_states.pt"
     if not path.is_file() and (Path(tag_dir) / ZERO3_MODEL_STATES).is_file():
         path = Path(tag_dir) / ZERO3_MODEL_STATES  # buffers whole, parameters partitioned
@@ -394,7 +396,7 @@ def consolidated_state_dict(tag_dir: str | Path) -> dict[str, torch.Tensor]:
         raise CheckpointError(f"{path}: no 'module' weights in the model states")
     state = dict(state)
     dense = read_dense_state(Path(tag_dir))
-    if dense is not None and any(v.numel() == 0 for v in state.values()):  # ZeRO-3 partitions
+    if dense is not None:
         src = dense[0]
         state.update({k[len("param/"):]: src.get(k) for k in src.names()
                       if k.startswith("param/")})

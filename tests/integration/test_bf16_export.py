@@ -6,7 +6,7 @@ differed from the masters in 2 of 32 greedy outputs."""
 import pytest
 import torch
 
-from moe_train.train.checkpoint import read_dense_state
+from moe_train.train.checkpoint import consolidated_state_dict, read_dense_state
 from moe_train.train.export import load_export_weights
 from tests.conftest import ROOT, debug_overrides, run_cli
 
@@ -38,3 +38,7 @@ def test_a_bf16_run_exports_its_fp32_masters(tiny_prepared, tmp_path, zero) -> N
         dense = [k for k in weights if k not in experts]
         for name in dense:
             assert torch.equal(weights[name], src.get(f"param/{name}")), name
+        # read directly, the step directory gives what the export holds
+        step = consolidated_state_dict(tmp_path / "ckpt" / "step_00000006")
+        for name, t in exported.items():
+            assert torch.equal(step[name], t), name
