@@ -241,11 +241,16 @@ def _need_num_tasks(cfg: ExperimentConfig, command: str = "params") -> None:
 
 
 def human(n: int) -> str:
-    """A parameter count with a K/M/B unit: 533_000_000 -> '533.0M'."""
-    for unit, scale in (("B", 10**9), ("M", 10**6), ("K", 10**3)):
-        if abs(n) >= scale:
-            return f"{n / scale:.{2 if unit == 'B' else 1}f}{unit}"
-    return str(n)
+    """A parameter count with a K/M/B unit: 533_000_000 -> '533.0M'; 999_999 -> '1.0M' (not
+    '1000.0K': a unit whose rounding reaches 1000 gives way to the next)."""
+    units = (("", 1, 0), ("K", 10**3, 1), ("M", 10**6, 1), ("B", 10**9, 2))
+    i = max(j for j, (_, scale, _) in enumerate(units) if j == 0 or abs(n) >= scale)
+    while True:
+        unit, scale, digits = units[i]
+        text = str(n) if scale == 1 else f"{n / scale:.{digits}f}"
+        if abs(float(text)) < 1000 or i == len(units) - 1:
+            return text + unit
+        i += 1
 
 
 _ROWS = (

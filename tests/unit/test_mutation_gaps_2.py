@@ -42,13 +42,12 @@ def test_a_downsampled_corpus_continues_its_stream_in_the_next_epoch() -> None:
     assert unseen <= set(second) and max(Counter(second).values()) <= 2
 
 
-@pytest.mark.parametrize("field, before, now", [
+@pytest.mark.parametrize("field, before, now", [pytest.param(*case, id=case[0]) for case in (
     ("seed", dict(seed=1), dict(seed=2)),
     ("temperature", dict(temperature=1.0), dict(temperature=2.0)),
     ("max_tokens", dict(max_tokens=100), dict(max_tokens=300)),
     ("epoch_size", dict(epoch_size=80), dict(epoch_size=60)),
-    ("num_sentences", dict(sizes=[50, 30]), dict(sizes=[50, 40])),
-])
+    ("num_sentences", dict(sizes=[50, 30]), dict(sizes=[50, 40])))])
 def test_resume_refuses_every_field_that_fixes_the_data_order(field, before, now) -> None:
     """Resuming with another seed, temperature, max_tokens, epoch size or data set would
     silently train on another data order than the checkpoint's position refers to."""
@@ -98,10 +97,10 @@ def test_data_max_len_drops_long_training_pairs_only(tmp_path: Path) -> None:
     assert dev_data.src_lengths.max() > 30 and dev_data.tgt_lengths.max() > 30
 
 
-@pytest.mark.parametrize("decoder_only", [False, True])
+@pytest.mark.parametrize("decoder_only", [False, True], ids=["encoder_decoder", "decoder_only"])
 def test_max_positions_must_hold_the_longest_row_exactly(tmp_path: Path, decoder_only) -> None:
-    """Encoder-decoder: the longest sentence plus its eos must fit; decoder-only: prompt plus
-    target, nothing more. One position short is refused; exactly enough is accepted."""
+    """A model with exactly enough positions (longest sentence + eos; decoder-only: prompt +
+    target) must start; one position fewer is refused up front, not at the first long batch."""
     from moe_train.data.prepare import check_fits_model, load_manifest, prepare
     from moe_train.data.shards import ShardedDataset
     from moe_train.utils.atomic import write_json
@@ -112,22 +111,19 @@ def test_max_positions_must_hold_the_longest_row_exactly(tmp_path: Path, decoder
         manifest = load_manifest(out)
         manifest["data_config"]["prompt_template"] = "{src}"
         write_json(out / "manifest.json", manifest)
-    splits = [ShardedDataset(out, s) for s in ("train", "dev")]
-    assert all(s.concatenated == decoder_only for s in splits)
-    if decoder_only:
-        need = max(int((s.src_lengths + s.tgt_lengths).max()) for s in splits)
-        side, tail = "prompt + target", ")"
-    else:
-        need = 1 + max(int(max(s.src_lengths.max(), s.tgt_lengths.max())) for s in splits)
-        side = "source" if max(s.src_lengths.max() for s in splits) + 1 == need else "target"
-        tail = " plus end-of-sentence)"
-    assert need == (47 if decoder_only else 25)
+    train, dev = (ShardedDataset(out, s) for s in ("train", "dev"))
+    assert train.concatenated == dev.concatenated == decoder_only
+    # the longest rows are in train: a 24-token source, 47 tokens of prompt + target
+    assert (train.src_lengths.max(), train.tgt_lengths.max()) == (24, 23)
+    assert (train.src_lengths + train.tgt_lengths).max() == 47
+    assert max(dev.src_lengths.max(), dev.tgt_lengths.max()) < 24
+    need, what = ((47, "prompt + target sentences of 47 tokens)") if decoder_only else
+                  (25, "source sentences of 24 tokens plus end-of-sentence)"))
     check_fits_model(out, need)
     with pytest.raises(ConfigError) as exc:
         check_fits_model(out, need - 1)
-    assert str(exc.value) == (
-        f"model.max_positions: expected at least {need}, got {need - 1} (the train split of "
-        f"{out} has {side} sentences of {need - (0 if decoder_only else 1)} tokens{tail}")
+    assert str(exc.value) == (f"model.max_positions: expected at least {need}, got {need - 1} "
+                              f"(the train split of {out} has {what}")
 
 
 # ------------------------------------------------------------------------------ corpus
@@ -179,6 +175,9 @@ def test_human_units_switch_exactly_at_their_scale() -> None:
 
     assert [human(n) for n in (999, 1000, 999_949, 10**6, -10**6, 10**9)] == \
         ["999", "1.0K", "999.9K", "1.0M", "-1.0M", "1.00B"]
+    # a rounding that reaches 1000 takes the next unit
+    assert [human(n) for n in (999_999, -999_999, 999_999_999, 14_320_000_000)] == \
+        ["1.0M", "-1.0M", "1.00B", "14.32B"]
 
 
 # ------------------------------------------------------------------------------ clustering
@@ -212,23 +211,22 @@ def test_clustering_standardizes_features_by_default() -> None:
 
     x = _features() * np.arange(1, 7)
     fitted = fit_clusterer(x, 3, "kmeans", pca_dim=4)
-    np.testing.assert_allclose(fitted.scale_D, x.std(axis=0), rtol=0, atol=0)
+    np.testing.assert_array_equal(fitted.scale_D, x.std(axis=0))
     assert fitted.scale_D.tolist() != [1.0] * 6
 
 
 # ------------------------------------------------------------------------------ classifier
 def test_tfidf_probabilities_land_in_their_domains_columns() -> None:
-    """A domain without training sentences (1 of 0, 1, 2) keeps probability 0; domain 2's
-    probabilities must not shift into its column, which would send sentences to domain 1."""
+    """Domain 1 has no training sentences: its column stays 0 and domain 2's probabilities
+    stay in column 2 (shifted left, domain-2 sentences were sent to domain 1's expert)."""
     from moe_train.stages.classifier_core import TfidfClassifier
 
     rows = [[1, 2, 3], [1, 2, 4], [1, 2, 3, 4], [7, 8, 9], [7, 8, 6], [7, 8, 9, 6]]
+    docs = [" ".join(map(str, r)) for r in rows]
     data = FakeData(rows, [0, 0, 0, 2, 2, 2], [""] * 6)
-    clf = TfidfClassifier.fit([" ".join(map(str, r)) for r in rows], data.domain_ids,
-                              num_domains=3, ngrams=1)
-    idx = np.arange(6)
-    probs = clf.predict_proba(data, idx)
-    raw = clf.pipeline.predict_proba([" ".join(map(str, r)) for r in rows]).astype(np.float32)
+    clf = TfidfClassifier.fit(docs, data.domain_ids, num_domains=3, ngrams=1)
+    probs = clf.predict_proba(data, np.arange(6))
+    raw = clf.pipeline.predict_proba(docs).astype(np.float32)
     np.testing.assert_array_equal(probs[:, [0, 2]], raw)
     assert (probs[:, 1] == 0).all()
     assert probs.argmax(1).tolist() == [0, 0, 0, 2, 2, 2]
@@ -258,7 +256,7 @@ def test_quality_tables_decode_with_moa_eval_beam() -> None:
 
 
 # ------------------------------------------------------------------------------ atomic writes
-@pytest.mark.parametrize("umask, mode", [(0o022, 0o644), (0o027, 0o640)])
+@pytest.mark.parametrize("umask, mode", [(0o022, 0o644), (0o027, 0o640)], ids=["022", "027"])
 def test_atomically_written_files_get_the_usual_permissions(tmp_path, umask, mode) -> None:
     """Files written through a temporary file must not keep mkstemp's 0600: other users (or a
     job's other account) could not read the outputs."""
@@ -280,9 +278,10 @@ def test_atomic_dir_does_not_replace_an_existing_directory_without_overwrite(tmp
     out = tmp_path / "out"
     out.mkdir()
     (out / "keep.txt").write_text("old")
-    with pytest.raises(FileExistsError, match=f"^{out}: already exists$"):
+    with pytest.raises(FileExistsError) as exc:
         with atomic_dir(out) as tmp:
             (tmp / "new.txt").write_text("new")
+    assert str(exc.value) == f"{out}: already exists"
     assert [p.name for p in out.iterdir()] == ["keep.txt"]
     assert (out / "keep.txt").read_text() == "old"
     assert [p.name for p in tmp_path.iterdir()] == ["out"]
