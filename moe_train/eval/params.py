@@ -46,6 +46,7 @@ from torch import nn
 from moe_train.config.schema import ExperimentConfig
 from moe_train.errors import ConfigError
 from moe_train.models.build import build_model
+from moe_train.moe.adapters import AdapterExperts
 from moe_train.moe.experts import StackedExperts
 from moe_train.moe.layer import MoELayer
 from moe_train.moe.thor_router import TaskPredictor, ThorRouter
@@ -74,6 +75,8 @@ class _MoECount:
     extractable: bool
     routing: str
     """How a token picks its experts, for the table (e.g. "top-p p=0.5 inside |S^t|=4")."""
+    kind: str = "MoE"
+    """"MoE" (FFN experts) or "adapter" (adapter experts beside the FFN)."""
 
     @property
     def experts(self) -> int:
@@ -139,7 +142,8 @@ def _moe_count(name: str, layer: MoELayer, seen_routers: set[int]) -> _MoECount:
                      sum(p.numel() for p in router.parameters()),
                      k=k, exact=exact,
                      extractable=getattr(router, "name", "") in EXTRACTABLE_ROUTERS,
-                     routing=routing)
+                     routing=routing,
+                     kind="adapter" if isinstance(experts, AdapterExperts) else "MoE")
 
 
 def _numel(module: nn.Module | None) -> int:
@@ -185,6 +189,13 @@ def count_model(model: nn.Module) -> dict[str, Any]:
         report[f"{side}_experts_per_token"] = max((c.k for c in layers), default=0)
         report[f"{side}_experts_per_token_exact"] = all(c.exact for c in layers)
         report[f"{side}_routing"] = layers[0].routing if layers else "dense"
+        groups: dict[tuple[str, int, str, int, bool], int] = {}
+        for c in layers:  # FFN experts and adapters on one side: each kind on its own
+            key = (c.kind, c.num_experts, c.routing, c.k, c.exact)
+            groups[key] = groups.get(key, 0) + 1
+        report[f"{side}_layer_groups"] = [
+            {"kind": kind, "layers": n, "num_experts": e, "routing": r,
+             "experts_per_token": k, "exact": x} for (kind, e, r, k, x), n in groups.items()]
     shared = by_part["embeddings"] + by_part["other"]
     report["serving_all"] = shared + report["serving_encoder"] + report["serving_decoder"]
     report["active_all"] = shared + report["active_encoder"] + report["active_decoder"]
@@ -280,7 +291,13 @@ def format_params(report: dict[str, Any]) -> str:
     lines = []
     for side in SIDES:
         router = report.get(f"{side}_router", "?")
-        if report[f"{side}_moe_layers"]:
+        groups = report.get(f"{side}_layer_groups") or []
+        if len(groups) > 1:
+            lines.append(f"{side}: " + "; ".join(
+                f"{g['layers']} {g['kind']} layers x {g['num_experts']} experts, {g['routing']}, "
+                + (f"{g['experts_per_token']} per token" if g["exact"] else
+                   f"at most {g['experts_per_token']} per token") for g in groups))
+        elif report[f"{side}_moe_layers"]:
             k = report.get(f"{side}_experts_per_token")
             per_token = "" if k is None else (
                 f", {k} expert{'s' * (k != 1)} per token"

@@ -272,3 +272,18 @@ def test_moa_gumbel_adapters_use_one_adapter_per_sentence() -> None:
     assert report["active_decoder"] == report["decoder"] - 2 * 4 * per_adapter
     assert "router gumbel: 1 of the top-4 (Gumbel-Max), 1 expert per token" in \
         format_params(report)
+
+
+def test_a_side_with_ffn_experts_and_adapters_lists_both() -> None:
+    """Top-2 FFN experts beside soft-gated adapters on each side: the summary line gave the
+    FFN layers' count and the adapters' 4 experts per token, as if one kind of layer."""
+    report = _report("gad-synthetic.yaml", ["moe.num_experts=8", "moe.k=2", "moe.layers=all",
+                                            "moe.encoder_router=topk", "moe.decoder_router=topk"])
+    assert report["decoder_layer_groups"] == [
+        {"kind": "MoE", "layers": 2, "num_experts": 8, "routing": "top-2",
+         "experts_per_token": 2, "exact": True},
+        {"kind": "adapter", "layers": 2, "num_experts": 4, "routing": "all 4 (soft gate)",
+         "experts_per_token": 4, "exact": True}]
+    assert "decoder: 2 MoE layers x 8 experts, top-2, 2 per token; 2 adapter layers x 4 " \
+        "experts, all 4 (soft gate), 4 per token" in format_params(report)
+    assert json.loads(json.dumps(report)) == report
