@@ -102,22 +102,25 @@ holds it (or an empty one), never one of the user's own named by mistake in `--w
 
 
 def fresh_work(work: Path, fresh: bool) -> Path:
-    """Make `work` this benchmark's work directory and mark it; with `fresh`, delete it first.
+    """Make `work` this benchmark's work directory; with `fresh`, delete it first.
 
-    A directory without the mark and with content is refused in one line (exit 2), not
-    deleted. A symlink is kept and the directory it leads to emptied. Returns `work`."""
+    Only a directory this function made (or found empty) gets the mark: one with content and
+    without it is used as it is, and `fresh` refuses it in one line (exit 2) rather than
+    deleting it. A symlink is kept and the directory it leads to emptied. Returns `work`."""
     if work.is_symlink():
         work = Path(os.path.realpath(work))
     if work.exists() and not work.is_dir():
         exit_bad_input(f"--work {work}: is not a directory")
+    ours = not work.exists() or (work / WORK_MARK).is_file() or not any(work.iterdir())
     if fresh and work.exists():
-        if not (work / WORK_MARK).is_file() and any(work.iterdir()):
+        if not ours:
             exit_bad_input(f"--work {work}: --fresh deletes only a benchmark's work directory "
                            f"(one holding {WORK_MARK}) and this one has none: delete it "
                            "yourself or name another")
         shutil.rmtree(work)
     work.mkdir(parents=True, exist_ok=True)
-    (work / WORK_MARK).touch()
+    if ours:
+        (work / WORK_MARK).touch()
     return work
 
 

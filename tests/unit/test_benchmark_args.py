@@ -124,16 +124,19 @@ def test_fresh_deletes_only_a_benchmark_work_directory(tmp_path: Path, capsys) -
     err = capsys.readouterr().err
     assert exc.value.code == 2 and err.count("\n") == 1 and f"--work {mine}" in err
     assert (mine / "thesis.tex").read_text() == "x"
-    # used once without --fresh, it is the benchmark's: the next --fresh empties it
+    # used without --fresh it is written into but not marked: a later --fresh still refuses
     assert real_data.fresh_work(mine, fresh=False) == mine
-    assert (mine / "thesis.tex").exists() and (mine / real_data.WORK_MARK).is_file()
-    real_data.fresh_work(mine, fresh=True)
-    assert sorted(p.name for p in mine.iterdir()) == [real_data.WORK_MARK]
-    (mine / "stage").mkdir()
+    assert not (mine / real_data.WORK_MARK).exists()
+    with pytest.raises(SystemExit):
+        real_data.fresh_work(mine, fresh=True)
+    assert (mine / "thesis.tex").read_text() == "x"
+    ours = tmp_path / "ours"
+    real_data.fresh_work(ours, fresh=False)  # made here: marked, so --fresh may empty it
+    (ours / "stage").mkdir()
     link = tmp_path / "latest"
-    link.symlink_to(mine)
-    assert real_data.fresh_work(link, fresh=True) == mine
-    assert link.is_symlink() and sorted(p.name for p in mine.iterdir()) == [real_data.WORK_MARK]
+    link.symlink_to(ours)
+    assert real_data.fresh_work(link, fresh=True) == ours
+    assert link.is_symlink() and sorted(p.name for p in ours.iterdir()) == [real_data.WORK_MARK]
     empty, new = tmp_path / "empty", tmp_path / "a" / "new"
     empty.mkdir()
     for work in (empty, new):
