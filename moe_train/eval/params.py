@@ -37,6 +37,7 @@ and itemised as ``thor_*`` keys (see `count_parameters`).
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
@@ -189,10 +190,8 @@ def count_model(model: nn.Module) -> dict[str, Any]:
         report[f"{side}_experts_per_token"] = max((c.k for c in layers), default=0)
         report[f"{side}_experts_per_token_exact"] = all(c.exact for c in layers)
         report[f"{side}_routing"] = layers[0].routing if layers else "dense"
-        groups: dict[tuple[str, int, str, int, bool], int] = {}
-        for c in layers:  # FFN experts and adapters on one side: each kind on its own
-            key = (c.kind, c.num_experts, c.routing, c.k, c.exact)
-            groups[key] = groups.get(key, 0) + 1
+        # FFN experts and adapters on one side: each kind on its own
+        groups = Counter((c.kind, c.num_experts, c.routing, c.k, c.exact) for c in layers)
         report[f"{side}_layer_groups"] = [
             {"kind": kind, "layers": n, "num_experts": e, "routing": r,
              "experts_per_token": k, "exact": x} for (kind, e, r, k, x), n in groups.items()]

@@ -132,8 +132,7 @@ def fp32_param(optimizer: Any, p: nn.Parameter) -> Tensor:
         return z3_get(optimizer, p, None)
     if _zero12(optimizer):
         return _zero_get(optimizer, p, None)
-    master = _unfused_master(optimizer, p)
-    return (p if master is None else master).detach().float().cpu().clone()
+    return _state_key(optimizer, p).detach().float().cpu().clone()
 
 
 def master_tensors(model: nn.Module, optimizer: Any, keep: bool = True
@@ -154,7 +153,8 @@ def master_tensors(model: nn.Module, optimizer: Any, keep: bool = True
 
 
 def _state_key(optimizer: Any, p: nn.Parameter) -> Tensor:
-    """What a ZeRO-0 optimizer keys `p`'s Adam state by: its fp32 master when it has one."""
+    """`p`'s fp32 master at ZeRO 0 when it has one (what the optimizer keys its Adam state
+    by), else `p` itself."""
     master = _unfused_master(optimizer, p)
     return p if master is None else master
 
