@@ -232,6 +232,15 @@ def dense_params(model: nn.Module, skip: set[int]) -> dict[str, nn.Parameter]:
             if p.requires_grad and id(p) not in skip}
 
 
+def param_aliases(model: nn.Module, params: dict[str, nn.Parameter]) -> dict[str, str]:
+    """{other name: name in `params`} of each of `params` that `model` also holds under another
+    name (tied embeddings: `named_parameters` lists a shared tensor once), so a reader of the
+    stored values can fill every name the model's state dict has."""
+    stored = {id(p): name for name, p in params.items()}
+    return {name: stored[id(p)] for name, p in model.named_parameters(remove_duplicate=False)
+            if id(p) in stored and stored[id(p)] != name}
+
+
 def legacy_state_source(state: dict[str, Any], where: str) -> TensorSource:
     """The store keys of a pre-store state dict {"params": {n: t}, "moments": {n: {k: t}}}."""
     flat = {state_keys(n)["value"]: t for n, t in state["params"].items()}

@@ -45,12 +45,12 @@ from moe_train.parallel.collectives import barrier
 from moe_train.parallel.expert_checkpoint import expert_modules, full_expert_state
 from moe_train.parallel.optim_state import (adam_step, dense_params, is_zero_partitioned,
                                              legacy_state_source, load_dense_state,
-                                             save_param_state)
+                                             param_aliases, save_param_state)
 from moe_train.parallel.runtime import ParallelRuntime
 from moe_train.utils.atomic import atomic_path, write_json
 from moe_train.utils.safe_load import load_torch
 from moe_train.utils.tensor_source import TensorSource
-from moe_train.utils.tensor_store import TensorStoreWriter, has_store, open_store
+from moe_train.utils.tensor_store import TensorStoreWriter, has_store, index_path, open_store
 
 _TAG_RE = re.compile(r"^step_(\d+)$")
 COMPLETE = "complete.json"
@@ -247,9 +247,11 @@ def save_checkpoint(engine: Any, rt: ParallelRuntime, ckpt_dir: str | Path, step
     if is_zero_partitioned(engine.optimizer):  # collective: every rank takes part
         experts = {id(p) for _, m in expert_modules(engine.module) for p in m.parameters()}
         writer = TensorStoreWriter(tmp_dir, DENSE_STORE, active=rt.is_main)
-        save_param_state(dense_params(engine.module, experts), engine.optimizer, writer)
+        params = dense_params(engine.module, experts)
+        save_param_state(params, engine.optimizer, writer)
         writer.close({"step": adam_step(engine.optimizer), "lr_scheduler": {
-            "last_epoch": int(getattr(engine.lr_scheduler, "last_epoch", 0))}})
+            "last_epoch": int(getattr(engine.lr_scheduler, "last_epoch", 0))},
+            "aliases": param_aliases(engine.module, params)})
     _test_hook("engine_saved", step)
     barrier(rt)
     if rt.is_main:
@@ -380,6 +382,17 @@ def read_meta(tag_dir: str | Path) -> dict[str, Any]:
     return meta
 
 
+def _aliases(meta: dict[str, Any], src: TensorSource, tag_dir: Path) -> dict[str, str]:
+    """The dense store's {alias: stored name} of tied parameters ({} in older checkpoints)."""
+    aliases = meta.get("aliases", {})
+    if not (isinstance(aliases, dict) and all(
+            isinstance(k, str) and isinstance(v, str) and f"param/{v}" in src.shapes
+            for k, v in aliases.items())):
+        raise CheckpointError(f"{index_path(tag_dir, DENSE_STORE)}: meta.aliases must map "
+                              "parameter names to parameters the store holds (tied weights)")
+    return aliases
+
+
 def consolidated_state_dict(tag_dir: str | Path) -> dict[str, torch.Tensor]:
     """Model weights of a step checkpoint, read without DeepSpeed: the model states, with the
     trainable ones from the per-parameter fp32 state where there is one (ZeRO 1-3: under ZeRO-3
@@ -396,9 +409,11 @@ def consolidated_state_dict(tag_dir: str | Path) -> dict[str, torch.Tensor]:
         raise CheckpointError(f"{path}: no 'module' weights in the model states")
     state = dict(state)
     dense = read_dense_state(Path(tag_dir))
-    if dense is not None:
-        src = dense[0]
+    if dense is not None:  # a tied parameter is stored once, its other names are aliases
+        src, meta = dense
         state.update({k[len("param/"):]: src.get(k) for k in src.names()
                       if k.startswith("param/")})
+        aliases = _aliases(meta, src, Path(tag_dir))
+        state.update({alias: state[name] for alias, name in aliases.items()})
     state.update(full_expert_state(Path(tag_dir)))
     return {k: v.float() if v.is_floating_point() else v for k, v in state.items()}

@@ -42,3 +42,27 @@ def test_a_bf16_run_exports_its_fp32_masters(tiny_prepared, tmp_path, zero) -> N
         step = consolidated_state_dict(tmp_path / "ckpt" / "step_00000006")
         for name, t in exported.items():
             assert torch.equal(step[name], t), name
+
+
+def test_a_tied_hf_model_reads_its_fp32_output_table_from_a_step_dir(qwen_prepared, tmp_path):
+    """Qwen2-MoE with tied embeddings, bf16 at ZeRO 1: the dense store holds the shared table
+    once (named_parameters drops the alias), so a step directory read directly gave
+    `lm_head.weight` as the module's bf16 value; the store now records the alias."""
+    prepared, tok = qwen_prepared
+    overrides = [f"data.prepared_dir={prepared}", f"data.tokenizer={tok}",
+                 f"checkpoint.dir={tmp_path / 'ckpt'}",
+                 f"logging.tensorboard_dir={tmp_path / 'tb'}",
+                 "qwen.tie_word_embeddings=true", "optim.precision=bf16", "optim.zero_stage=1",
+                 "train.max_steps=4", "train.validate_every=0", "checkpoint.save_every=1000",
+                 "data.max_tokens=800", "optim.lr=5e-3", "optim.warmup_steps=2"]
+    config = str(ROOT / "configs" / "qwen-moe-tiny-cpu.yaml")
+    proc = run_cli(["train", "--config", config, *overrides], cwd=tmp_path, timeout=600)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-2000:]
+    exported = load_export_weights(tmp_path / "ckpt" / "export")
+    step = consolidated_state_dict(tmp_path / "ckpt" / "step_00000004")
+    embed = next(k for k in step if k.endswith("embed_tokens.weight"))
+    head = next(k for k in step if k.endswith("lm_head.weight"))
+    assert _rounded(step[head]) < 0.5, _rounded(step[head])
+    assert torch.equal(step[head], step[embed])
+    for name, t in exported.items():
+        assert torch.equal(step[name], t), name

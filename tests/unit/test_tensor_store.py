@@ -8,7 +8,8 @@ import torch
 
 from moe_train.errors import CheckpointError
 from moe_train.parallel.expert_checkpoint import full_expert_state, read_expert_moments
-from moe_train.train.checkpoint import read_dense_state
+from moe_train.parallel.optim_state import dense_params, param_aliases
+from moe_train.train.checkpoint import consolidated_state_dict, read_dense_state
 from moe_train.utils.tensor_store import TensorStoreWriter, has_store, open_store
 
 
@@ -84,3 +85,32 @@ def test_checkpoints_written_before_the_stores_still_read(tmp_path) -> None:
     (tmp_path / "experts_ep1of2.pt").unlink()
     with pytest.raises(CheckpointError, match="incomplete expert files"):
         full_expert_state(tmp_path)
+
+
+def test_a_tied_parameter_is_read_under_every_name_it_has(tmp_path) -> None:
+    """named_parameters lists a tied table once; the dense store records the other names so a
+    step directory read directly gives each of them the stored fp32 value, not the module's
+    16-bit one."""
+    model = torch.nn.Module()
+    model.embed = torch.nn.Embedding(5, 3)
+    model.head = torch.nn.Linear(3, 5, bias=False)
+    model.head.weight = model.embed.weight
+    params = dense_params(model, set())
+    assert list(params) == ["embed.weight"]
+    aliases = param_aliases(model, params)
+    assert aliases == {"head.weight": "embed.weight"}
+    master = torch.randn(5, 3)
+    rounded = master.bfloat16()
+    torch.save({"module": {"embed.weight": rounded, "head.weight": rounded}},
+               tmp_path / "mp_rank_00_model_states.pt")
+    writer = TensorStoreWriter(tmp_path, "optim_dense")
+    writer.add("param/embed.weight", master)
+    writer.close({"step": 1.0, "aliases": aliases})
+    state = consolidated_state_dict(tmp_path)
+    assert torch.equal(state["embed.weight"], master) and torch.equal(state["head.weight"], master)
+    for bad in ({"head.weight": "nowhere"}, ["head.weight"], {"head.weight": 1}):
+        writer = TensorStoreWriter(tmp_path, "optim_dense")
+        writer.add("param/embed.weight", master)
+        writer.close({"step": 1.0, "aliases": bad})
+        with pytest.raises(CheckpointError, match="optim_dense.index.json: meta.aliases"):
+            consolidated_state_dict(tmp_path)
