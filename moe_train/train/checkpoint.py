@@ -47,7 +47,7 @@ from moe_train.parallel.optim_state import (adam_step, dense_params, is_zero_par
                                              legacy_state_source, load_dense_state,
                                              param_aliases, save_param_state)
 from moe_train.parallel.runtime import ParallelRuntime
-from moe_train.utils.atomic import atomic_path, write_json
+from moe_train.utils.atomic import atomic_path, write_errors_naming, write_json
 from moe_train.utils.safe_load import load_torch
 from moe_train.utils.tensor_source import TensorSource
 from moe_train.utils.tensor_store import TensorStoreWriter, has_store, index_path, open_store
@@ -238,20 +238,13 @@ def save_checkpoint(engine: Any, rt: ParallelRuntime, ckpt_dir: str | Path, step
     if rt.is_main:
         shutil.rmtree(tmp_dir, ignore_errors=True)
     barrier(rt)
-    engine.save_checkpoint(str(ckpt_dir), tag=tmp_tag, client_state={"moe_train": meta},
-                           save_latest=False)
-    with atomic_path(tmp_dir / f"rng_rank{rt.rank}.pt") as tmp:
-        torch.save(rng_state(), tmp)
-    if save_extra is not None:
-        save_extra(tmp_dir)
-    if is_zero_partitioned(engine.optimizer):  # collective: every rank takes part
-        experts = {id(p) for _, m in expert_modules(engine.module) for p in m.parameters()}
-        writer = TensorStoreWriter(tmp_dir, DENSE_STORE, active=rt.is_main)
-        params = dense_params(engine.module, experts)
-        save_param_state(params, engine.optimizer, writer)
-        writer.close({"step": adam_step(engine.optimizer), "lr_scheduler": {
-            "last_epoch": int(getattr(engine.lr_scheduler, "last_epoch", 0))},
-            "aliases": param_aliases(engine.module, params)})
+    try:  # a full disk: one line naming the step, the temporary directory removed
+        with write_errors_naming(final):
+            _write_step(engine, rt, tmp_dir, meta, save_extra)
+    except OSError:
+        if rt.is_main:
+            shutil.rmtree(tmp_dir, ignore_errors=True)
+        raise
     _test_hook("engine_saved", step)
     barrier(rt)
     if rt.is_main:
@@ -277,6 +270,25 @@ def save_checkpoint(engine: Any, rt: ParallelRuntime, ckpt_dir: str | Path, step
         _rotate(ckpt_dir, keep_last, tag, keep)
     barrier(rt)
     return final
+
+
+def _write_step(engine: Any, rt: ParallelRuntime, tmp_dir: Path, meta: dict[str, Any],
+                save_extra: Callable[[Path], None] | None) -> None:
+    """Every file of a step checkpoint into `tmp_dir` (collective)."""
+    engine.save_checkpoint(str(tmp_dir.parent), tag=tmp_dir.name,
+                           client_state={"moe_train": meta}, save_latest=False)
+    with atomic_path(tmp_dir / f"rng_rank{rt.rank}.pt") as tmp:
+        torch.save(rng_state(), tmp)
+    if save_extra is not None:
+        save_extra(tmp_dir)
+    if is_zero_partitioned(engine.optimizer):  # collective: every rank takes part
+        experts = {id(p) for _, m in expert_modules(engine.module) for p in m.parameters()}
+        writer = TensorStoreWriter(tmp_dir, DENSE_STORE, active=rt.is_main)
+        params = dense_params(engine.module, experts)
+        save_param_state(params, engine.optimizer, writer)
+        writer.close({"step": adam_step(engine.optimizer), "lr_scheduler": {
+            "last_epoch": int(getattr(engine.lr_scheduler, "last_epoch", 0))},
+            "aliases": param_aliases(engine.module, params)})
 
 
 # ---------------------------------------------------------------------- load

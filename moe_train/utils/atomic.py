@@ -6,9 +6,11 @@ A reader (or a crashed run) never sees a half-written file or directory under th
 from __future__ import annotations
 
 import contextlib
+import errno
 import glob
 import json
 import os
+import re
 import shutil
 import stat
 import tempfile
@@ -72,12 +74,43 @@ def write_target(path: str | os.PathLike) -> tuple[Path, bool]:
     return (Path(os.path.realpath(path)) if path.is_symlink() else path), False
 
 
+_OS_ERROR_RE = re.compile(r"\(os error (\d+)\)")
+_TORCH_WRITER = ("PytorchStreamWriter", "inline_container.cc")
+
+
+def _library_write_error(exc: Exception, where: str | os.PathLike) -> OSError | None:
+    """The OSError behind a library's failed write, or None: safetensors says "(os error N)";
+    torch.save's zip writer raises a RuntimeError without an errno, read as a full disk when
+    `where`'s file system has under 1 MiB left (its partial file filled it) and as EIO
+    otherwise."""
+    text = str(exc)
+    if type(exc).__name__ == "SafetensorError":
+        match = _OS_ERROR_RE.search(text)
+        if match is None:
+            return None
+        code = int(match.group(1))
+        return OSError(code, os.strerror(code))
+    if not isinstance(exc, RuntimeError) or not any(m in text for m in _TORCH_WRITER):
+        return None
+    try:
+        probe = Path(where)
+        while not probe.exists() and probe != probe.parent:
+            probe = probe.parent
+        vfs = os.statvfs(probe)
+        full = vfs.f_bavail * vfs.f_frsize < 1 << 20
+    except OSError:
+        full = False
+    code = errno.ENOSPC if full else errno.EIO
+    return OSError(code, os.strerror(code))
+
+
 @contextlib.contextmanager
-def _naming(final: str | os.PathLike, tmp: Path | None = None) -> Iterator[None]:
-    """Make an OSError raised while writing `final` name `final`: one that names only the
-    temporary file (a hidden name, gone by the time anyone reads the error), or one that names
-    no file and says the machine refused the write (a full disk: ENOSPC at flush). The block
-    should only write; any other error is left as it is."""
+def write_errors_naming(final: str | os.PathLike, tmp: Path | None = None) -> Iterator[None]:
+    """Make an error raised while writing `final` an OSError that names `final`: one that
+    names only the temporary file (a hidden name, gone by the time anyone reads the error),
+    one that names no file and says the machine refused the write (a full disk: ENOSPC at
+    flush), or a library's failed write (torch.save, safetensors) that carries no file name.
+    The block should only write; any other error is left as it is."""
     try:
         yield
     except OSError as exc:
@@ -87,6 +120,11 @@ def _naming(final: str | os.PathLike, tmp: Path | None = None) -> Iterator[None]
         if not about_tmp and not (exc.filename is None and exc.errno in MACHINE_ERRNOS):
             raise
         raise OSError(exc.errno, exc.strerror, str(final)) from exc
+    except Exception as exc:
+        machine = _library_write_error(exc, final)
+        if machine is None:
+            raise
+        raise OSError(machine.errno, machine.strerror, str(final)) from exc
 
 
 @contextlib.contextmanager
@@ -98,7 +136,7 @@ def atomic_path(final: str | os.PathLike) -> Iterator[Path]:
     and the file it leads to replaced; that file's directory must exist (as for `open`)."""
     target, in_place = write_target(final)
     if in_place:
-        with _naming(final):
+        with write_errors_naming(final):
             yield target
         return
     if not Path(final).is_symlink():
@@ -110,7 +148,7 @@ def atomic_path(final: str | os.PathLike) -> Iterator[Path]:
     os.close(fd)
     tmp_path = Path(tmp)
     try:
-        with _naming(final, tmp_path):
+        with write_errors_naming(final, tmp_path):
             yield tmp_path
             # mkstemp makes 0600, and so may a writer that makes its own file there
             # (safetensors): give the usual permissions once the content is written

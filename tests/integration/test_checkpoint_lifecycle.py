@@ -4,6 +4,7 @@ A fake engine stands in for DeepSpeed (it writes one model-states file); a crash
 `save_checkpoint` is simulated by making the test hook raise where the kill tests SIGKILL.
 """
 
+import errno
 import json
 import random
 
@@ -15,6 +16,7 @@ from moe_train.errors import CheckpointError
 from moe_train.parallel.runtime import ParallelRuntime
 from moe_train.train import checkpoint as ckpt
 from moe_train.train.resume import RESUME_MAY_CHANGE, check_resume_config
+from moe_train.utils import atomic
 
 
 class FakeEngine:
@@ -55,6 +57,48 @@ def test_save_once_rotate_and_never_touch_latest(tmp_path):
     listed = json.loads((d / "step_00000003" / ckpt.COMPLETE).read_text())["files"]
     assert {"meta.json", "rng_rank0.pt", "mp_rank_00_model_states.pt"} <= set(listed)
     assert not list(d.glob(".tmp-*"))
+
+
+class FullDiskEngine(FakeEngine):
+    """torch.save on a full disk: part of a file, then a RuntimeError with no errno or name."""
+
+    def save_checkpoint(self, save_dir, tag, client_state, save_latest):
+        __import__("os").makedirs(f"{save_dir}/{tag}", exist_ok=True)
+        __import__("pathlib").Path(f"{save_dir}/{tag}/part").write_bytes(b"x" * 64)
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 128 vs 0")
+
+
+@pytest.mark.parametrize("free, code", [(0, errno.ENOSPC), (1 << 30, errno.EIO)])
+def test_a_full_disk_is_one_error_naming_the_step_and_keeps_latest(tmp_path, monkeypatch, free,
+                                                                   code):
+    """The save fails as an OSError naming the step (the CLI's one line, exit 1), the
+    temporary directory is removed and `latest` still names the last complete step."""
+    d = tmp_path / "ckpt"
+    _save(d, 1)
+    vfs = __import__("os").statvfs(tmp_path)
+    monkeypatch.setattr(atomic.os, "statvfs", lambda p: type("V", (), {
+        "f_bavail": free // vfs.f_frsize, "f_frsize": vfs.f_frsize})())
+    with pytest.raises(OSError) as err:
+        ckpt.save_checkpoint(FullDiskEngine(), ParallelRuntime(), d, 2, _meta(2), {}, 2)
+    assert (err.value.errno, err.value.filename) == (code, str(d / "step_00000002"))
+    assert not list(d.glob(".tmp-*")) and ckpt.latest_tag(d, warn=None) == "step_00000001"
+    with pytest.raises(RuntimeError, match="other"):  # any other error is left as it is
+        with atomic.write_errors_naming(d / "x"):
+            raise RuntimeError("other")
+
+
+def test_a_safetensors_write_that_fails_names_the_output(tmp_path) -> None:
+    from safetensors import SafetensorError
+
+    with pytest.raises(OSError) as err:
+        with atomic.write_errors_naming(tmp_path / "w.safetensors"):
+            raise SafetensorError("Error while serializing: I/O error: No space left on "
+                                  "device (os error 28)")
+    assert (err.value.errno, err.value.filename) == (errno.ENOSPC,
+                                                     str(tmp_path / "w.safetensors"))
+    with pytest.raises(SafetensorError):  # not a write: left as it is
+        with atomic.write_errors_naming(tmp_path / "w.safetensors"):
+            raise SafetensorError("Error while deserializing header: HeaderTooLarge")
 
 
 @pytest.mark.parametrize("phase", ["engine_saved", "before_rename", "before_latest",
