@@ -108,14 +108,19 @@ def _frozen_value(p: nn.Parameter) -> Tensor:
     return p.detach().float().cpu().clone()
 
 
+def has_unfused_masters(optimizer: Any) -> bool:
+    """DeepSpeed keeps fp32 masters beside a 16-bit module at ZeRO 0 (FP16_UnfusedOptimizer)."""
+    return (isinstance(getattr(optimizer, "fp16_groups", None), list)
+            and isinstance(getattr(optimizer, "fp32_groups", None), list))
+
+
 def _unfused_master(optimizer: Any, p: nn.Parameter) -> Tensor | None:
     """The fp32 copy DeepSpeed keeps of `p` in 16-bit training at ZeRO 0 (its
     FP16_UnfusedOptimizer: `fp16_groups` and `fp32_groups`, parameter for parameter; Adam's
     state is keyed by the copy); None otherwise (fp32: `p` is its own master)."""
-    low, high = getattr(optimizer, "fp16_groups", None), getattr(optimizer, "fp32_groups", None)
-    if not isinstance(low, list) or not isinstance(high, list):
+    if not has_unfused_masters(optimizer):
         return None
-    for group_low, group_high in zip(low, high):
+    for group_low, group_high in zip(optimizer.fp16_groups, optimizer.fp32_groups):
         for a, b in zip(group_low, group_high):
             if a is p:
                 return b
@@ -214,15 +219,17 @@ def state_keys(name: str) -> dict[str, str]:
 
 
 def save_param_state(params: dict[str, nn.Parameter], optimizer: Any,
-                     writer: TensorStoreWriter) -> None:
-    """fp32 value and Adam moments (once there are any) of each of `params`, gathered one
-    parameter at a time into `writer` (collective under ZeRO: every rank runs the same
-    gathers; only an active writer keeps them)."""
+                     writer: TensorStoreWriter, moments: bool = True) -> None:
+    """fp32 value and (with `moments`) Adam moments, once there are any, of each of `params`,
+    gathered one parameter at a time into `writer` (collective under ZeRO: every rank runs
+    the same gathers; only an active writer keeps them)."""
     for name, p in params.items():
         keys = state_keys(name)
         writer.add(keys["value"], fp32_param(optimizer, p))
-        moments = get_moments(optimizer, p)
-        for k, value in (moments or {}).items():
+        if not moments:
+            continue
+        moments_p = get_moments(optimizer, p)
+        for k, value in (moments_p or {}).items():
             writer.add(keys[k], value)
 
 

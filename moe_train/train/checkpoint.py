@@ -3,8 +3,9 @@
 Layout of `checkpoint.dir`:
   step_00001000/      DeepSpeed files (model, optimizer / ZeRO shards, lr scheduler),
                       experts_ep*of* (parallel/expert_checkpoint.py), optim_dense (ZeRO 1-3:
-                      per-parameter fp32 values and Adam state, parallel/optim_state.py; both
-                      tensor stores written one parameter at a time), meta.json (config, step,
+                      per-parameter fp32 values and Adam state, parallel/optim_state.py; ZeRO 0
+                      in 16-bit: the fp32 values only; both tensor stores written one
+                      parameter at a time, tied names as aliases), meta.json (config, step,
                       data position), rng_rank{r}.pt per rank, spm.model, manifest.json (data) and,
                       written last, complete.json (every file with its size)
   latest              the tag of the newest complete checkpoint
@@ -43,9 +44,10 @@ import torch
 from moe_train.errors import CheckpointError
 from moe_train.parallel.collectives import barrier
 from moe_train.parallel.expert_checkpoint import expert_modules, full_expert_state
-from moe_train.parallel.optim_state import (adam_step, dense_params, is_zero_partitioned,
-                                             legacy_state_source, load_dense_state,
-                                             param_aliases, save_param_state)
+from moe_train.parallel.optim_state import (adam_step, dense_params, has_unfused_masters,
+                                             is_zero_partitioned, legacy_state_source,
+                                             load_dense_state, param_aliases,
+                                             save_param_state)
 from moe_train.parallel.runtime import ParallelRuntime
 from moe_train.utils.atomic import atomic_path, write_errors_naming, write_json
 from moe_train.utils.safe_load import load_torch
@@ -281,11 +283,13 @@ def _write_step(engine: Any, rt: ParallelRuntime, tmp_dir: Path, meta: dict[str,
         torch.save(rng_state(), tmp)
     if save_extra is not None:
         save_extra(tmp_dir)
-    if is_zero_partitioned(engine.optimizer):  # collective: every rank takes part
+    partitioned = is_zero_partitioned(engine.optimizer)
+    if partitioned or has_unfused_masters(engine.optimizer):  # collective: every rank
         experts = {id(p) for _, m in expert_modules(engine.module) for p in m.parameters()}
         writer = TensorStoreWriter(tmp_dir, DENSE_STORE, active=rt.is_main)
         params = dense_params(engine.module, experts)
-        save_param_state(params, engine.optimizer, writer)
+        # ZeRO 0 in 16-bit: the masters only (DeepSpeed's own files hold the moments)
+        save_param_state(params, engine.optimizer, writer, moments=partitioned)
         writer.close({"step": adam_step(engine.optimizer), "lr_scheduler": {
             "last_epoch": int(getattr(engine.lr_scheduler, "last_epoch", 0))},
             "aliases": param_aliases(engine.module, params)})
@@ -407,9 +411,9 @@ def _aliases(meta: dict[str, Any], src: TensorSource, tag_dir: Path) -> dict[str
 
 def consolidated_state_dict(tag_dir: str | Path) -> dict[str, torch.Tensor]:
     """Model weights of a step checkpoint, read without DeepSpeed: the model states, with the
-    trainable ones from the per-parameter fp32 state where there is one (ZeRO 1-3: under ZeRO-3
-    the model states hold only partitions, and in 16-bit training the masters are what the
-    export holds; at ZeRO 0 the model states' values, 16-bit in a 16-bit run)."""
+    trainable ones from the per-parameter fp32 state where there is one (ZeRO 1-3, and ZeRO 0
+    in 16-bit: under ZeRO-3 the model states hold only partitions, and in 16-bit training the
+    masters are what the export holds; an fp32 run at ZeRO 0 has no store and needs none)."""
     path = Path(tag_dir) / "mp_rank_00_model_states.pt"
     if not path.is_file() and (Path(tag_dir) / ZERO3_MODEL_STATES).is_file():
         path = Path(tag_dir) / ZERO3_MODEL_STATES  # buffers whole, parameters partitioned
