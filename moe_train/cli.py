@@ -13,6 +13,7 @@ import signal
 import sys
 
 from moe_train.errors import MACHINE_ERRNOS, MoeTrainError
+from moe_train.train.preempt import Preempted
 from moe_train.utils.cli_args import OneLineParser, int_at_least, non_negative_float
 
 _LOCAL_RANK_RE = re.compile(r"^--local[_-]rank(=\d+)?$")
@@ -306,6 +307,9 @@ def main(argv: list[str] | None = None) -> int:
     except MoeTrainError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except Preempted as exc:  # a scheduler's SIGTERM / SIGUSR1: saved, not an error
+        print(f"stopped: {exc}", file=sys.stderr)
+        return exc.exit_status
     except BrokenPipeError:  # the reader of our output left (`... | head`): stop quietly
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())  # no second error when Python flushes at exit

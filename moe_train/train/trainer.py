@@ -47,6 +47,7 @@ from moe_train.train.early_stop import EarlyStop
 from moe_train.train.hooks import Ratio, TrainerHooks, hooks_for
 from moe_train.train.loss import label_smoothed_nll
 from moe_train.train.monitor import Monitor, peak_memory_mb
+from moe_train.train.preempt import STOP_SIGNALS, Preempted, StopSignals
 from moe_train.train.schedule import inverse_sqrt_scheduler
 
 
@@ -446,15 +447,17 @@ class Trainer:
 
     def fit(self) -> dict[str, Any]:
         """Train to `train.max_steps` (or `train.max_minutes`); checkpoint, validate, export.
+        SIGTERM / SIGUSR1 stop it at the next step, saved, with `Preempted` (train/preempt.py).
         The TensorBoard writer is closed however it ends: a run stopped by an error keeps the
         steps that led there, and no writer thread outlives the run (a daemon thread left at
         interpreter exit can abort the process instead of its exit status 2)."""
         try:
-            return self._fit()
+            with StopSignals() as stops:
+                return self._fit(stops)
         finally:
             self.monitor.close()
 
-    def _fit(self) -> dict[str, Any]:
+    def _fit(self, stops: StopSignals) -> dict[str, Any]:
         tc = self.cfg.train
         start = time.time()
         window = {"loss": 0.0, "nll": 0.0, "tokens": 0.0}
@@ -491,8 +494,16 @@ class Trainer:
                 plateau = self._note_validation(last_values)
                 validated_at = self.validated_step = self.step
             out_of_time = tc.max_minutes and (time.time() - start) / 60 >= tc.max_minutes
+            flags = [float(bool(out_of_time)), *(float(stops.received == s)
+                                                 for s in STOP_SIGNALS)]
             if self.rt.world_size > 1:  # all ranks must agree to stop together
-                out_of_time = all_reduce_floats(self.rt, float(bool(out_of_time)))[0] > 0
+                flags = all_reduce_floats(self.rt, *flags)
+            out_of_time = flags[0] > 0
+            signum = next((s for s, n in zip(STOP_SIGNALS, flags[1:]) if n > 0), 0)
+            if signum:  # preempted (one rank signalled is enough): save here and go
+                stop = Preempted(signum, self.step, self.save())
+                self.monitor.print(f"| stopped: {stop}")
+                raise stop
             # the last step is saved after the run's final validation, so that its checkpoint
             # holds the early-stopping state that validation leaves
             last = out_of_time or self.step >= tc.max_steps

@@ -1,0 +1,41 @@
+"""SIGTERM (a scheduler's preemption or time limit) stops training at the next step with a
+checkpoint there: one line on stderr, exit status 128 + 15, and `--resume` goes on from it."""
+
+import signal
+import subprocess
+import sys
+import time
+
+from moe_train.train.checkpoint import latest_tag
+from tests.conftest import ROOT, cli_env, debug_overrides, run_cli
+
+CONFIG = str(ROOT / "configs" / "debug-cpu.yaml")
+
+
+def test_sigterm_saves_the_step_and_resume_goes_on(tiny_prepared, tmp_path) -> None:
+    common = ["train.validate_every=0", "checkpoint.save_every=1000", "train.log_every=1",
+              "data.max_tokens=400"]
+    log = tmp_path / "run.log"
+    cmd = [sys.executable, "-m", "moe_train", "train", "--config", CONFIG,
+           *debug_overrides(tiny_prepared, tmp_path, *common, "train.max_steps=100000")]
+    with open(log, "w") as out, open(tmp_path / "err.log", "w") as err:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=cli_env(), stdout=out, stderr=err)
+        deadline = time.time() + 300
+        while "| step      3 |" not in log.read_text() and time.time() < deadline:
+            assert proc.poll() is None, log.read_text()[-2000:]
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=120) == 128 + signal.SIGTERM
+    stderr = [line for line in (tmp_path / "err.log").read_text().splitlines()
+              if "[WARNING]" not in line]
+    tag = latest_tag(tmp_path / "ckpt")
+    step = int(tag[len("step_"):])
+    assert step >= 3 and stderr == [f"stopped: SIGTERM at step {step}: saved "
+                                    f"{tmp_path / 'ckpt' / tag}; continue with --resume"], stderr
+    assert f"| stopped: SIGTERM at step {step}" in log.read_text()
+    assert not (tmp_path / "ckpt" / "export").exists()  # saved, not ended
+    proc = run_cli(["train", "--config", CONFIG, "--resume",
+                    *debug_overrides(tiny_prepared, tmp_path, *common,
+                                     f"train.max_steps={step + 2}")], cwd=ROOT)
+    assert f"resume from step {step}" in proc.stdout and f"| step {step + 2:>6} |" in proc.stdout
+    assert (tmp_path / "ckpt" / "export").is_dir()
