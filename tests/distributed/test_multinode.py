@@ -21,6 +21,7 @@ import subprocess
 import time
 import uuid
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
@@ -133,7 +134,8 @@ def test_multinode_sh_pdsh_two_nodes(tiny_prepared, tmp_path):
     _check_trained(proc.stdout, tmp_path / "w" / "ckpt")
 
 
-def test_sbatch_template_two_cpu_ranks(tiny_prepared, tmp_path):
+def _sbatch(tmp_path: Path, overrides: list[str]) -> tuple[str, Path]:
+    """Submit the template for two CPU ranks on one node: (job id, its output file)."""
     partition, why = _slurm_partition()
     skip_unless_cluster(why, "slurm")
     env = cli_env()
@@ -141,35 +143,73 @@ def test_sbatch_template_two_cpu_ranks(tiny_prepared, tmp_path):
     name = f"moe-test-{uuid.uuid4().hex[:8]}"
     log = tmp_path / "slurm-%j.out"
     cmd = ["sbatch", "--parsable", "-p", partition, "--nodes=1", f"--job-name={name}", "-o", str(log),
-           str(SBATCH_SCRIPT), "configs/debug-cpu.yaml",
-           *_short_run(debug_overrides(tiny_prepared, tmp_path / "w"))]
+           str(SBATCH_SCRIPT), "configs/debug-cpu.yaml", *overrides]
     sub = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert sub.returncode == 0, sub.stderr
     job = sub.stdout.strip().split(";")[0]
-    out_file = Path(str(log).replace("%j", job))
-    deadline, state = time.monotonic() + 240, "PENDING"
+    return job, Path(str(log).replace("%j", job))
+
+
+def _wait_job(job: str, out_file: Path, until: Callable[[], bool] = lambda: False,
+              timeout: float = 240) -> str:
+    """Wait for `job` to end (or `until()` to hold), cancelling it if it is still there at the
+    end; return its state while it ran ("" once it has left the queue)."""
+    deadline, state = time.monotonic() + timeout, "PENDING"
     try:
         while time.monotonic() < deadline:
             state = subprocess.run(["squeue", "-h", "-j", job, "-o", "%T"], capture_output=True,
                                    text=True, timeout=30).stdout.strip()
-            if not state:
-                break
+            if not state or until():
+                return state
             time.sleep(2)
-        else:
-            if state == "PENDING":
-                skip_unless_cluster(f"SLURM job {job} still pending after 240 s (node busy?)", "slurm")
-            pytest.fail(f"SLURM job {job} still {state} after 240 s\n"
-                        f"{out_file.read_text()[-4000:] if out_file.exists() else ''}")
+        if state == "PENDING":
+            skip_unless_cluster(f"SLURM job {job} still pending after {timeout:.0f} s (node busy?)",
+                                "slurm")
+        pytest.fail(f"SLURM job {job} still {state} after {timeout:.0f} s\n"
+                    f"{out_file.read_text()[-4000:] if out_file.exists() else ''}")
     finally:
-        if state:
+        if state and not until():
             subprocess.run(["scancel", job], capture_output=True, timeout=30)
-    out = out_file.read_text() if out_file.exists() else f"(no {out_file})"
-    info = subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True,
+
+
+def _job_info(job: str) -> str:
+    """`scontrol show job` (kept by slurmctld for MinJobAge seconds; "" after)."""
+    return subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True,
                           timeout=30).stdout
-    if "ExitCode=" in info:  # kept by slurmctld for MinJobAge seconds
+
+
+def test_sbatch_template_two_cpu_ranks(tiny_prepared, tmp_path):
+    job, out_file = _sbatch(tmp_path, _short_run(debug_overrides(tiny_prepared, tmp_path / "w")))
+    _wait_job(job, out_file)
+    out = out_file.read_text() if out_file.exists() else f"(no {out_file})"
+    info = _job_info(job)
+    if "ExitCode=" in info:
         assert "JobState=COMPLETED" in info and "ExitCode=0:0" in info, info + out[-5000:]
     assert "1 node(s) x 2 rank(s) = world 2" in out, out[-5000:]
     _check_trained(out, tmp_path / "w" / "ckpt")
+
+
+def test_sbatch_template_stops_on_the_early_signal_with_a_checkpoint(tiny_prepared, tmp_path):
+    """`--signal=USR1@120` (what the template asks for) as `scancel -s USR1` sends it: to every
+    process of the step. The task's shell and the launcher outlive it; both ranks stop after
+    one step with a checkpoint there and the task exits 128 + SIGUSR1."""
+    overrides = [*debug_overrides(tiny_prepared, tmp_path / "w"), "train.max_steps=100000",
+                 "checkpoint.save_every=1000", "train.validate_every=0", "train.log_every=1",
+                 "data.max_tokens=400"]
+    job, out_file = _sbatch(tmp_path, overrides)
+
+    def stepping() -> bool:
+        return out_file.exists() and "| step      3 |" in out_file.read_text(errors="replace")
+
+    assert _wait_job(job, out_file, stepping), out_file.read_text()[-4000:]
+    subprocess.run(["scancel", "-s", "USR1", job], check=True, timeout=30)
+    _wait_job(job, out_file)
+    out = out_file.read_text(errors="replace")
+    tag = (tmp_path / "w" / "ckpt" / "latest").read_text().strip()
+    step = int(tag[len("step_"):])
+    assert out.count(f"\nstopped: SIGUSR1 at step {step}: saved") == 2, out[-5000:]
+    assert "task 0: Exited with exit code 138" in out, out[-5000:]
+    assert json.loads((tmp_path / "w" / "ckpt" / tag / "meta.json").read_text())["step"] == step
 
 
 @pytest.mark.parametrize("case", ["no-args", "hostfile", "config", "bad-line"])
