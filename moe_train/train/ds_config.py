@@ -38,6 +38,38 @@ def check_layout(precision: str, zero_stage: int, ep_size: int) -> None:
                           "optim.precision fp32)")
 
 
+_DTYPES = {"fp32": "fp32", "float32": "fp32", "float": "fp32", "bf16": "bf16",
+           "bfloat16": "bf16", "bfloat": "bf16", "fp16": "fp16", "float16": "fp16",
+           "half": "fp16"}
+"""DeepSpeed's names of a data type (its DtypeEnum) -> ours."""
+
+
+def check_grad_accum_dtype(precision: str, zero_stage: int, ds: dict[str, Any]) -> None:
+    """`data_types.grad_accum_dtype` (a raw DeepSpeed entry) where DeepSpeed and moe_train can
+    run it: fp32 sums of 16-bit micro-batch gradients need ZeRO 2 or 3 (DeepSpeed refuses them
+    at ZeRO 0, with a traceback, and at ZeRO 1 swaps in its BF16_Optimizer, whose state our
+    checkpoints and non-finite step guard do not read); never below the model's precision."""
+    node = ds.get("data_types")
+    value = node.get("grad_accum_dtype") if isinstance(node, dict) else None
+    if value is None or (precision == "fp32" and value in ("fp32", "float32", "float")):
+        return
+    field_ = "deepspeed.data_types.grad_accum_dtype"
+    dtype = _DTYPES.get(value) if isinstance(value, str) else None
+    if dtype is None:
+        raise ConfigError(f"{field_}: expected fp32, bf16 or fp16, got {value!r}")
+    if dtype == precision:
+        return
+    if dtype != "fp32":
+        allowed = "fp32" if precision == "fp32" else f"fp32 or {precision}"
+        raise ConfigError(f"{field_}: {value} below the model's {precision} (optim.precision); "
+                          f"expected {allowed}")
+    if zero_stage < 2:
+        raise ConfigError(f"{field_}: fp32 sums of {precision} gradients need optim.zero_stage "
+                          f"2 or 3 (DeepSpeed refuses them at ZeRO 0 and swaps in an "
+                          f"optimizer moe_train does not support at ZeRO 1); got "
+                          f"optim.zero_stage {zero_stage}")
+
+
 def build_deepspeed_config(cfg: ExperimentConfig, world_size: int, device: torch.device
                            ) -> dict[str, Any]:
     """The DeepSpeed JSON config for this run."""
@@ -57,7 +89,9 @@ def build_deepspeed_config(cfg: ExperimentConfig, world_size: int, device: torch
         "wall_clock_breakdown": False,
         "dump_state": False,
     }
-    return merge(ds, cfg.deepspeed)
+    ds = merge(ds, cfg.deepspeed)
+    check_grad_accum_dtype(precision, cfg.optim.zero_stage, ds)
+    return ds
 
 
 def plain_deepspeed_config(world_size: int) -> dict[str, Any]:

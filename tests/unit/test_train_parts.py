@@ -86,6 +86,27 @@ def test_deepspeed_config_mapping():
         build_deepspeed_config(load_config(overrides=[*ep, fine]), 2, torch.device("cpu"))
 
 
+@pytest.mark.parametrize("precision, zero, accum, error", [
+    ("bf16", 2, "fp32", None), ("bf16", 3, "float32", None), ("bf16", 0, "bf16", None),
+    ("fp32", 0, "fp32", None),
+    ("bf16", 0, "fp32", "fp32 sums of bf16 gradients need optim.zero_stage 2 or 3 .* 0$"),
+    ("bf16", 1, "fp32", "fp32 sums of bf16 gradients need optim.zero_stage 2 or 3 .* 1$"),
+    ("fp32", 2, "bf16", r"bf16 below the model's fp32 \(optim.precision\); expected fp32$"),
+    ("bf16", 2, "fp64", "expected fp32, bf16 or fp16, got 'fp64'$"),
+])
+def test_grad_accum_dtype_only_where_deepspeed_and_we_run_it(precision, zero, accum, error):
+    """DeepSpeed raises NotImplementedError (a traceback) for fp32 sums at ZeRO 0 and swaps
+    in its BF16_Optimizer at ZeRO 1: both are one config line before it starts."""
+    cfg = load_config(overrides=[f"optim.precision={precision}", f"optim.zero_stage={zero}",
+                                 f"deepspeed.data_types.grad_accum_dtype={accum}"])
+    if error is None:
+        ds = build_deepspeed_config(cfg, 1, torch.device("cpu"))
+        assert ds["data_types"] == {"grad_accum_dtype": accum}
+        return
+    with pytest.raises(ConfigError, match="^deepspeed.data_types.grad_accum_dtype: " + error):
+        build_deepspeed_config(cfg, 1, torch.device("cpu"))
+
+
 def test_no_weight_decay_on_stacked_expert_and_adapter_biases_and_norms():
     """Stacked per expert, biases and norm affines are 2-D: they must still skip decay."""
     from moe_train.models.build import build_model
