@@ -241,23 +241,17 @@ def save_checkpoint(engine: Any, rt: ParallelRuntime, ckpt_dir: str | Path, step
         shutil.rmtree(tmp_dir, ignore_errors=True)
     barrier(rt)
     try:  # a full disk: one line naming the step, the temporary directory removed
-        with write_errors_naming(final):
+        with write_errors_naming(final, tmp_dir):
             _write_step(engine, rt, tmp_dir, meta, save_extra)
+            _test_hook("engine_saved", step)
+            barrier(rt)
+            if rt.is_main:
+                _complete_step(tmp_dir, step, meta, attachments)
     except OSError:
         if rt.is_main:
             shutil.rmtree(tmp_dir, ignore_errors=True)
         raise
-    _test_hook("engine_saved", step)
-    barrier(rt)
     if rt.is_main:
-        write_json(tmp_dir / "meta.json", meta)
-        for name, src in attachments.items():
-            shutil.copyfile(src, tmp_dir / name)
-        files = _files(tmp_dir)
-        for name in files:
-            _fsync(tmp_dir / name)
-        _write_synced(tmp_dir / COMPLETE, json.dumps({"step": step, "files": files}, indent=1))
-        _fsync(tmp_dir)
         _test_hook("before_rename", step)
         if final.exists():  # torn, or left by a killed run; `latest` does not name it
             trash = ckpt_dir / f".trash-{tag}"
@@ -272,6 +266,20 @@ def save_checkpoint(engine: Any, rt: ParallelRuntime, ckpt_dir: str | Path, step
         _rotate(ckpt_dir, keep_last, tag, keep)
     barrier(rt)
     return final
+
+
+def _complete_step(tmp_dir: Path, step: int, meta: dict[str, Any],
+                   attachments: dict[str, Path]) -> None:
+    """Rank 0: metadata and attachments into `tmp_dir`, everything fsynced, then
+    complete.json (every file with its size) last."""
+    write_json(tmp_dir / "meta.json", meta)
+    for name, src in attachments.items():
+        shutil.copyfile(src, tmp_dir / name)
+    files = _files(tmp_dir)
+    for name in files:
+        _fsync(tmp_dir / name)
+    _write_synced(tmp_dir / COMPLETE, json.dumps({"step": step, "files": files}, indent=1))
+    _fsync(tmp_dir)
 
 
 def _write_step(engine: Any, rt: ParallelRuntime, tmp_dir: Path, meta: dict[str, Any],

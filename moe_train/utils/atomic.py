@@ -75,56 +75,74 @@ def write_target(path: str | os.PathLike) -> tuple[Path, bool]:
 
 
 _OS_ERROR_RE = re.compile(r"\(os error (\d+)\)")
+_SHORT_WRITE_RE = re.compile(r"\d+ requested and \d+ written")  # numpy's tofile / np.save
 _TORCH_WRITER = ("PytorchStreamWriter", "inline_container.cc")
 
 
-def _library_write_error(exc: Exception, where: str | os.PathLike) -> OSError | None:
-    """The OSError behind a library's failed write, or None: safetensors says "(os error N)";
-    torch.save's zip writer raises a RuntimeError without an errno, read as a full disk when
-    `where`'s file system has under 1 MiB left (its partial file filled it) and as EIO
-    otherwise."""
-    text = str(exc)
-    if type(exc).__name__ == "SafetensorError":
-        match = _OS_ERROR_RE.search(text)
-        if match is None:
-            return None
-        code = int(match.group(1))
-        return OSError(code, os.strerror(code))
-    if not isinstance(exc, RuntimeError) or not any(m in text for m in _TORCH_WRITER):
-        return None
+def _probed_errno(where: str | os.PathLike) -> int:
+    """ENOSPC when `where`'s file system has under 1 MiB left (a failed write filled it), else
+    EIO: for libraries whose failed writes carry no errno."""
     try:
         probe = Path(where)
         while not probe.exists() and probe != probe.parent:
             probe = probe.parent
         vfs = os.statvfs(probe)
-        full = vfs.f_bavail * vfs.f_frsize < 1 << 20
+        return errno.ENOSPC if vfs.f_bavail * vfs.f_frsize < 1 << 20 else errno.EIO
     except OSError:
-        full = False
-    code = errno.ENOSPC if full else errno.EIO
-    return OSError(code, os.strerror(code))
+        return errno.EIO
+
+
+def _library_write_error(exc: Exception, where: str | os.PathLike) -> int | None:
+    """The errno behind a library's failed write that carries none, or None for any other
+    error: safetensors says "(os error N)"; torch.save's zip writer raises a RuntimeError and
+    numpy's short write an OSError, both without an errno (`_probed_errno`)."""
+    text = str(exc)
+    if type(exc).__name__ == "SafetensorError":
+        match = _OS_ERROR_RE.search(text)
+        return int(match.group(1)) if match else None
+    if isinstance(exc, OSError) and exc.errno is None and _SHORT_WRITE_RE.search(text):
+        return _probed_errno(where)
+    if isinstance(exc, RuntimeError) and any(m in text for m in _TORCH_WRITER):
+        return _probed_errno(where)
+    return None
+
+
+def _under(final: Path, tmp: Path | None, name: Any) -> str | None:
+    """An error's file `name` as the path it will have under `final`, when it is `tmp` or lies
+    below it (a directory being written); None otherwise."""
+    if tmp is None or name is None or isinstance(name, int):
+        return None
+    try:
+        rel = Path(os.fsdecode(name)).relative_to(tmp)
+    except (TypeError, ValueError):
+        return None
+    return str(final / rel) if rel.parts else str(final)
 
 
 @contextlib.contextmanager
 def write_errors_naming(final: str | os.PathLike, tmp: Path | None = None) -> Iterator[None]:
-    """Make an error raised while writing `final` an OSError that names `final`: one that
-    names only the temporary file (a hidden name, gone by the time anyone reads the error),
-    one that names no file and says the machine refused the write (a full disk: ENOSPC at
-    flush), or a library's failed write (torch.save, safetensors) that carries no file name.
-    The block should only write; any other error is left as it is."""
+    """Make an error raised while writing `final` (a file, or a directory written as `tmp`) an
+    OSError that names what the user asked for: one about the temporary file or a file in the
+    temporary directory (hidden names, gone by the time anyone reads the error; for a copy,
+    its destination, not the source it names first), one that names no file and says the
+    machine refused the write (a full disk: ENOSPC at flush), or a library's failed write
+    (torch.save, safetensors, numpy) that carries no errno or name. The block should only
+    write; any other error is left as it is."""
+    final = Path(final)
     try:
         yield
-    except OSError as exc:
-        if exc.errno is None:
-            raise
-        about_tmp = tmp is not None and exc.filename in (str(tmp), tmp)
-        if not about_tmp and not (exc.filename is None and exc.errno in MACHINE_ERRNOS):
-            raise
-        raise OSError(exc.errno, exc.strerror, str(final)) from exc
     except Exception as exc:
-        machine = _library_write_error(exc, final)
-        if machine is None:
+        code = exc.errno if isinstance(exc, OSError) and exc.errno is not None else \
+            _library_write_error(exc, final)
+        if code is None:
             raise
-        raise OSError(machine.errno, machine.strerror, str(final)) from exc
+        names = (exc.filename2, exc.filename) if isinstance(exc, OSError) else ()
+        named = next((n for n in (_under(final, tmp, name) for name in names) if n), None)
+        if named is None:
+            if any(name is not None for name in names) or code not in MACHINE_ERRNOS:
+                raise  # about another file (an input), or not the machine: left as it is
+            named = str(final)
+        raise OSError(code, os.strerror(code), named) from exc
 
 
 @contextlib.contextmanager
@@ -178,7 +196,8 @@ def atomic_dir(final: str | os.PathLike, overwrite: bool = False) -> Iterator[Pa
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent))
     os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes 0700; other ranks/users may read it
     try:
-        yield tmp
+        with write_errors_naming(final, tmp):
+            yield tmp
         if final.exists():
             if not overwrite:
                 raise FileExistsError(f"{final}: already exists")

@@ -306,6 +306,46 @@ def test_a_write_that_fails_names_the_output_and_leaves_nothing(tmp_path) -> Non
         assert (err.value.errno, err.value.filename) == (errno.ENOSPC, "/dev/full")
 
 
+def test_a_full_disk_inside_a_directory_being_written_names_the_output(tmp_path,
+                                                                       monkeypatch) -> None:
+    """In `atomic_dir` an error about a file of the temporary directory names that file under
+    the output; a copy's names its destination, not its source; one that names no file (a
+    plain write's flush, numpy's short write) names the output. Nothing is left behind."""
+    from moe_train.utils import atomic
+
+    out, src = tmp_path / "export", tmp_path / "spm.model"
+    src.write_text("model")
+    monkeypatch.setattr(atomic, "_probed_errno", lambda where: errno.ENOSPC)
+    cases = {
+        "copy": lambda d: (_ for _ in ()).throw(OSError(errno.ENOSPC, "No space left on device",
+                                                        str(src), None, str(d / "spm.model"))),
+        "file": lambda d: (_ for _ in ()).throw(OSError(errno.ENOSPC, "No space left on device",
+                                                        str(d / "a" / "x.json"))),
+        "flush": lambda d: (_ for _ in ()).throw(OSError(errno.ENOSPC,
+                                                         "No space left on device")),
+        "numpy": lambda d: (_ for _ in ()).throw(OSError("3548 requested and 1024 written")),
+    }
+    expect = {"copy": out / "spm.model", "file": out / "a" / "x.json", "flush": out,
+              "numpy": out}
+    for case, fail in cases.items():
+        with pytest.raises(OSError) as err:
+            with atomic_dir(out) as d:
+                fail(d)
+        assert (err.value.errno, err.value.filename) == (errno.ENOSPC, str(expect[case])), case
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["spm.model"], case
+    with pytest.raises(OSError) as err:  # numpy's short write in a file being written
+        with atomic_path(tmp_path / "f.npy"):
+            raise OSError("1600 requested and 992 written")
+    assert (err.value.errno, err.value.filename) == (errno.ENOSPC, str(tmp_path / "f.npy"))
+    with pytest.raises(OSError, match="^some other failure$"):  # no errno, not a write: as is
+        with atomic_path(tmp_path / "f.npy"):
+            raise OSError("some other failure")
+    with pytest.raises(OSError) as err:  # an input's error inside the block: left as it is
+        with atomic_dir(out):
+            raise OSError(errno.EIO, "Input/output error", str(src))
+    assert err.value.filename == str(src)
+
+
 def test_the_cli_reports_a_failed_write_in_one_line(tmp_path, monkeypatch, capsys) -> None:
     """Not bad input (status 2) but the machine (status 1): one line naming the file."""
     from moe_train import commands
