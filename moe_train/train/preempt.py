@@ -25,7 +25,7 @@ class Preempted(Exception):
     def __init__(self, signum: int, step: int, checkpoint: Path) -> None:
         self.signum, self.step, self.checkpoint = signum, step, checkpoint
         super().__init__(f"{signal.Signals(signum).name} at step {step}: saved {checkpoint}; "
-                         "continue with --resume")
+                         "run the same command again to continue (train: with --resume)")
 
     @property
     def exit_status(self) -> int:

@@ -453,9 +453,26 @@ class Trainer:
         interpreter exit can abort the process instead of its exit status 2)."""
         try:
             with StopSignals() as stops:
-                return self._fit(stops)
+                summary = self._fit(stops)
+                # a signal during the final validation, save or export: the run is saved and
+                # exported, but what follows (a pipeline's next stage) must not start
+                _, signum = self._agree(stops, False)
+                if signum:
+                    stop = Preempted(signum, self.step,
+                                     Path(summary.get("checkpoint") or self.checkpoints.dir))
+                    self.monitor.print(f"| stopped: {stop}")
+                    raise stop
+                return summary
         finally:
             self.monitor.close()
+
+    def _agree(self, stops: StopSignals, out_of_time: bool) -> tuple[bool, int]:
+        """(any rank out of time, the stop signal any rank received or 0): one all-reduce, so
+        that every rank stops at the same step."""
+        values = [float(out_of_time), *(float(stops.received == s) for s in STOP_SIGNALS)]
+        if self.rt.world_size > 1:
+            values = all_reduce_floats(self.rt, *values)
+        return values[0] > 0, next((s for s, n in zip(STOP_SIGNALS, values[1:]) if n > 0), 0)
 
     def _fit(self, stops: StopSignals) -> dict[str, Any]:
         tc = self.cfg.train
@@ -494,12 +511,7 @@ class Trainer:
                 plateau = self._note_validation(last_values)
                 validated_at = self.validated_step = self.step
             out_of_time = tc.max_minutes and (time.time() - start) / 60 >= tc.max_minutes
-            flags = [float(bool(out_of_time)), *(float(stops.received == s)
-                                                 for s in STOP_SIGNALS)]
-            if self.rt.world_size > 1:  # all ranks must agree to stop together
-                flags = all_reduce_floats(self.rt, *flags)
-            out_of_time = flags[0] > 0
-            signum = next((s for s, n in zip(STOP_SIGNALS, flags[1:]) if n > 0), 0)
+            out_of_time, signum = self._agree(stops, bool(out_of_time))
             if signum:  # preempted (one rank signalled is enough): save here and go
                 stop = Preempted(signum, self.step, self.save())
                 self.monitor.print(f"| stopped: {stop}")

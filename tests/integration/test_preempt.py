@@ -31,7 +31,8 @@ def test_sigterm_saves_the_step_and_resume_goes_on(tiny_prepared, tmp_path) -> N
     tag = latest_tag(tmp_path / "ckpt")
     step = int(tag[len("step_"):])
     assert step >= 3 and stderr == [f"stopped: SIGTERM at step {step}: saved "
-                                    f"{tmp_path / 'ckpt' / tag}; continue with --resume"], stderr
+                                    f"{tmp_path / 'ckpt' / tag}; run the same command again to "
+                                    "continue (train: with --resume)"], stderr
     assert f"| stopped: SIGTERM at step {step}" in log.read_text()
     assert not (tmp_path / "ckpt" / "export").exists()  # saved, not ended
     proc = run_cli(["train", "--config", CONFIG, "--resume",
@@ -39,3 +40,29 @@ def test_sigterm_saves_the_step_and_resume_goes_on(tiny_prepared, tmp_path) -> N
                                      f"train.max_steps={step + 2}")], cwd=ROOT)
     assert f"resume from step {step}" in proc.stdout and f"| step {step + 2:>6} |" in proc.stdout
     assert (tmp_path / "ckpt" / "export").is_dir()
+
+
+def test_a_signal_during_the_final_validation_stops_after_the_export(tiny_prepared, tmp_path):
+    """The run is saved and exported as usual, then stops with the signal's status, so that a
+    pipeline's next stage would not start (before, the signal was dropped with the handler)."""
+    script = tmp_path / "run.py"
+    script.write_text(
+        "import os, signal, sys\n"
+        "from moe_train.train.trainer import Trainer\n"
+        "validate = Trainer._validate\n"
+        "def final(self, *args, **kwargs):\n"
+        "    if self.step == self.cfg.train.max_steps:\n"
+        "        os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    return validate(self, *args, **kwargs)\n"
+        "Trainer._validate = final\n"
+        "from moe_train.cli import main\n"
+        "sys.exit(main(sys.argv[1:]))\n")
+    proc = subprocess.run(
+        [sys.executable, str(script), "train", "--config", CONFIG,
+         *debug_overrides(tiny_prepared, tmp_path, "train.validate_every=0",
+                          "train.max_steps=3", "data.max_tokens=400")],
+        cwd=ROOT, env=cli_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 128 + signal.SIGTERM, proc.stderr[-2000:]
+    assert "| exported" in proc.stdout and (tmp_path / "ckpt" / "export").is_dir()
+    assert f"stopped: SIGTERM at step 3: saved {tmp_path / 'ckpt' / 'step_00000003'}" \
+        in proc.stderr

@@ -37,4 +37,5 @@ def test_off_the_main_thread_it_sets_no_handler() -> None:
 def test_preempted_says_where_to_continue() -> None:
     stop = Preempted(signal.SIGTERM, 12, Path("ck/step_00000012"))
     assert stop.exit_status == 143
-    assert str(stop) == "SIGTERM at step 12: saved ck/step_00000012; continue with --resume"
+    assert str(stop) == ("SIGTERM at step 12: saved ck/step_00000012; run the same command "
+                         "again to continue (train: with --resume)")
