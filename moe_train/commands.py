@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from moe_train.config.loader import load_config, merge
-from moe_train.config.schema import EvalConfig, check_deepspeed_entries
+from moe_train.config.deepspeed_entries import check_deepspeed_entries
+from moe_train.config.schema import EvalConfig
 from moe_train.errors import CheckpointError, ConfigError, DataError
 
 

@@ -10,6 +10,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from moe_train.config.deepspeed_entries import check_deepspeed_entries
 from moe_train.config.adapters import AdapterConfig, MoAConfig
 from moe_train.config.moe import ROUTER_NAMES, MoEConfig, _at_most
 from moe_train.config.gated import GatedConfig
@@ -314,38 +315,6 @@ class EvalConfig:
                "non-negative max_len_a and max_len_b", (self.max_len_a, self.max_len_b))
 
 
-DEEPSPEED_OWNED: dict[str, str] = {
-    "train_micro_batch_size_per_gpu": "data.max_tokens (token-budget batches)",
-    "train_batch_size": "data.max_tokens and optim.grad_accum (token-budget batches)",
-    "gradient_accumulation_steps": "optim.grad_accum",
-    "gradient_clipping": "optim.clip_norm",
-    "zero_optimization.stage": "optim.zero_stage",
-    "bf16.enabled": "optim.precision",
-    "bfloat16.enabled": "optim.precision",
-    "fp16.enabled": "optim.precision",
-    "amp": "optim.precision",
-    "optimizer": "optim.lr / betas / eps / weight_decay (moe_train builds the optimizer)",
-    "scheduler": "optim.lr and optim.warmup_steps (moe_train's schedule)",
-}
-"""DeepSpeed config keys (dotted: nested) that moe_train sets from its own fields
-(train/ds_config.py) or owns (the optimizer, its schedule): the trainer acts on its own fields
-(ZeRO-0 clipping and the non-finite guard, the logged precision), so a raw entry would make the
-run differ from what its config and log say."""
-
-
-def check_deepspeed_entries(entries: dict[str, Any], where: str) -> None:
-    """Refuse raw DeepSpeed entries that would override what moe_train sets itself (see
-    `DEEPSPEED_OWNED`); other entries pass through (e.g. ``zero_optimization.overlap_comm``)."""
-    for key, field_ in DEEPSPEED_OWNED.items():
-        node: Any = entries
-        for part in key.split("."):
-            node = node.get(part, _ABSENT) if isinstance(node, dict) else _ABSENT
-        if node is not _ABSENT:
-            raise ConfigError(f"{where}{key}: set by moe_train from {field_}; expected it "
-                              f"absent, got {node!r}")
-
-
-_ABSENT = object()
 
 
 @dataclass

@@ -104,10 +104,15 @@ def plain_deepspeed_config(world_size: int) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def deepspeed_config_errors() -> Iterator[None]:
+def deepspeed_config_errors(raw: dict[str, Any] | None = None) -> Iterator[None]:
     """DeepSpeed's own validation of the config it is given (pydantic, e.g. a ZeRO stage of 7,
-    or an unknown key under a typed section) as one ConfigError line naming the key."""
+    or an unknown key under a typed section) as one ConfigError line naming the key; and, when
+    the run has `raw` DeepSpeed entries, DeepSpeed's refusals of option combinations at
+    start-up (its config and ZeRO errors, its assertions) as one line naming those entries.
+    Without raw entries such an error is a bug of ours and keeps its traceback."""
     import pydantic
+    from deepspeed.runtime.config import DeepSpeedConfigError
+    from deepspeed.runtime.zero.utils import ZeRORuntimeException
 
     try:
         yield
@@ -116,3 +121,20 @@ def deepspeed_config_errors() -> Iterator[None]:
         where = ".".join(str(p) for p in first.get("loc", ())) or exc.title
         raise ConfigError(f"deepspeed config ({exc.title}): {where}: "
                           f"{first.get('msg', 'invalid value')}") from None
+    except (DeepSpeedConfigError, ZeRORuntimeException, AssertionError, ValueError, TypeError,
+            NotImplementedError) as exc:
+        if not raw:
+            raise
+        keys = ", ".join(sorted(_dotted(raw)))
+        text = " ".join(str(exc).split()) or "(no message)"
+        raise ConfigError(f"deepspeed config: DeepSpeed refused the run with the raw entries "
+                          f"{keys} ({type(exc).__name__}: {text[:300]})") from None
+
+
+def _dotted(entries: dict[str, Any], prefix: str = "") -> list[str]:
+    """The dotted keys of the leaves of nested `entries`."""
+    keys = []
+    for key, value in entries.items():
+        name = f"{prefix}{key}"
+        keys += _dotted(value, f"{name}.") if isinstance(value, dict) and value else [name]
+    return keys

@@ -128,7 +128,7 @@ class Trainer:
             mark_moe_leaf_modules(model)
             register_tied_outputs(model)
         detect = deepspeed_sees_moe_layers() if rt.ep_size > 1 else contextlib.nullcontext()
-        with detect, deepspeed_config_errors():
+        with detect, deepspeed_config_errors(cfg.deepspeed):
             self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer,
                                                         lr_scheduler=scheduler,
                                                         config=self.ds_config,

@@ -96,11 +96,17 @@ def test_yaml_errors_name_file_and_line(tmp_path):
     ("deepspeed.fp16.enabled=true", "optim.precision"),
     ("deepspeed.optimizer.type=AdamW", "moe_train builds the optimizer"),
     ("deepspeed.scheduler.type=WarmupLR", "optim.warmup_steps"),
+    ("deepspeed.torch_autocast.enabled=true", "optim.precision"),
+    ("deepspeed.activation_checkpointing.partition_activations=true",
+     "model.activation_checkpointing"),
 ])
 def test_deepspeed_entries_moe_train_acts_on_are_refused(entry, field_) -> None:
     """A raw ZeRO stage, precision, optimizer or scheduler would run something else than the
     config and the log say (ZeRO-0 clipping and the non-finite guard follow optim.zero_stage)."""
-    key = entry.split("=")[0].removesuffix(".type")
+    key = entry.split("=")[0].removesuffix(".type").removesuffix(".enabled") \
+        .removesuffix(".partition_activations")
+    if key in ("deepspeed.bf16", "deepspeed.bfloat16", "deepspeed.fp16"):
+        key += ".enabled"
     with pytest.raises(ConfigError, match=rf"{re.escape(key)}: set by moe_train from .*"
                                           rf"{re.escape(field_)}"):
         load_config(None, [entry])
@@ -108,6 +114,33 @@ def test_deepspeed_entries_moe_train_acts_on_are_refused(entry, field_) -> None:
     cfg = load_config(None, ["deepspeed.zero_optimization.overlap_comm=true",
                              "deepspeed.fp16.initial_scale_power=12"])
     assert cfg.deepspeed["zero_optimization"] == {"overlap_comm": True}
+
+
+@pytest.mark.parametrize("entry, message", [
+    ("deepspeed.zero_optimization=true", "deepspeed.zero_optimization: expected a mapping"),
+    ("deepspeed.zero_optimization=2", "deepspeed.zero_optimization: expected a mapping"),
+    ("deepspeed.bf16=true", "deepspeed.bf16: expected a mapping"),
+    ("deepspeed.zero_optimization.round_robin_gradients=true",
+     "deepspeed.zero_optimization.round_robin_gradients: True is not supported: moe_train "
+     "reads ZeRO partitions in parameter order"),
+    ("deepspeed.checkpoint.load_universal=true",
+     "deepspeed.checkpoint.load_universal: True is not supported"),
+    ("deepspeed.zero_optimization.elastic_checkpoint=true",
+     "deepspeed.zero_optimization.elastic_checkpoint: True is not"),
+    ("deepspeed.zero_optimization.load_from_fp32_weights=false",
+     "deepspeed.zero_optimization.load_from_fp32_weights: False"),
+    ("deepspeed.wall_clock_breakdown=true", "deepspeed.wall_clock_breakdown: True is not"),
+    ("deepspeed.flops_profiler.enabled=true", "deepspeed.flops_profiler.enabled: True is not"),
+])
+def test_deepspeed_entries_moe_train_cannot_run_are_one_line(entry, message) -> None:
+    """Scalars where DeepSpeed reads a section (its old `zero_optimization: true` form ran
+    ZeRO 1 while the trainer took its ZeRO-0 path and saw no gradients), and options that
+    scramble moe_train's checkpoints or crash at the first backward."""
+    with pytest.raises(ConfigError, match=re.escape(f"override {entry}: {message}")):
+        load_config(None, [entry])
+    off = entry.replace("=true", "=false") if "=true" in entry else None
+    if off and "expected a mapping" not in message:  # the harmless value passes
+        load_config(None, [off])
 
 
 def test_to_dict_round_trips():

@@ -273,6 +273,18 @@ def test_deepspeed_validation_is_one_config_line() -> None:
         DeepSpeedZeroConfig(**{"stage": 7})
     text = str(err.value)
     assert text.startswith("deepspeed config (DeepSpeedZeroConfig): stage: ") and "\n" not in text
+    # DeepSpeed's refusals at start-up: one line naming the raw entries, when there are any
+    raw = {"prescale_gradients": True, "zero_optimization": {"reduce_scatter": True}}
+    with pytest.raises(ConfigError) as err, deepspeed_config_errors(raw):
+        raise AssertionError("pre-scale gradients is not yet supported\nwith ZeRO-2")
+    assert str(err.value) == ("deepspeed config: DeepSpeed refused the run with the raw entries "
+                              "prescale_gradients, zero_optimization.reduce_scatter "
+                              "(AssertionError: pre-scale gradients is not yet supported with "
+                              "ZeRO-2)")
+    with pytest.raises(AssertionError), deepspeed_config_errors({}):  # none: a bug, as is
+        raise AssertionError("ours")
+    with pytest.raises(KeyError), deepspeed_config_errors(raw):  # not a refusal: as is
+        raise KeyError("x")
 
 
 def test_a_write_that_fails_names_the_output_and_leaves_nothing(tmp_path) -> None:
