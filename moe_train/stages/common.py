@@ -27,7 +27,7 @@ from moe_train.errors import CheckpointError, ConfigError, DataError
 from moe_train.parallel.collectives import barrier
 from moe_train.parallel.runtime import ParallelRuntime
 from moe_train.stages.record import differences, made_from, stale_error
-from moe_train.utils.atomic import write_json
+from moe_train.utils.atomic import remove_stale_temporaries, write_json
 from moe_train.utils.provenance import finish as finish_provenance, now_iso, provenance
 
 DONE = "done.json"
@@ -166,6 +166,7 @@ class StageContext:
                               f"holds {where / LOCK}); wait for it, or use another "
                               "moa.workdir / moa.backbone_dir") from None
         self._locks[stage] = (handle, made)
+        remove_stale_temporaries(where)  # a killed run's half-written files
 
     def release(self, stage: str) -> None:
         """Give `stage`'s directory free (`finish` does; a recipe does when a stage fails):

@@ -228,6 +228,25 @@ def _recover(final: Path) -> None:
             shutil.rmtree(stale, ignore_errors=True)
 
 
+def remove_stale_temporaries(root: Path) -> list[Path]:
+    """Remove what a killed `atomic_path` / `atomic_dir` left anywhere under `root` (hidden
+    `.NAME.XXXXXXXX.tmp` files and directories, the size of what was being written); returns
+    them. Only for a directory this process holds (a stage's, under its lock)."""
+    stale = []
+    for top, dirs, files in os.walk(root):
+        for name in [*files, *dirs]:
+            if _TEMPORARY_RE.fullmatch(name):
+                stale.append(Path(top) / name)
+        dirs[:] = [d for d in dirs if not _TEMPORARY_RE.fullmatch(d)]
+    for path in stale:
+        _remove(path)
+    return stale
+
+
+_TEMPORARY_RE = re.compile(r"\..+\.[a-z0-9_]{8}\.tmp")
+"""The names tempfile.mkstemp / mkdtemp give with our prefix `.NAME.` and suffix `.tmp`."""
+
+
 def write_text(path: str | os.PathLike, text: str) -> None:
     """Write `text` to `path` atomically."""
     with atomic_path(path) as tmp:

@@ -413,3 +413,25 @@ def test_lines_text_keeps_one_line_per_item() -> None:
 
     text = lines_text(["hello\nworld", "", "a\r\nb c"])
     assert text == "hello world\n\na b c\n" and len(text.splitlines()) == 3
+
+
+def test_a_killed_writers_temporaries_are_removed_and_nothing_else(tmp_path) -> None:
+    """What a SIGKILL inside `atomic_path` / `atomic_dir` leaves (hidden, the size of what was
+    being written) goes when a stage takes its directory again; other hidden files stay."""
+    import tempfile
+
+    from moe_train.utils.atomic import remove_stale_temporaries
+
+    (tmp_path / "sub").mkdir()
+    _, f = tempfile.mkstemp(prefix=".features.npy.", suffix=".tmp", dir=tmp_path)
+    d = tempfile.mkdtemp(prefix=".export.", suffix=".tmp", dir=tmp_path / "sub")
+    (Path(d) / "model.safetensors").write_text("half")
+    _, latest = tempfile.mkstemp(prefix=".latest.", suffix=".tmp", dir=tmp_path / "sub")
+    keep = [tmp_path / ".lock", tmp_path / "sub" / ".tmp-step_00000002" / "x",
+            tmp_path / ".notes.tmp", tmp_path / "features.npy"]
+    for path in keep:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("x")
+    removed = remove_stale_temporaries(tmp_path)
+    assert sorted(map(str, removed)) == sorted([f, d, latest])
+    assert all(p.exists() for p in keep) and not any(Path(p).exists() for p in (f, d, latest))
