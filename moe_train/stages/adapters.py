@@ -24,7 +24,6 @@ from moe_train.errors import ConfigError
 from moe_train.moe.adapters import AdapterSlot
 from moe_train.stages.common import StageContext, load_matching, stage_config, training_summary
 from moe_train.stages.distill import GATE, load_gate
-from moe_train.train.checkpoint import latest_tag
 from moe_train.train.export import load_export_weights
 from moe_train.train.trainer import Trainer
 from moe_train.train.hooks import InitModel
@@ -129,8 +128,8 @@ def run(ctx: StageContext) -> dict[str, Any]:
     if done is not None:
         return done
     init_model = make_init(ctx, cfg)
-    resume = latest_tag(cfg.checkpoint.dir) is not None
-    trainer = Trainer(cfg, ctx.rt, resume=resume, hooks=[InitModel(init_model)])
+    trainer = Trainer(cfg, ctx.rt, resume=ctx.resume_training(STAGE, cfg),
+                      hooks=[InitModel(init_model)])
     trainable = sum(p.numel() for p in trainer.engine.module.parameters() if p.requires_grad)
     summary = trainer.fit()
     return ctx.finish(STAGE, training_summary(summary)

@@ -11,7 +11,6 @@ from __future__ import annotations
 from typing import Any
 
 from moe_train.stages.common import StageContext, stage_config, training_summary
-from moe_train.train.checkpoint import latest_tag
 from moe_train.train.trainer import Trainer
 
 STAGE = "backbone"
@@ -32,7 +31,6 @@ def run(ctx: StageContext) -> dict[str, Any]:
     done = ctx.reuse(STAGE, cfg)
     if done is not None:
         return done
-    resume = latest_tag(cfg.checkpoint.dir) is not None
-    summary = Trainer(cfg, ctx.rt, resume=resume).fit()
+    summary = Trainer(cfg, ctx.rt, resume=ctx.resume_training(STAGE, cfg)).fit()
     return ctx.finish(STAGE, training_summary(summary)
                       | {"pre_inject": cfg.moa.pre_inject}, cfg)

@@ -27,6 +27,8 @@ from moe_train.errors import CheckpointError, ConfigError, DataError
 from moe_train.parallel.collectives import barrier
 from moe_train.parallel.runtime import ParallelRuntime
 from moe_train.stages.record import differences, made_from, stale_error
+from moe_train.train.checkpoint import latest_tag, read_meta
+from moe_train.train.resume import check_resume_config
 from moe_train.utils.atomic import remove_stale_temporaries, write_json
 from moe_train.utils.provenance import finish as finish_provenance, now_iso, provenance
 
@@ -146,6 +148,33 @@ class StageContext:
         barrier(self.rt)
         self._lock(stage)
         return None
+
+    def resume_training(self, stage: str, cfg: ExperimentConfig) -> bool:
+        """Whether `stage`'s training continues from its checkpoints (a run stopped before the
+        stage finished). Checkpoints trained with a config that may not change on resume are
+        deleted with `--rerun-stale` (one line says so) and the stage trains anew; without it
+        they are a one-line error saying so."""
+        ckpt = Path(cfg.checkpoint.dir)
+        tag = latest_tag(ckpt, warn=None)
+        if tag is None:
+            return False
+        try:
+            check_resume_config(read_meta(ckpt / tag)["config"], cfg.to_dict(), str(ckpt / tag),
+                                log=lambda _: None)
+            return True
+        except CheckpointError as exc:
+            if self.stage_dir(stage).resolve() != (self.workdir / stage).resolve():
+                raise  # moa.backbone_dir: another run's, never deleted
+            if not self.rerun_stale:
+                raise CheckpointError(f"{exc}; stage {stage} has not finished: with "
+                                      f"--rerun-stale it is trained anew ({ckpt} deleted)"
+                                      ) from None
+        if self.rt.is_main:
+            print(f"| stage {stage}: its unfinished training ({ckpt / tag}) used another "
+                  f"config; deleting {ckpt} and training the stage anew", flush=True)
+            shutil.rmtree(ckpt)
+        barrier(self.rt)
+        return False
 
     def _lock(self, stage: str) -> None:
         """Hold `stage`'s directory for this run until `finish` (rank 0; released when the

@@ -30,7 +30,6 @@ from moe_train.moe.gated_router import GatedRouter
 from moe_train.stages.adapters import freeze_base, load_backbone
 from moe_train.stages.classifier import load_probs
 from moe_train.stages.common import StageContext, load_matching, stage_config, training_summary
-from moe_train.train.checkpoint import latest_tag
 from moe_train.train.export import load_export_weights
 from moe_train.train.hooks import InitModel, TeacherProbs, TrainerHooks
 from moe_train.train.trainer import Trainer
@@ -100,7 +99,7 @@ class FrozenCheck:
 
 def _train(ctx: StageContext, stage: str, cfg: ExperimentConfig, init: Any,
            extra: list[TrainerHooks], source: Path) -> dict[str, Any]:
-    trainer = Trainer(cfg, ctx.rt, resume=latest_tag(cfg.checkpoint.dir) is not None,
+    trainer = Trainer(cfg, ctx.rt, resume=ctx.resume_training(stage, cfg),
                       hooks=[InitModel(init), *extra])
     model = trainer.engine.module
     check = FrozenCheck(model)  # as training starts: on its device, in its precision

@@ -10,7 +10,7 @@ import json
 import pytest
 
 from moe_train.config import load_config
-from moe_train.errors import ConfigError, DataError
+from moe_train.errors import CheckpointError, ConfigError, DataError
 from moe_train.parallel.runtime import ParallelRuntime
 from moe_train.stages.backbone import backbone_config
 from moe_train.stages.common import DONE, StageContext
@@ -285,3 +285,36 @@ def test_a_stage_being_run_is_locked_against_a_second_run(tmp_path) -> None:
         second.reuse("backbone", second.cfg)
     first.finish("backbone", {"value": 1}, first.cfg)
     assert second.reuse("backbone", second.cfg) is not None  # done, and free
+
+
+def test_an_unfinished_training_stage_with_another_config_is_retrained_with_rerun_stale(
+        tmp_path, capsys) -> None:
+    """A training stage stopped before it finished (preempted, killed) resumes from its
+    checkpoints; with a config that may not change on resume it is one line saying that
+    --rerun-stale trains it anew, and --rerun-stale does (the checkpoints go)."""
+    import torch
+
+    from moe_train.train import checkpoint as ckpt
+
+    class Engine:  # what save_checkpoint needs of a DeepSpeed engine
+        module = torch.nn.Linear(2, 2)
+        optimizer = torch.optim.AdamW(module.parameters())
+
+        def save_checkpoint(self, save_dir, tag, client_state, save_latest):
+            (tmp_path / save_dir / tag).mkdir(parents=True, exist_ok=True)
+
+    ctx = _ctx(tmp_path)
+    cfg = backbone_config(ctx)
+    ckpt_dir = tmp_path / cfg.checkpoint.dir
+    ckpt.save_checkpoint(Engine(), ctx.rt, ckpt_dir, 2,
+                         {"step": 2, "config": cfg.to_dict(), "world_size": 1}, {}, 2)
+    assert ctx.resume_training("backbone", cfg)  # the same config: it goes on
+    changed = backbone_config(_ctx(tmp_path, "optim.lr=0.123"))
+    with pytest.raises(CheckpointError, match=r"optim.lr 0.0.* -> 0.123; stage backbone has not "
+                                          r"finished: with --rerun-stale it is trained anew "):
+        ctx.resume_training("backbone", changed)
+    assert ckpt.latest_tag(ckpt_dir, warn=None) == "step_00000002"
+    ctx.rerun_stale = True
+    assert not ctx.resume_training("backbone", changed) and not ckpt_dir.exists()
+    assert "used another config; deleting" in capsys.readouterr().out
+    assert not ctx.resume_training("backbone", changed)  # nothing left to resume
