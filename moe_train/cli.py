@@ -12,7 +12,7 @@ import re
 import signal
 import sys
 
-from moe_train.errors import MACHINE_ERRNOS, MoeTrainError
+from moe_train.errors import MACHINE_ERRNOS, MoeTrainError, PeerFailed
 from moe_train.train.preempt import Preempted
 from moe_train.utils.cli_args import OneLineParser, int_at_least, non_negative_float
 
@@ -307,6 +307,9 @@ def main(argv: list[str] | None = None) -> int:
     except MoeTrainError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except PeerFailed as exc:  # another rank's error line says what went wrong
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     except Preempted as exc:  # a scheduler's SIGTERM / SIGUSR1: saved, not an error
         print(f"stopped: {exc}", file=sys.stderr)
         return exc.exit_status

@@ -30,3 +30,9 @@ class DataError(MoeTrainError):
 
 class CheckpointError(MoeTrainError):
     """A checkpoint is missing or does not match the run."""
+
+
+class PeerFailed(Exception):
+    """Another rank failed where this one did not (rank 0 alone writes a checkpoint's metadata
+    and the export: a full disk there): this rank stops too, in one line pointing at that
+    rank's error (status 1), instead of training on alone or waiting for it forever."""

@@ -158,9 +158,9 @@ class StageContext:
         tag = latest_tag(ckpt, warn=None)
         if tag is None:
             return False
+        stored = read_meta(ckpt / tag)["config"]  # unreadable: its own error, nothing deleted
         try:
-            check_resume_config(read_meta(ckpt / tag)["config"], cfg.to_dict(), str(ckpt / tag),
-                                log=lambda _: None)
+            check_resume_config(stored, cfg.to_dict(), str(ckpt / tag), log=lambda _: None)
             return True
         except CheckpointError as exc:
             if self.stage_dir(stage).resolve() != (self.workdir / stage).resolve():
@@ -169,6 +169,7 @@ class StageContext:
                 raise CheckpointError(f"{exc}; stage {stage} has not finished: with "
                                       f"--rerun-stale it is trained anew ({ckpt} deleted)"
                                       ) from None
+        barrier(self.rt)  # every rank has looked before rank 0 deletes
         if self.rt.is_main:
             print(f"| stage {stage}: its unfinished training ({ckpt / tag}) used another "
                   f"config; deleting {ckpt} and training the stage anew", flush=True)

@@ -41,8 +41,8 @@ from typing import Any, Callable, Collection
 import numpy as np
 import torch
 
-from moe_train.errors import CheckpointError
-from moe_train.parallel.collectives import barrier
+from moe_train.errors import CheckpointError, PeerFailed
+from moe_train.parallel.collectives import all_ranks_true, barrier
 from moe_train.parallel.expert_checkpoint import expert_modules, full_expert_state
 from moe_train.parallel.optim_state import (adam_step, dense_params, has_unfused_masters,
                                              is_zero_partitioned, legacy_state_source,
@@ -240,17 +240,16 @@ def save_checkpoint(engine: Any, rt: ParallelRuntime, ckpt_dir: str | Path, step
     if rt.is_main:
         shutil.rmtree(tmp_dir, ignore_errors=True)
     barrier(rt)
-    try:  # a full disk: one line naming the step, the temporary directory removed
-        with write_errors_naming(final, tmp_dir):
-            _write_step(engine, rt, tmp_dir, meta, save_extra)
-            _test_hook("engine_saved", step)
-            barrier(rt)
-            if rt.is_main:
-                _complete_step(tmp_dir, step, meta, attachments)
-    except OSError:
+    # A full disk: one line naming the file, the temporary directory removed, and every rank
+    # stops (each phase ends in an agreement that a failed rank reaches too).
+    def complete() -> None:
         if rt.is_main:
-            shutil.rmtree(tmp_dir, ignore_errors=True)
-        raise
+            _complete_step(tmp_dir, step, meta, attachments)
+
+    _saved_everywhere(rt, tmp_dir, final,
+                      lambda: _write_step(engine, rt, tmp_dir, meta, save_extra))
+    _test_hook("engine_saved", step)
+    _saved_everywhere(rt, tmp_dir, final, complete)
     if rt.is_main:
         _test_hook("before_rename", step)
         if final.exists():  # torn, or left by a killed run; `latest` does not name it
@@ -266,6 +265,27 @@ def save_checkpoint(engine: Any, rt: ParallelRuntime, ckpt_dir: str | Path, step
         _rotate(ckpt_dir, keep_last, tag, keep)
     barrier(rt)
     return final
+
+
+def _saved_everywhere(rt: ParallelRuntime, tmp_dir: Path, final: Path,
+                      write: Callable[[], Any]) -> None:
+    """Run one phase of a save on every rank, then agree (collective) that it succeeded
+    everywhere; if not, the temporary directory goes and every rank raises: the failed one its
+    OSError naming the file, the others PeerFailed."""
+    failed = None
+    try:
+        with write_errors_naming(final, tmp_dir):
+            write()
+    except OSError as exc:
+        failed = exc
+    if all_ranks_true(rt, failed is None):
+        return
+    if rt.is_main:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+    if failed is not None:
+        raise failed
+    raise PeerFailed(f"{final}: another rank could not write this checkpoint (its error line "
+                     "names the file)")
 
 
 def _complete_step(tmp_dir: Path, step: int, meta: dict[str, Any],

@@ -50,7 +50,10 @@ def check_grad_accum_dtype(precision: str, zero_stage: int, ds: dict[str, Any]) 
     at ZeRO 0, with a traceback, and at ZeRO 1 swaps in its BF16_Optimizer, whose state our
     checkpoints and non-finite step guard do not read); never below the model's precision."""
     node = ds.get("data_types")
-    value = node.get("grad_accum_dtype") if isinstance(node, dict) else None
+    if node is not None and not isinstance(node, dict):
+        raise ConfigError(f"deepspeed.data_types: expected a mapping (grad_accum_dtype: ...), "
+                          f"got {node!r}")
+    value = node.get("grad_accum_dtype") if node else None
     if value is None or (precision == "fp32" and value in ("fp32", "float32", "float")):
         return
     field_ = "deepspeed.data_types.grad_accum_dtype"
@@ -122,7 +125,7 @@ def deepspeed_config_errors(raw: dict[str, Any] | None = None) -> Iterator[None]
         raise ConfigError(f"deepspeed config ({exc.title}): {where}: "
                           f"{first.get('msg', 'invalid value')}") from None
     except (DeepSpeedConfigError, ZeRORuntimeException, AssertionError, ValueError, TypeError,
-            NotImplementedError) as exc:
+            AttributeError, NotImplementedError) as exc:  # AttributeError: a scalar section
         if not raw:
             raise
         keys = ", ".join(sorted(_dotted(raw)))

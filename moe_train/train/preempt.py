@@ -4,8 +4,11 @@ SLURM sends SIGTERM (or, with `--signal=USR1@120`, SIGUSR1 ahead of the limit), 
 launcher passes SIGTERM on to each rank, torchrun to its workers. The handler only notes the
 signal; the training loop checks it at the next step boundary, every rank agreeing (one rank
 signalled is enough), saves a checkpoint there and ends with `Preempted`, which the CLI reports
-in one line with exit status 128 + the signal's number. `--resume` continues bitwise.
-A signal during a validation or a save takes effect once that is done.
+in one line with exit status 128 + the signal's number. `train --resume` (a pipeline or the
+demo: the same command) continues bitwise. A signal during a validation or a save takes effect
+once that is done; one during the run's final validation, save or export once those are done,
+so that a pipeline's next stage does not start. The DeepSpeed launcher and torchrun SIGKILL
+their ranks 30 s after passing SIGTERM on: where a step and a save take longer, send SIGUSR1.
 """
 
 from __future__ import annotations

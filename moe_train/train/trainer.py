@@ -23,7 +23,7 @@ from moe_train.config.schema import ExperimentConfig
 from moe_train.data.batching import Batch, TrainBatchIterator, eval_batches
 from moe_train.data.prepare import load_manifest, load_vocab, tokenizer_files
 from moe_train.data.shards import ShardedDataset, nonempty_split
-from moe_train.errors import ConfigError, MoeTrainError
+from moe_train.errors import ConfigError, MoeTrainError, PeerFailed
 from moe_train.eval.decode import batch_context
 from moe_train.eval.evaluate import evaluate_dataset
 from moe_train.models.lm_batch import teacher_forced
@@ -453,10 +453,22 @@ class Trainer:
         interpreter exit can abort the process instead of its exit status 2)."""
         try:
             with StopSignals() as stops:
-                summary = self._fit(stops)
-                # a signal during the final validation, save or export: the run is saved and
-                # exported, but what follows (a pipeline's next stage) must not start
-                _, signum = self._agree(stops, False)
+                self.loop_ended = False
+                try:
+                    summary, failed = self._fit(stops), None
+                except Exception as exc:  # noqa: BLE001  (re-raised below)
+                    if not self.loop_ended:  # in the loop: as before
+                        raise
+                    summary, failed = {}, exc  # rank 0's export or end record
+                # Every rank that ended the loop agrees on a failure after it (rank 0 alone
+                # writes the export) and on a signal during the final validation, save or
+                # export: the run is saved, but a pipeline's next stage must not start.
+                peer_failed, signum = self._agree(stops, failed is not None)
+                if failed is not None:
+                    raise failed
+                if peer_failed:
+                    raise PeerFailed(f"{self.checkpoints.dir}: another rank failed at the end "
+                                     "of training (its error line says why)")
                 if signum:
                     stop = Preempted(signum, self.step,
                                      Path(summary.get("checkpoint") or self.checkpoints.dir))
@@ -466,10 +478,10 @@ class Trainer:
         finally:
             self.monitor.close()
 
-    def _agree(self, stops: StopSignals, out_of_time: bool) -> tuple[bool, int]:
-        """(any rank out of time, the stop signal any rank received or 0): one all-reduce, so
-        that every rank stops at the same step."""
-        values = [float(out_of_time), *(float(stops.received == s) for s in STOP_SIGNALS)]
+    def _agree(self, stops: StopSignals, flag: bool) -> tuple[bool, int]:
+        """(`flag` on any rank: out of time, failed, the stop signal any rank received or 0):
+        one all-reduce, so that every rank stops at the same step."""
+        values = [float(flag), *(float(stops.received == s) for s in STOP_SIGNALS)]
         if self.rt.world_size > 1:
             values = all_reduce_floats(self.rt, *values)
         return values[0] > 0, next((s for s, n in zip(STOP_SIGNALS, values[1:]) if n > 0), 0)
@@ -534,6 +546,7 @@ class Trainer:
                                    f"improvement in {tc.patience} validations")
                 stopped_early = True
                 break
+        self.loop_ended = True  # what follows runs on every rank, then rank 0 writes
         wall = time.time() - start
         elapsed = wall - paused  # the training steps alone
         (tokens,) = all_reduce_floats(self.rt, train_tokens_local)

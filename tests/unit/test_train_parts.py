@@ -93,10 +93,16 @@ def test_deepspeed_config_mapping():
     ("bf16", 1, "fp32", "fp32 sums of bf16 gradients need optim.zero_stage 2 or 3 .* 1$"),
     ("fp32", 2, "bf16", r"bf16 below the model's fp32 \(optim.precision\); expected fp32$"),
     ("bf16", 2, "fp64", "expected fp32, bf16 or fp16, got 'fp64'$"),
+    ("bf16", 2, None, None),
 ])
 def test_grad_accum_dtype_only_where_deepspeed_and_we_run_it(precision, zero, accum, error):
     """DeepSpeed raises NotImplementedError (a traceback) for fp32 sums at ZeRO 0 and swaps
     in its BF16_Optimizer at ZeRO 1: both are one config line before it starts."""
+    if accum is None:  # a scalar where DeepSpeed reads a section: one line, no traceback
+        cfg = load_config(overrides=["deepspeed.data_types=fp32"])
+        with pytest.raises(ConfigError, match="^deepspeed.data_types: expected a mapping"):
+            build_deepspeed_config(cfg, 1, torch.device("cpu"))
+        return
     cfg = load_config(overrides=[f"optim.precision={precision}", f"optim.zero_stage={zero}",
                                  f"deepspeed.data_types.grad_accum_dtype={accum}"])
     if error is None:

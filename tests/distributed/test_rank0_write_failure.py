@@ -1,0 +1,63 @@
+"""Rank 0 alone writes a checkpoint's metadata and the export: when that fails (a full disk),
+every rank stops with one line (rank 0 naming the file, the other pointing at it) instead of
+rank 1 training on alone or both waiting for each other until the process-group timeout."""
+
+import subprocess
+import time
+
+import pytest
+
+from moe_train.train.checkpoint import latest_tag
+from tests.conftest import ROOT, cli_env, debug_overrides
+from tests.distributed.test_kill_resume import CONFIG, DEEPSPEED
+from tests.distributed.two_ranks import finish_launch
+
+PATCHES = {
+    "export": ("from moe_train.train import checkpointer as m\n"
+               "orig = m.Checkpointer.export\n"
+               "def patched(self, tag_dir):\n"
+               "    if self.rt.is_main:\n"
+               "        raise OSError(errno.ENOSPC, 'No space left on device',\n"
+               "                      str(self.export_dir))\n"
+               "    return orig(self, tag_dir)\n"
+               "m.Checkpointer.export = patched\n"),
+    "save": ("from moe_train.train import checkpoint as m\n"
+             "orig = m._complete_step\n"
+             "def patched(tmp_dir, step, meta, attachments):\n"
+             "    if step == 2:\n"
+             "        raise OSError(errno.ENOSPC, 'No space left on device',\n"
+             "                      str(tmp_dir / 'meta.json'))\n"
+             "    return orig(tmp_dir, step, meta, attachments)\n"
+             "m._complete_step = patched\n"),
+}
+
+
+@pytest.mark.parametrize("where", ["export", "save"])
+def test_a_rank0_write_failure_stops_every_rank_in_one_line(tiny_prepared, tmp_path, where):
+    from moe_train.parallel.runtime import free_port
+
+    script = tmp_path / "run.py"
+    script.write_text("import errno, sys\n" + PATCHES[where] +
+                      "from moe_train.cli import main\nsys.exit(main(sys.argv[1:]))\n")
+    log = tmp_path / "log"
+    cmd = [DEEPSPEED, "--num_gpus", "2", "--master_port", str(free_port()), str(script),
+           "train", "--config", CONFIG,
+           *debug_overrides(tiny_prepared, tmp_path, "train.max_steps=3",
+                            "checkpoint.save_every=1", "train.validate_every=0",
+                            "train.bleu_sentences=4", "data.max_tokens=400")]
+    start = time.time()
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=cli_env(), stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    text = finish_launch(proc, log, expect_ok=False, timeout=300)
+    assert proc.returncode != 0 and time.time() - start < 250, text[-3000:]
+    assert "Traceback" not in text, text[-3000:]
+    ckpt = tmp_path / "ckpt"
+    if where == "export":
+        assert f"error: {ckpt / 'export'}: No space left on device" in text, text[-3000:]
+        assert f"error: {ckpt}: another rank failed at the end of training" in text
+    else:
+        assert f"error: {ckpt / 'step_00000002' / 'meta.json'}: No space left on device" in text
+        assert f"error: {ckpt / 'step_00000002'}: another rank could not write" in text
+        assert latest_tag(ckpt, warn=None) == "step_00000001" and not list(ckpt.glob(".tmp-*"))
+        assert "| step      3 |" not in text  # rank 1 did not train on alone
