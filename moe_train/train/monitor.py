@@ -100,4 +100,3 @@ class Monitor:
         if self.bar is not None:
             self.bar.close()
         self._tensorboard(lambda w: (w.flush(), w.close()))
-        self.writer = None
