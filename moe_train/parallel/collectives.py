@@ -7,11 +7,12 @@ branches for the single-process debug mode.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
+from moe_train.errors import PeerFailed
 from moe_train.parallel.runtime import ParallelRuntime
 from moe_train.parallel.zero3 import local_values
 
@@ -66,6 +67,22 @@ def all_ranks_true(rt: ParallelRuntime, flag: bool) -> bool:
     if rt.distributed and rt.world_size > 1:
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=rt.dp_group)
     return bool(t.item())
+
+
+def raise_if_any_rank_failed(rt: ParallelRuntime, failed: BaseException | None,
+                             peer_message: str,
+                             cleanup: Callable[[], None] | None = None) -> None:
+    """Collective: every rank learns whether any rank `failed` (a write only rank 0 makes, a
+    full disk on one rank); if one did, `cleanup` runs and every rank raises, the failed ones
+    their own error and the others PeerFailed(`peer_message`), instead of one rank going on
+    alone or all waiting for each other."""
+    if all_ranks_true(rt, failed is None):
+        return
+    if cleanup is not None:
+        cleanup()
+    if failed is not None:
+        raise failed
+    raise PeerFailed(peer_message)
 
 
 def step_is_finite(rt: ParallelRuntime, loss: float, grad_norm: float | None) -> bool:

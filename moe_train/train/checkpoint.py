@@ -41,8 +41,8 @@ from typing import Any, Callable, Collection
 import numpy as np
 import torch
 
-from moe_train.errors import CheckpointError, PeerFailed
-from moe_train.parallel.collectives import all_ranks_true, barrier
+from moe_train.errors import CheckpointError
+from moe_train.parallel.collectives import barrier, raise_if_any_rank_failed
 from moe_train.parallel.expert_checkpoint import expert_modules, full_expert_state
 from moe_train.parallel.optim_state import (adam_step, dense_params, has_unfused_masters,
                                              is_zero_partitioned, legacy_state_source,
@@ -278,14 +278,12 @@ def _saved_everywhere(rt: ParallelRuntime, tmp_dir: Path, final: Path,
             write()
     except OSError as exc:
         failed = exc
-    if all_ranks_true(rt, failed is None):
-        return
-    if rt.is_main:
-        shutil.rmtree(tmp_dir, ignore_errors=True)
-    if failed is not None:
-        raise failed
-    raise PeerFailed(f"{final}: another rank could not write this checkpoint (its error line "
-                     "names the file)")
+    def cleanup() -> None:
+        if rt.is_main:
+            shutil.rmtree(tmp_dir, ignore_errors=True)
+
+    raise_if_any_rank_failed(rt, failed, f"{final}: another rank could not write this "
+                             "checkpoint (its error line names the file)", cleanup)
 
 
 def _complete_step(tmp_dir: Path, step: int, meta: dict[str, Any],

@@ -23,7 +23,7 @@ from moe_train.config.schema import ExperimentConfig
 from moe_train.data.batching import Batch, TrainBatchIterator, eval_batches
 from moe_train.data.prepare import load_manifest, load_vocab, tokenizer_files
 from moe_train.data.shards import ShardedDataset, nonempty_split
-from moe_train.errors import ConfigError, MoeTrainError, PeerFailed
+from moe_train.errors import ConfigError, MoeTrainError
 from moe_train.eval.decode import batch_context
 from moe_train.eval.evaluate import evaluate_dataset
 from moe_train.models.lm_batch import teacher_forced
@@ -31,6 +31,7 @@ from moe_train.parallel.zero3 import (full_numel, mark_moe_leaf_modules, registe
                                       zero3_grad_norm)
 from moe_train.models.build import moe_layers
 from moe_train.parallel.collectives import (all_reduce_floats, grad_norm_and_clip,
+                                            raise_if_any_rank_failed,
                                             step_is_finite)
 from moe_train.parallel.expert_checkpoint import detach_experts_from_state_dict, expert_modules
 from moe_train.parallel.step_guard import (check_zero_optimizer, loss_scale, skipped_update,
@@ -463,23 +464,24 @@ class Trainer:
                 # Every rank that ended the loop agrees on a failure after it (rank 0 alone
                 # writes the export) and on a signal during the final validation, save or
                 # export: the run is saved, but a pipeline's next stage must not start.
-                peer_failed, signum = self._agree(stops, failed is not None)
-                if failed is not None:
-                    raise failed
-                if peer_failed:
-                    raise PeerFailed(f"{self.checkpoints.dir}: another rank failed at the end "
-                                     "of training (its error line says why)")
+                raise_if_any_rank_failed(self.rt, failed, f"{self.checkpoints.dir}: another "
+                                         "rank failed at the end of training (its error line "
+                                         "says why)")
+                _, signum = self._agree(stops, False)
                 if signum:
-                    stop = Preempted(signum, self.step,
-                                     Path(summary.get("checkpoint") or self.checkpoints.dir))
-                    self.monitor.print(f"| stopped: {stop}")
-                    raise stop
+                    self._stop(signum, Path(summary.get("checkpoint") or self.checkpoints.dir))
                 return summary
         finally:
             self.monitor.close()
 
+    def _stop(self, signum: int, checkpoint: Path) -> None:
+        """End the run for a stop signal, `checkpoint` saved: one log line, then Preempted."""
+        stop = Preempted(signum, self.step, checkpoint)
+        self.monitor.print(f"| stopped: {stop}")
+        raise stop
+
     def _agree(self, stops: StopSignals, flag: bool) -> tuple[bool, int]:
-        """(`flag` on any rank: out of time, failed, the stop signal any rank received or 0):
+        """(`flag` on any rank: out of time, the stop signal any rank received or 0):
         one all-reduce, so that every rank stops at the same step."""
         values = [float(flag), *(float(stops.received == s) for s in STOP_SIGNALS)]
         if self.rt.world_size > 1:
@@ -525,9 +527,7 @@ class Trainer:
             out_of_time = tc.max_minutes and (time.time() - start) / 60 >= tc.max_minutes
             out_of_time, signum = self._agree(stops, bool(out_of_time))
             if signum:  # preempted (one rank signalled is enough): save here and go
-                stop = Preempted(signum, self.step, self.save())
-                self.monitor.print(f"| stopped: {stop}")
-                raise stop
+                self._stop(signum, self.save())
             # the last step is saved after the run's final validation, so that its checkpoint
             # holds the early-stopping state that validation leaves
             last = out_of_time or self.step >= tc.max_steps
