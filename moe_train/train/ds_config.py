@@ -112,7 +112,8 @@ def deepspeed_config_errors(raw: dict[str, Any] | None = None) -> Iterator[None]
     or an unknown key under a typed section) as one ConfigError line naming the key; and, when
     the run has `raw` DeepSpeed entries, DeepSpeed's refusals of option combinations at
     start-up (its config and ZeRO errors, its assertions) as one line naming those entries.
-    Without raw entries such an error is a bug of ours and keeps its traceback."""
+    Without raw entries, or when the error was raised in our own code (a hook or module that
+    DeepSpeed calls), it is a bug of ours and keeps its traceback."""
     import pydantic
     from deepspeed.runtime.config import DeepSpeedConfigError
     from deepspeed.runtime.zero.utils import ZeRORuntimeException
@@ -126,12 +127,31 @@ def deepspeed_config_errors(raw: dict[str, Any] | None = None) -> Iterator[None]
                           f"{first.get('msg', 'invalid value')}") from None
     except (DeepSpeedConfigError, ZeRORuntimeException, AssertionError, ValueError, TypeError,
             AttributeError, NotImplementedError) as exc:  # AttributeError: a scalar section
-        if not raw:
+        if not raw or not _raised_by_deepspeed(exc):
             raise
         keys = ", ".join(sorted(_dotted(raw)))
         text = " ".join(str(exc).split()) or "(no message)"
         raise ConfigError(f"deepspeed config: DeepSpeed refused the run with the raw entries "
                           f"{keys} ({type(exc).__name__}: {text[:300]})") from None
+
+
+def _raised_by_deepspeed(exc: BaseException) -> bool:
+    """Whether `exc` is DeepSpeed's own: its config / ZeRO error types, or raised in a frame
+    of the deepspeed package (its assertions and ValueErrors, not ours under its calls)."""
+    from deepspeed.runtime.config import DeepSpeedConfigError
+    from deepspeed.runtime.zero.utils import ZeRORuntimeException
+
+    if isinstance(exc, (DeepSpeedConfigError, ZeRORuntimeException)):
+        return True
+    import os
+
+    import deepspeed
+
+    package = os.path.dirname(os.path.abspath(deepspeed.__file__)) + os.sep
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is not None and os.path.abspath(tb.tb_frame.f_code.co_filename).startswith(package)
 
 
 def _dotted(entries: dict[str, Any], prefix: str = "") -> list[str]:

@@ -265,6 +265,7 @@ def test_hf_config_types_name_the_file_and_key(tmp_path, key, value, needle) -> 
 
 
 def test_deepspeed_validation_is_one_config_line() -> None:
+    import deepspeed
     from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 
     from moe_train.train.ds_config import deepspeed_config_errors
@@ -275,8 +276,11 @@ def test_deepspeed_validation_is_one_config_line() -> None:
     assert text.startswith("deepspeed config (DeepSpeedZeroConfig): stage: ") and "\n" not in text
     # DeepSpeed's refusals at start-up: one line naming the raw entries, when there are any
     raw = {"prescale_gradients": True, "zero_optimization": {"reduce_scatter": True}}
+    in_deepspeed = os.path.join(os.path.dirname(deepspeed.__file__), "runtime", "engine.py")
+    refusal = compile("raise AssertionError('pre-scale gradients is not yet supported\\n"
+                      "with ZeRO-2')", in_deepspeed, "exec")  # raised in a DeepSpeed frame
     with pytest.raises(ConfigError) as err, deepspeed_config_errors(raw):
-        raise AssertionError("pre-scale gradients is not yet supported\nwith ZeRO-2")
+        exec(refusal)
     assert str(err.value) == ("deepspeed config: DeepSpeed refused the run with the raw entries "
                               "prescale_gradients, zero_optimization.reduce_scatter "
                               "(AssertionError: pre-scale gradients is not yet supported with "
@@ -285,6 +289,8 @@ def test_deepspeed_validation_is_one_config_line() -> None:
         raise AssertionError("ours")
     with pytest.raises(KeyError), deepspeed_config_errors(raw):  # not a refusal: as is
         raise KeyError("x")
+    with pytest.raises(AssertionError), deepspeed_config_errors(raw):  # ours, under its calls
+        raise AssertionError("ours")
 
 
 def test_a_write_that_fails_names_the_output_and_leaves_nothing(tmp_path) -> None:
