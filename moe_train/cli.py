@@ -14,7 +14,8 @@ import sys
 
 from moe_train.errors import MACHINE_ERRNOS, MoeTrainError, PeerFailed
 from moe_train.train.preempt import Preempted
-from moe_train.utils.cli_args import OneLineParser, int_at_least, non_negative_float
+from moe_train.utils.cli_args import (OneLineParser, byte_size, int_at_least,
+                                      non_negative_float)
 
 _LOCAL_RANK_RE = re.compile(r"^--local[_-]rank(=\d+)?$")
 
@@ -201,6 +202,14 @@ def _add_convert(sub: argparse._SubParsersAction) -> None:
     where.add_argument("--from-hf", metavar="DIR", help="transformers model directory")
     where.add_argument("--to-hf", metavar="CHECKPOINT", help="export or checkpoint directory")
     p.add_argument("--out", required=True, help="directory to write")
+    to_hf = p.add_argument_group("with --to-hf")
+    to_hf.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
+                       help="weights' dtype (default float32: the trained values exactly; "
+                       "bfloat16 halves the size, as Qwen's own releases are stored)")
+    to_hf.add_argument("--max-shard-size", type=byte_size, default=None, metavar="SIZE",
+                       help="largest weights file, e.g. 5GB or 2GiB; more weights go to "
+                       "numbered shards with model.safetensors.index.json (default 50GB, as "
+                       "transformers' save_pretrained)")
     trim = p.add_argument_group("Trim-MoE (with --from-hf)")
     trim.add_argument("--trim", type=int_at_least(1), metavar="N",
                       help="keep N routed experts per MoE layer (router rows sliced to match)")

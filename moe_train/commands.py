@@ -398,6 +398,9 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
     if args.from_hf:
         check_out_dir(args.out, "--out", CONVERT_REPORT, "convert", sources=[args.from_hf])
+        if args.dtype or args.max_shard_size:
+            raise ConfigError("--dtype and --max-shard-size go with --to-hf (a --from-hf "
+                              "export holds float32 weights in one file)")
         if args.trim is None and (args.experts or args.calibration or args.k):
             raise ConfigError("--experts, --calibration and --k: expected --trim N with them "
                               "(they choose what the trimmed model keeps)")
@@ -407,7 +410,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
         if args.trim or args.experts or args.calibration or args.k:
             raise ConfigError("--trim, --experts, --calibration and --k go with --from-hf")
         check_out_dir(args.out, "--out", CONVERT_REPORT, "convert", sources=[args.to_hf])
-        summary = convert_to_hf(args.to_hf, args.out)
+        summary = convert_to_hf(args.to_hf, args.out, args.dtype or "float32",
+                                args.max_shard_size)
     print(f"| wrote {args.out}: {summary['tensors']} tensors, {summary['parameters']:,} "
           f"parameters, tokenizer files: {', '.join(summary['tokenizer']) or 'none'}")
     _json_line({"from": args.from_hf or args.to_hf, "out": args.out, **summary})

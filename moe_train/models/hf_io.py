@@ -4,7 +4,7 @@
 safetensors, single or sharded, tokenizer files) and writes a moe_train export of the same
 model: our config, our weights, the tokenizer copied. ``--to-hf CHECKPOINT --out OUT`` writes
 a directory transformers loads with ``Qwen2MoeForCausalLM.from_pretrained``, experts saved one
-by one as transformers saves them. Weights map one to one except in the sparse blocks:
+by one and files sharded as `save_pretrained` saves them (``--dtype``, ``--max-shard-size``). Weights map one to one except in the sparse blocks:
 
     HF (per layer i, ``model.layers.{i}.mlp.``)    ours (``hf.model.layers.{i}.mlp.moe.``)
     gate.weight                       (E, D)        router.gate.weight.weight    (E, D)
@@ -39,6 +39,7 @@ from moe_train.utils.safe_load import read_json_object, require_file, save_tenso
 from moe_train.utils.tensor_source import Shape, TensorSource, safetensors_source
 
 PREFIX = "hf."
+HF_INDEX = "model.safetensors.index.json"
 CONVERT_REPORT = "convert.json"
 """What `convert` writes beside the weights (its source and counts): marks a directory as an
 earlier convert output, which a new convert into it may replace."""
@@ -147,7 +148,7 @@ def hf_config_dict(cfg: ExperimentConfig, manifest: dict[str, Any] | None = None
 # ----------------------------------------------------------------------------------- weights
 def hf_weight_files(model_dir: Path) -> list[Path]:
     """The safetensors files of a model directory: the shards its index names, or the one."""
-    index = model_dir / "model.safetensors.index.json"
+    index = model_dir / HF_INDEX
     if index.is_file():
         weight_map = read_json_object(index, "a safetensors index (weight_map)").get("weight_map")
         if not isinstance(weight_map, dict) or not all(isinstance(v, str) and v
@@ -265,13 +266,13 @@ def _per_expert(stacked: dict[str, Tensor]) -> dict[str, Tensor]:
     for name, t in stacked.items():
         if name.endswith("experts.gate_up_proj"):
             base, F_ = name[:-len("gate_up_proj")], t.size(1) // 2
-            for e in range(t.size(0)):
-                out[f"{base}{e}.gate_proj.weight"] = t[e, :F_].contiguous()
-                out[f"{base}{e}.up_proj.weight"] = t[e, F_:].contiguous()
+            for e in range(t.size(0)):  # copies: views would share one storage
+                out[f"{base}{e}.gate_proj.weight"] = t[e, :F_].clone()
+                out[f"{base}{e}.up_proj.weight"] = t[e, F_:].clone()
         elif name.endswith("experts.down_proj"):
             base = name[:-len("down_proj")]
             for e in range(t.size(0)):
-                out[f"{base}{e}.down_proj.weight"] = t[e].contiguous()
+                out[f"{base}{e}.down_proj.weight"] = t[e].clone()
         else:
             out[name] = t
     return out
@@ -371,21 +372,45 @@ def _trim(state: dict[str, Tensor], cfg: ExperimentConfig, manifest: dict[str, A
     return state, cfg, {str(i): ids for i, ids in sorted(keep.items())}
 
 
-def convert_to_hf(checkpoint: str | Path, out_dir: str | Path) -> dict[str, Any]:
-    """Write a transformers directory of a hf_qwen2_moe export or checkpoint."""
+HF_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+"""`convert --to-hf --dtype` choices: the names transformers writes as a config's dtype."""
+HF_MAX_SHARD = "50GB"
+"""Default `--max-shard-size`: transformers' own `save_pretrained` default."""
+
+
+def convert_to_hf(checkpoint: str | Path, out_dir: str | Path, dtype: str = "float32",
+                  max_shard_bytes: int | None = None) -> dict[str, Any]:
+    """Write a transformers directory of a hf_qwen2_moe export or checkpoint, weights in
+    `dtype` (float32 keeps the trained values exactly), split as `save_pretrained` splits them:
+    one model.safetensors, or shards of at most `max_shard_bytes` (a larger tensor alone in
+    its own) with model.safetensors.index.json."""
+    from huggingface_hub import split_torch_state_dict_into_shards
+
     where, cfg, manifest, state = read_qwen(checkpoint)
     if cfg.moe.decoder_router != "topk":  # transformers' Qwen2-MoE routes top-k, nothing else
         raise ConfigError(f"{where}: moe.decoder_router is {cfg.moe.decoder_router!r}; "
                           "expected 'topk', the only routing transformers' Qwen2-MoE has")
-    hf_state = ours_to_hf(state, where, per_expert=True)
+    if dtype not in HF_DTYPES:
+        raise ConfigError(f"--dtype: expected one of {', '.join(HF_DTYPES)}, got {dtype!r}")
+    hf_state = {name: t.to(HF_DTYPES[dtype])
+                for name, t in ours_to_hf(state, where, per_expert=True).items()}
     if cfg.qwen.tie_word_embeddings:
         hf_state.pop("lm_head.weight", None)
+    split = split_torch_state_dict_into_shards(
+        hf_state, max_shard_size=max_shard_bytes or HF_MAX_SHARD)
     with atomic_dir(Path(out_dir), overwrite=True) as tmp:
-        save_tensors(tmp / "model.safetensors", hf_state, metadata={"format": "pt"})
-        (tmp / "config.json").write_text(json.dumps(hf_config_dict(cfg, manifest), indent=2)
-                                         + "\n")
+        for filename, names in split.filename_to_tensors.items():
+            save_tensors(tmp / filename, {n: hf_state[n] for n in names},
+                         metadata={"format": "pt"})
+        if split.is_sharded:
+            index = {"metadata": {**split.metadata, "total_parameters": _numel(hf_state)},
+                     "weight_map": dict(sorted(split.tensor_to_filename.items()))}
+            (tmp / HF_INDEX).write_text(json.dumps(index, indent=2) + "\n")
+        config = {**hf_config_dict(cfg, manifest), "dtype": dtype}
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         copied = _copy_tokenizer(where, tmp)
-        summary = {"tensors": len(hf_state), "parameters": _numel(hf_state), "tokenizer": copied}
+        summary = {"tensors": len(hf_state), "parameters": _numel(hf_state), "dtype": dtype,
+                   "files": sorted(split.filename_to_tensors), "tokenizer": copied}
         _write_report(tmp, Path(checkpoint), summary)
     return summary
 

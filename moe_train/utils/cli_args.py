@@ -64,6 +64,23 @@ def non_negative_float(text: str) -> float:
     return _finite_float(text, 0.0, False, "a number >= 0")
 
 
+_SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+               "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def byte_size(text: str) -> int:
+    """An argparse type: a size in bytes, as transformers' ``max_shard_size`` takes it (an
+    integer, or a number with KB / MB / GB / TB, powers of 1000, or KiB / MiB / GiB / TiB)."""
+    import re
+
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
+    unit = match.group(2).upper() if match else None
+    if unit not in _SIZE_UNITS or float(match.group(1)) * _SIZE_UNITS[unit] < 1:
+        raise argparse.ArgumentTypeError(f"expected a size such as 5GB, 500MB or 2GiB, "
+                                         f"got {text!r}")
+    return int(float(match.group(1)) * _SIZE_UNITS[unit])
+
+
 def existing_dir(text: str) -> str:
     """An argparse type: a path that is a directory (returned as given)."""
     if not Path(text).is_dir():

@@ -80,6 +80,56 @@ def test_convert_round_trip(tmp_path, norm_topk_prob: bool, dense_layers: list[i
         assert torch.equal(t, ours.state_dict()[name]), name
 
 
+def test_to_hf_shards_and_casts_as_save_pretrained(tmp_path) -> None:
+    """--max-shard-size splits the weights into numbered shards with transformers' index (a
+    tensor above the size alone in its shard), --dtype casts them and names the dtype in
+    config.json; transformers loads both, and --from-hf reads the shards back exactly."""
+    from safetensors import safe_open
+
+    hf_model = _tiny_hf(tmp_path / "hf", False, [])
+    original = hf_model.state_dict()
+    run_cli(["convert", "--from-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "ours")],
+            cwd=tmp_path)
+    for dtype, torch_dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
+        out = tmp_path / dtype
+        proc = run_cli(["convert", "--to-hf", str(tmp_path / "ours"), "--out", str(out),
+                        "--dtype", dtype, "--max-shard-size", "20KB"], cwd=tmp_path)
+        summary = json.loads(proc.stdout.strip().splitlines()[-1])
+        index = json.loads((out / "model.safetensors.index.json").read_text())
+        files = sorted(set(index["weight_map"].values()))
+        assert summary["files"] == files and len(files) > 3 and summary["dtype"] == dtype
+        assert files[0] == f"model-00001-of-{len(files):05d}.safetensors"
+        assert not (out / "model.safetensors").exists()
+        with safe_open(str(tmp_path / "hf" / "model.safetensors"), "pt") as f:
+            assert set(index["weight_map"]) == set(f.keys())  # transformers' saved layout
+        sizes = []
+        for name in files:
+            with safe_open(str(out / name), "pt") as f:
+                tensors = [f.get_tensor(k) for k in f.keys()]
+            assert all(t.dtype == torch_dtype for t in tensors)
+            sizes.append(sum(t.numel() * t.element_size() for t in tensors))
+            assert sizes[-1] <= 20_000 or len(tensors) == 1, (name, sizes[-1])
+        assert index["metadata"]["total_size"] == sum(sizes)
+        assert json.loads((out / "config.json").read_text())["dtype"] == dtype
+        back = transformers.Qwen2MoeForCausalLM.from_pretrained(out).eval()
+        for name, t in back.state_dict().items():
+            assert t.dtype == torch_dtype and torch.equal(t, original[name].to(torch_dtype)), name
+    run_cli(["convert", "--from-hf", str(tmp_path / "float32"), "--out", str(tmp_path / "again")],
+            cwd=tmp_path)
+    again, _, _ = load_qwen(tmp_path / "again")
+    ours, _, _ = load_qwen(tmp_path / "ours")
+    for name, t in again.state_dict().items():
+        assert torch.equal(t, ours.state_dict()[name]), name
+    for args, needle in ((["--to-hf", str(tmp_path / "ours"), "--max-shard-size", "5XB"],
+                          "--max-shard-size: expected a size such as 5GB"),
+                         (["--from-hf", str(tmp_path / "hf"), "--dtype", "bfloat16"],
+                          "--dtype and --max-shard-size go with --to-hf")):
+        proc = run_cli(["convert", *args, "--out", str(tmp_path / "bad")], cwd=tmp_path,
+                       check=False)
+        assert proc.returncode == 2 and needle in proc.stderr, proc.stderr
+        assert len(proc.stderr.strip().splitlines()) == 1 and not (tmp_path / "bad").exists()
+
+
 def test_convert_bad_directories_are_one_line_errors(tmp_path) -> None:
     bad = tmp_path / "llama"
     bad.mkdir()
