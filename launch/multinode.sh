@@ -35,6 +35,9 @@ while read -r host slots _ || [ -n "${host:-}" ]; do
   slots=${slots%$'\r'}; host=${host%$'\r'}
   case $host in ''|'#'*) continue ;; esac
   [[ $slots =~ ^slots=[0-9]+$ ]] || die "$hostfile: bad line '$host${slots:+ $slots}' (expected 'host slots=N')"
+  for seen in ${hosts[@]+"${hosts[@]}"}; do
+    [ "$seen" != "$host" ] || die "$hostfile: host '$host' listed twice (expected one 'host slots=N' line per host)"
+  done
   hosts+=("$host")
 done < "$hostfile"
 [ ${#hosts[@]} -gt 0 ] || die "$hostfile: no host lines (expected 'host slots=N')"

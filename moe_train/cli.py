@@ -14,7 +14,8 @@ import sys
 
 from moe_train.errors import MACHINE_ERRNOS, MoeTrainError, PeerFailed
 from moe_train.train.preempt import Preempted
-from moe_train.utils.cli_args import (OneLineParser, byte_size, int_at_least,
+from moe_train.eval.limits import MAX_LENPEN
+from moe_train.utils.cli_args import (OneLineParser, byte_size, float_in, int_at_least,
                                       non_negative_float)
 
 _LOCAL_RANK_RE = re.compile(r"^--local[_-]rank(=\d+)?$")
@@ -46,9 +47,10 @@ def _add_prepare(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--src-lang", default="src", help="source language of --src")
     p.add_argument("--tgt-lang", default="tgt", help="target language of --tgt")
     p.add_argument("--out", required=True, help="output directory")
-    p.add_argument("--config", help="YAML config whose data section is used")
+    p.add_argument("--config", help="YAML config whose data section and train.seed (dev/test "
+                   "carving, sentencepiece sampling) are used")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output")
-    p.add_argument("overrides", nargs="*", help="data.key=value overrides")
+    p.add_argument("overrides", nargs="*", help="data.key=value (and train.seed=N) overrides")
 
 
 def _add_train(sub: argparse._SubParsersAction) -> None:
@@ -66,8 +68,9 @@ def _add_decode_args(p: argparse.ArgumentParser) -> None:
                    help="export dir, training checkpoint dir (uses latest) or step dir")
     p.add_argument("--beam", type=int_at_least(1),
                    help="beam size, 1 for greedy (default: the checkpoint's eval.beam)")
-    p.add_argument("--lenpen", type=non_negative_float,
-                   help="length penalty (a number >= 0; default: the checkpoint's eval.lenpen)")
+    p.add_argument("--lenpen", type=float_in(0.0, MAX_LENPEN),
+                   help=f"length penalty (a number from 0 to {MAX_LENPEN:g}; default: the "
+                   "checkpoint's eval.lenpen)")
     p.add_argument("--max-sentences", type=int_at_least(1), help="sentences per batch")
     p.add_argument("--long-lines", choices=("error", "truncate"), default="error",
                    help="a raw-text line longer than the model's model.max_positions (in "

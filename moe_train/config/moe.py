@@ -110,7 +110,8 @@ class RouterConfig:
     top_p: float = 0.5
     """Top-p threshold in (0, 1]: the mass the chosen experts must reach (THOR-MoE uses 0.5)."""
     task_source: str = "lang_pair"
-    """Task of a sentence for the task router: lang_pair, tgt_lang, domain or task_ids."""
+    """Task of a sentence for the task router: lang_pair, tgt_lang, src_lang, domain or
+    task_ids."""
     num_tasks: int = 0
     """Number of task ids (language pairs = num_langs^2, languages, domains) for the learned
     task router; 0 with a fixed `assignment` means its number of rows."""
@@ -183,17 +184,17 @@ class MoEConfig(RouterConfig):
     """Experts per MoE layer; 0 keeps the model dense (no MoE layer anywhere)."""
     layers: str | int | list[int] = "every_other"
     """Which layers of a side are MoE: every_other (layers 1, 3, 5, ... counting from 0, as in
-    GShard and seed 002), all, or 0-based layer indices: ``1,3``, a YAML list ``[1, 3]`` or one
-    index ``3`` (kept as the string ``"1,3"`` / ``"3"``)."""
+    GShard and seed 002; a one-layer side's layer 0), all, or 0-based layer indices: ``1,3``,
+    a YAML list ``[1, 3]`` or one index ``3`` (kept as the string ``"1,3"`` / ``"3"``)."""
     encoder_router: str = "topk"
     """Router of the encoder's MoE layers (see moe_train.moe.registry.ROUTERS); "dense" keeps
     the encoder dense."""
     decoder_router: str = "topk"
     """Router of the decoder's MoE layers; "dense" keeps the decoder dense."""
     encoder_task_source: str = "lang_pair"
-    """Task id of the encoder's task router: lang_pair, tgt_lang, domain or task_ids."""
+    """Task id of the encoder's task router: lang_pair, tgt_lang, src_lang, domain or task_ids."""
     decoder_task_source: str = "tgt_lang"
-    """Task id of the decoder's task router: lang_pair, tgt_lang, domain or task_ids."""
+    """Task id of the decoder's task router: lang_pair, tgt_lang, src_lang, domain or task_ids."""
     encoder_num_experts: int = 0
     """Experts per encoder MoE layer; 0 means `num_experts` (seed 002 sizes each side)."""
     decoder_num_experts: int = 0

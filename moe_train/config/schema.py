@@ -18,6 +18,7 @@ from moe_train.config.qwen import QwenConfig
 from moe_train.data.prompts import DEFAULT_PROMPT, check_template
 from moe_train.config.thor import ThorConfig
 from moe_train.errors import ConfigError
+from moe_train.eval.limits import MAX_LENPEN
 
 
 ARCHS = ("seq2seq", "hf_qwen2_moe")
@@ -284,10 +285,6 @@ class LoggingConfig:
 
     tensorboard_dir: str = "work/tensorboard"
     """Directory for TensorBoard event files ('' disables TensorBoard)."""
-
-
-MAX_LENPEN = 10.0
-"""Largest eval.lenpen: 1024 ** 100 overflows a float (typical values are 0.6 to 2)."""
 
 
 @dataclass

@@ -59,6 +59,19 @@ def positive_float(text: str) -> float:
     return _finite_float(text, 0.0, True, "a positive number")
 
 
+def float_in(low: float, high: float) -> Callable[[str], float]:
+    """An argparse type: a finite number from `low` to `high`."""
+
+    def parse(text: str) -> float:
+        value = _finite_float(text, low, False, f"a number from {low:g} to {high:g}")
+        if value > high:
+            raise argparse.ArgumentTypeError(f"expected a number from {low:g} to {high:g}, "
+                                             f"got {text!r}")
+        return value
+
+    return parse
+
+
 def non_negative_float(text: str) -> float:
     """An argparse type: a finite number >= 0 (a time budget where 0 means none)."""
     return _finite_float(text, 0.0, False, "a number >= 0")

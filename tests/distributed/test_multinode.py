@@ -212,19 +212,21 @@ def test_sbatch_template_stops_on_the_early_signal_with_a_checkpoint(tiny_prepar
     assert json.loads((tmp_path / "w" / "ckpt" / tag / "meta.json").read_text())["step"] == step
 
 
-@pytest.mark.parametrize("case", ["no-args", "hostfile", "config", "bad-line"])
+@pytest.mark.parametrize("case", ["no-args", "hostfile", "config", "bad-line", "twice"])
 def test_multinode_sh_one_line_errors(tmp_path, case):
     config = str(ROOT / "configs" / "debug-cpu.yaml")
     (tmp_path / "hosts").write_text("node1 slots=1\nnode2\n")
+    (tmp_path / "twice").write_text("node1 slots=1\nnode2 slots=1\nnode1 slots=2\n")
     args = {"no-args": [], "hostfile": ["nope", config], "config": ["hosts", "nope.yaml"],
-            "bad-line": ["hosts", config]}[case]
+            "bad-line": ["hosts", config], "twice": ["twice", config]}[case]
     proc = subprocess.run(["bash", str(MULTINODE), *args], cwd=tmp_path, env=cli_env(),
                           capture_output=True, text=True, timeout=30)
     assert proc.returncode == 2 and proc.stdout == ""
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1, proc.stderr
     expected = {"no-args": "usage: multinode.sh HOSTFILE CONFIG", "hostfile": "nope: hostfile not found",
-                "config": "nope.yaml: config not found", "bad-line": "bad line 'node2'"}[case]
+                "config": "nope.yaml: config not found", "bad-line": "bad line 'node2'",
+                "twice": "host 'node1' listed twice"}[case]
     assert expected in lines[0]
 
 

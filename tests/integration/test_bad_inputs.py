@@ -394,6 +394,7 @@ CASES: dict[str, Case] = {
     "translate_unknown_target_language": Case(translate("--tgt-lang", "fr"),
                                               ("--tgt-lang", "'fr'", "de"), stdin=ONE),
     "translate_infinite_lenpen": Case(translate("--lenpen", "inf"), ("--lenpen", "inf")),
+    "translate_lenpen_above_ten": Case(translate("--lenpen", "11"), ("--lenpen", "from 0 to 10")),
     "translate_unknown_domain": Case(translate("--domain", "cooking"), ("--domain", "cooking"),
                                      stdin=ONE),
     # evaluate
