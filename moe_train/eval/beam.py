@@ -87,6 +87,8 @@ class BeamBook:
         self.scores_LK[:, 0] = 0.0
         self.tokens_NT = torch.empty((B * K, 0), dtype=torch.long, device=device)
         self.finished: list[list[tuple[float, list[int]]]] = [[] for _ in range(B)]
+        self.n_finished_L = torch.zeros(B, dtype=torch.long, device=device)
+        """len(finished[s]) of each live sentence s, kept on the device."""
         self.done_L = torch.zeros(B, dtype=torch.bool, device=device)
         self._step: tuple[Tensor, ...] | None = None
 
@@ -98,7 +100,8 @@ class BeamBook:
 
     def advance(self, lprobs_NV: Tensor, step: int) -> bool:
         """Score this step's extensions, record finished hypotheses; whether every live
-        sentence is now done (one host sync)."""
+        sentence is now done. One host sync (the number finished this step and of sentences
+        done, read together), and one copy of the hypotheses on steps where some finish."""
         L, K = len(self.sentence_L), self.K
         V = lprobs_NV.size(-1)
         cand_LX = (self.scores_LK[:, :, None] + lprobs_NV.view(L, K, V)).view(L, K * V)
@@ -108,17 +111,18 @@ class BeamBook:
         is_eos_LC = top_tok_LC.eq(self.eos_id)
 
         final_LK = is_eos_LC[:, :K] & top_scores_LC[:, :K].isfinite() & ~self.done_L[:, None]
-        if bool(final_LK.any()):  # one host transfer per step, not per hypothesis
-            b_F, c_F = final_LK.nonzero(as_tuple=True)
-            hyps = self.tokens_NT.index_select(0, b_F * K + top_beam_LC[b_F, c_F]).tolist()
-            scores = (top_scores_LC[b_F, c_F].double() / (step + 1) ** self.lenpen).tolist()
-            for b, score, hyp in zip(b_F.tolist(), scores, hyps):
-                self.finished[self.sentence_L[b]].append((score, hyp))
-        n_finished_L = torch.tensor([len(self.finished[b]) for b in self.sentence_L],
-                                    device=self.device)
-        self.done_L |= n_finished_L.ge(K) | self.max_len_L.le(step + 1)
+        self.n_finished_L += final_LK.sum(1)
+        self.done_L |= self.n_finished_L.ge(K) | self.max_len_L.le(step + 1)
         self._step = (top_scores_LC, top_beam_LC, top_tok_LC, is_eos_LC)
-        self.num_done = int(self.done_L.sum())
+        n_final, self.num_done = torch.stack([final_LK.sum(), self.done_L.sum()]).tolist()
+        if n_final:  # one host transfer for all of them: (score, sentence slot, tokens) rows
+            flat_F = (~final_LK).reshape(-1).to(torch.uint8).argsort(stable=True)[:n_final]
+            b_F, c_F = flat_F // K, flat_F % K  # row-major, as nonzero orders them
+            tokens_FT = self.tokens_NT.index_select(0, b_F * K + top_beam_LC[b_F, c_F])
+            score_F = top_scores_LC[b_F, c_F].double() / (step + 1) ** self.lenpen
+            rows_F = torch.cat([score_F[:, None], b_F[:, None].double(), tokens_FT.double()], 1)
+            for score, b, *hyp in rows_F.tolist():  # token ids are exact in float64
+                self.finished[self.sentence_L[int(b)]].append((score, [int(t) for t in hyp]))
         return self.num_done == L
 
     def select(self) -> tuple[Tensor, Tensor, Tensor | None]:
@@ -145,9 +149,10 @@ class BeamBook:
                     self.finished[self.sentence_L[b]].append((-torch.inf, strip_eos(
                         self.tokens_NT[b * K].tolist(), self.eos_id)))
             self.sentence_L = [self.sentence_L[b] for b in keep_S.tolist()]
-            reorder_LK, next_LK, self.scores_LK, self.max_len_L, self.done_L = (
-                t.index_select(0, keep_S) for t in (reorder_LK, next_LK, self.scores_LK,
-                                                    self.max_len_L, self.done_L))
+            reorder_LK, next_LK, self.scores_LK, self.max_len_L, self.done_L, \
+                self.n_finished_L = (t.index_select(0, keep_S) for t in (
+                    reorder_LK, next_LK, self.scores_LK, self.max_len_L, self.done_L,
+                    self.n_finished_L))
             if self.min_len_L is not None:
                 self.min_len_L = self.min_len_L.index_select(0, keep_S)
             rows_R = (keep_S[:, None] * K + torch.arange(K, device=dev)[None]).view(-1)

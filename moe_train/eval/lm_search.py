@@ -43,7 +43,8 @@ import torch
 from torch import Tensor
 
 from moe_train.eval.beam import BeamBook, GreedyBook
-from moe_train.eval.search import _LiveRows, _next_log_probs, _stop, min_lengths
+from moe_train.eval.search import (_LiveRows, _next_log_probs, _stop, first_limit,
+                                   min_lengths)
 from moe_train.models.context import ForwardContext
 from moe_train.models.lm_batch import with_prompt_mask
 
@@ -61,10 +62,11 @@ class _GivenLogits:
 
 def _constrained(logits_N1V: Tensor, ctx: ForwardContext | None, step: int, max_len_N: Tensor,
                  eos_id: int, pad_id: int, min_len_N: Tensor | None,
-                 normalize: bool) -> Tensor:
+                 normalize: bool, lowest: int) -> Tensor:
     # bos_id = eos_id: no bos to ban (the prompt ends where the output begins).
     return _next_log_probs(_GivenLogits(logits_N1V), None, None, ctx, None, step, max_len_N,
-                           eos_id, eos_id, pad_id, min_len_N, normalize=normalize)
+                           eos_id, eos_id, pad_id, min_len_N, normalize=normalize,
+                           first_limit=lowest)
 
 
 class _Mask:
@@ -167,11 +169,12 @@ def lm_greedy_search(model: Any, prompt_BP: Tensor, prompt_mask_BP: Tensor | Non
     live = _LiveRows(_Mask(mask_BP), ctx, cache)
     book = GreedyBook(B, max_len_A, min_len_A, eos_id, pad_id, device)
     prev_A: Tensor | None = None  # the prefill gave step 0's logits
+    lowest = first_limit(max_len_A)
     for step in itertools.count():
         if prev_A is not None:
             logits_A1V = _step(model, prev_A, live, ~book.finished_A)
         lprobs_AV = _constrained(logits_A1V, live.ctx, step, book.max_len_A, eos_id, pad_id,
-                                 book.min_len_A, normalize=False)
+                                 book.min_len_A, normalize=False, lowest=lowest)
         next_A, all_done = book.advance(lprobs_AV)
         if _stop(all_done, sync_done):
             break
@@ -216,12 +219,13 @@ def lm_beam_search(model: Any, prompt_BP: Tensor, prompt_mask_BP: Tensor | None,
     logits_N1V = logits_B1V.index_select(0, expand_N)
     book = BeamBook(B, K, max_len_L, min_len_L, eos_id, lenpen, device)
     prev_N: Tensor | None = None  # the prefill gave step 0's logits
+    lowest = first_limit(max_len_L)
     for step in itertools.count():
         if prev_N is not None:
             logits_N1V = _step(model, prev_N, live, torch.ones_like(prev_N, dtype=torch.bool))
         max_len_N, min_len_N = book.limits_N()
         lprobs_NV = _constrained(logits_N1V, live.ctx, step, max_len_N, eos_id, pad_id,
-                                 min_len_N, normalize=True)
+                                 min_len_N, normalize=True, lowest=lowest)
         if _stop(book.advance(lprobs_NV, step), sync_done):
             break
         reorder_N, next_N, rows_R = book.select()

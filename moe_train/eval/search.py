@@ -61,11 +61,13 @@ def _stop(local_done: bool, sync_done: Callable[[bool], bool] | None) -> bool:
 def _next_log_probs(model: IncrementalSeq2Seq, prev_N1: Tensor, enc: Any,
                     ctx: ForwardContext | None, cache: Any, step: int, max_len_N: Tensor,
                     bos_id: int, eos_id: int, pad_id: int,
-                    min_len_N: Tensor | None = None, normalize: bool = True) -> Tensor:
+                    min_len_N: Tensor | None = None, normalize: bool = True,
+                    first_limit: int = 0) -> Tensor:
     """Float32 log-probs (N, V) of the next token; pad (and bos) banned, eos banned before
     `min_len_N` tokens (None: no minimum) and forced at the limit (the limit wins).
     `normalize` False returns the logits with the same bans: enough for an argmax (greedy),
-    without the log-softmax over the vocabulary."""
+    without the log-softmax over the vocabulary. `first_limit`: no row's limit is below it
+    (the search reads it once), so earlier steps skip the forcing without asking the device."""
     logits_N1V, _ = model.decode(prev_N1, enc, ctx, cache)
     lprobs_NV = logits_N1V[:, -1].float()
     if normalize:
@@ -79,11 +81,17 @@ def _next_log_probs(model: IncrementalSeq2Seq, prev_N1: Tensor, enc: Any,
     if min_len_N is not None:
         ban_N = (step + 1 < min_len_N) & ~at_limit_N
         lprobs_NV[:, eos_id] = torch.where(ban_N, -torch.inf, lprobs_NV[:, eos_id])
-    if bool(at_limit_N.any()):
+    if step + 1 >= first_limit:  # a row may be at its limit (asking would be a host sync)
         eos_NV = torch.full_like(lprobs_NV, -torch.inf)
         eos_NV[:, eos_id] = lprobs_NV[:, eos_id]
         lprobs_NV = torch.where(at_limit_N[:, None], eos_NV, lprobs_NV)
     return lprobs_NV
+
+
+def first_limit(max_len_B: Tensor) -> int:
+    """The smallest length limit of a search's sentences (one host read per search): rows
+    leave as they finish, so no live row's limit is ever below it."""
+    return int(max_len_B.min()) if max_len_B.numel() else 0
 
 
 class _LiveRows:
@@ -124,10 +132,11 @@ def greedy_search(model: IncrementalSeq2Seq, src_tokens_BS: Tensor, bos_id: int,
     live = _LiveRows(model.encode(src_tokens_BS, ctx), ctx, model.new_decoder_cache())
     book = GreedyBook(B, max_len_A, min_len_A, eos_id, pad_id, device)
     prev_A1 = torch.full((B, 1), bos_id, dtype=torch.long, device=device)
+    lowest = first_limit(max_len_A)
     for step in itertools.count():
         lprobs_AV = _next_log_probs(model, prev_A1, live.enc, live.ctx, live.cache, step,
                                     book.max_len_A, bos_id, eos_id, pad_id, book.min_len_A,
-                                    normalize=False)
+                                    normalize=False, first_limit=lowest)
         next_A, all_done = book.advance(lprobs_AV)
         if _stop(all_done, sync_done):
             break
@@ -171,10 +180,12 @@ def beam_search(model: IncrementalSeq2Seq, src_tokens_BS: Tensor, bos_id: int, e
                      model.new_decoder_cache())
     book = BeamBook(B, K, max_len_L, min_len_L, eos_id, lenpen, device)
     prev_N1 = torch.full((B * K, 1), bos_id, dtype=torch.long, device=device)
+    lowest = first_limit(max_len_L)
     for step in itertools.count():
         max_len_N, min_len_N = book.limits_N()
         lprobs_NV = _next_log_probs(model, prev_N1, live.enc, live.ctx, live.cache, step,
-                                    max_len_N, bos_id, eos_id, pad_id, min_len_N)
+                                    max_len_N, bos_id, eos_id, pad_id, min_len_N,
+                                    first_limit=lowest)
         if _stop(book.advance(lprobs_NV, step), sync_done):
             break
         reorder_N, next_N, rows_R = book.select()

@@ -36,15 +36,17 @@ class Permuted(NamedTuple):
     """int64 rows per expert; sums to N."""
 
 
-def sort_slots(expert_ids_TK: Tensor, num_experts: int, *, backend: str = "auto"
-               ) -> tuple[Tensor, Tensor]:
-    """(row_map_N, counts_E): kept slots ordered by expert, stably. One host sync (for N)."""
+def sort_slots(expert_ids_TK: Tensor, num_experts: int, *, backend: str = "auto",
+               num_rows: int | None = None) -> tuple[Tensor, Tensor]:
+    """(row_map_N, counts_E): kept slots ordered by expert, stably. One host sync (for N),
+    none when the caller already read `num_rows` (N, the number of slots whose id is not -1)."""
     check_expert_ids(expert_ids_TK)
     counts_E = expert_histogram(expert_ids_TK, num_experts, backend=backend)
     ids = expert_ids_TK.reshape(-1)
     keys = torch.where(ids < 0, torch.full_like(ids, num_experts), ids)
     order = torch.sort(keys, stable=True).indices
-    num_rows = int(counts_E.sum())
+    if num_rows is None:
+        num_rows = int(counts_E.sum())
     return order[:num_rows], counts_E
 
 
@@ -81,11 +83,15 @@ def sort_sentence_slots(expert_ids_TK: Tensor, expert_ids_BK: Tensor, num_expert
         by_row_BK = keys_S.view(B, K).sort(-1).values
         bad = bad + ((by_row_BK[:, 1:] == by_row_BK[:, :-1])
                      & (by_row_BK[:, 1:] < num_experts)).sum()
-    if int(bad):  # a host sync (masked_select below is the other)
+    num_bad, num_rows = torch.stack([bad, kept_S.sum()]).tolist()  # the one host sync
+    if num_bad:
         return None
     counts_E = torch.zeros(num_experts + 1, dtype=torch.long, device=ids_S.device)
     counts_E.scatter_add_(0, keys_sorted_S, kept_S)
-    return slot_SL.masked_select(keep_SL), counts_E[:num_experts]
+    # the kept slots in row-major order, as masked_select gives them; N read above, so the
+    # output size is known and selecting them waits for nothing
+    kept_N = torch.nonzero_static(keep_SL.reshape(-1), size=num_rows).squeeze(1)
+    return slot_SL.reshape(-1).index_select(0, kept_N), counts_E[:num_experts]
 
 
 def inverse_row_map(row_map_N: Tensor, num_slots: int) -> Tensor:
@@ -207,13 +213,14 @@ class _UnpermuteFn(torch.autograd.Function):
 # --- public ops ------------------------------------------------------------------------------
 
 def permute(x_TD: Tensor, expert_ids_TK: Tensor, num_experts: int, *, backend: str = "auto",
-            expert_ids_BK: Tensor | None = None) -> Permuted:
+            expert_ids_BK: Tensor | None = None, num_rows: int | None = None) -> Permuted:
     """Group the rows of x_TD by expert: (x_ND, row_map_N, counts_E). Ids of -1 are dropped.
 
     `expert_ids_BK` (sentence-level routing: token t of sentence t // (T / B) has its
     sentence's experts) lets the slots be ordered by sorting B*K sentence slots
     (`sort_sentence_slots`); the result is the same, and ids of another form fall back to the
-    token sort.
+    token sort. `num_rows`: N, when the caller has read it already (the token sort then reads
+    nothing from the device).
     """
     if x_TD.dim() != 2 or x_TD.size(0) != expert_ids_TK.size(0):
         raise ValueError(f"permute: x_TD {tuple(x_TD.shape)} does not match expert_ids_TK "
@@ -222,7 +229,7 @@ def permute(x_TD: Tensor, expert_ids_TK: Tensor, num_experts: int, *, backend: s
     sorted_slots = None if expert_ids_BK is None else sort_sentence_slots(
         expert_ids_TK, expert_ids_BK, num_experts, backend=backend)
     row_map_N, counts_E = sorted_slots or sort_slots(expert_ids_TK, num_experts,
-                                                     backend=backend)
+                                                     backend=backend, num_rows=num_rows)
     triton = use_triton(x_TD, backend)
     x_ND = _PermuteFn.apply(x_TD, row_map_N, expert_ids_TK.size(1), triton)
     return Permuted(x_ND, row_map_N, counts_E)

@@ -17,7 +17,6 @@ Shape legend: T tokens, K slots per token, E experts, N kept (routed) rows, D mo
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -40,22 +39,39 @@ class DispatchMeta:
     """Number of routed slots dropped by the capacity limit (0-dim int64)."""
 
 
+def capacity_of(routed_slots: Tensor, num_experts: int, capacity_factor: float) -> Tensor:
+    """ceil(round(capacity_factor * routed_slots / E, 9)) as a 0-dim int64 tensor, computed on
+    the device (no host sync), equal to that Python expression for every count.
+
+    Rounded first: 1.1 * 100 / 2 is 55.000000000000007 in floating point, not 56 slots. The
+    share x is the same float64 product and quotient as Python's; round(x, 9) is x to the
+    nearest 9-decimal value, so ceil(round(x, 9)) is ceil(x) except where x lies less than
+    5e-10 above an integer, which it rounds down to. x - floor(x) is exact, and no double lies
+    between 5e-10 and the double nearest it (which is above it), so the test is exact too.
+    """
+    share = capacity_factor * routed_slots.double() / num_experts
+    frac = share - share.floor()
+    just_above = (frac > 0) & (frac < 5e-10)
+    return torch.where(just_above, share.floor(), share.ceil()).long()
+
+
 def apply_capacity(expert_ids_TK: Tensor, num_experts: int, capacity_factor: float
                    ) -> tuple[Tensor, Tensor]:
     """Drop slots beyond each expert's capacity: (expert_ids_TK, dropped).
 
-    capacity = ceil(capacity_factor * routed_slots / E); ids of dropped slots become -1. Slots
-    are served slot-major, each in token order: every token's first choice before any second
-    choice (GShard's Algorithm 1, DeepSpeed's top2gating), so an early token's second expert
-    never takes the place of a later token's first.
+    capacity = ceil(capacity_factor * routed_slots / E) (`capacity_of`); ids of dropped slots
+    become -1. Slots are served slot-major, each in token order: every token's first choice
+    before any second choice (GShard's Algorithm 1, DeepSpeed's top2gating), so an early
+    token's second expert never takes the place of a later token's first. Nothing is read
+    from the device: the capacity stays a tensor and the counts are a scatter-add.
     """
     ids_S = expert_ids_TK.t().reshape(-1)  # slot-major: (k, t) -> k * T + t
     routed = ids_S >= 0
-    # rounded first: 1.1 * 100 / 2 is 55.000000000000007 in floating point, not 56 slots
-    capacity = math.ceil(round(capacity_factor * int(routed.sum()) / num_experts, 9))
+    capacity = capacity_of(routed.sum(), num_experts, capacity_factor)
     keys_S = torch.where(routed, ids_S, torch.full_like(ids_S, num_experts))
     order_S = torch.sort(keys_S, stable=True).indices
-    counts = torch.bincount(keys_S, minlength=num_experts + 1)
+    counts = torch.zeros(num_experts + 1, dtype=torch.long, device=ids_S.device)
+    counts.scatter_add_(0, keys_S.long(), torch.ones_like(keys_S, dtype=torch.long))
     starts = torch.cumsum(counts, 0) - counts
     sorted_keys = keys_S[order_S]
     rank_sorted = torch.arange(ids_S.numel(), device=ids_S.device) - starts[sorted_keys]

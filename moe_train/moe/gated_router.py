@@ -24,6 +24,8 @@ Shape legend: T tokens (flattened B x length), B sentences, D model dim, E adapt
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -38,6 +40,25 @@ from moe_train.moe.routing import (TARGET_TOKENS_KEY, Routing, RoutingContext, c
 
 TEACHER_PROBS_KEY = "teacher_probs_BE"
 """Extras key of the domain classifier's distribution over the E domains, per sentence."""
+
+
+_IN_RANGE: tuple[weakref.ref, int, int] | None = None
+"""(gold ids, their version, E) of the last `check_gold_domains` call that found them < E."""
+
+
+def check_gold_domains(gold_B: Tensor, num_experts: int) -> None:
+    """ConfigError when a gold domain id has no adapter (id >= E). The answer is read from the
+    device (a host sync), so ids already found in range are not read again: every gated
+    layer of a forward gets the batch's one tensor, which is checked once per forward."""
+    global _IN_RANGE
+    if _IN_RANGE is not None:
+        ref, version, checked = _IN_RANGE
+        if ref() is gold_B and gold_B._version == version and num_experts >= checked:
+            return
+    if bool((gold_B >= num_experts).any()):
+        raise ConfigError(f"adapters.num_experts: domain id {int(gold_B.max())} has no "
+                          f"adapter (expected one adapter per domain, got {num_experts})")
+    _IN_RANGE = (weakref.ref(gold_B), gold_B._version, num_experts)
 
 
 class GatedRouter(Router):
@@ -88,11 +109,8 @@ class GatedRouter(Router):
             if rctx.task_ids_B is None:
                 raise ConfigError("gated.gate_loss: ce needs the gold domain of every sentence, "
                                   "which this batch lacks")
+            check_gold_domains(rctx.task_ids_B, self.num_experts)
             gold_N = rctx.task_ids_B.long()
-            if bool((gold_N >= self.num_experts).any()):
-                raise ConfigError(f"adapters.num_experts: domain id {int(gold_N.max())} has no "
-                                  f"adapter (expected one adapter per domain, got "
-                                  f"{self.num_experts})")
             if not per_sentence:
                 gold_N = gold_N.index_select(0, rctx.sentence_ids_T)
             ce_N = F.cross_entropy(logits_NE, gold_N, reduction="none")

@@ -14,6 +14,7 @@ D model dim, E experts, K expert slots per token.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -176,7 +177,27 @@ def task_ids_from_context(ctx: ForwardContext, task_source: str | None) -> Tenso
         raise ConfigError("moe.task_source: 'lang_pair' needs the number of languages in "
                           f"ForwardContext.extras[{NUM_LANGS_KEY!r}], which this batch lacks "
                           "(use task_source tgt_lang, or pass num_langs with the batch)")
-    return ctx.src_lang_B.long() * int(num_langs) + ctx.tgt_lang_B.long()
+    return _lang_pairs(ctx.src_lang_B, ctx.tgt_lang_B, int(num_langs))
+
+
+_LANG_PAIRS: tuple[Any, ...] | None = None
+"""(src_lang_B, tgt_lang_B as weak references, their versions, num_langs, pair ids) of the
+last `_lang_pairs`."""
+
+
+def _lang_pairs(src_lang_B: Tensor, tgt_lang_B: Tensor, num_langs: int) -> Tensor:
+    """src_lang * num_langs + tgt_lang, the same tensor while the inputs are: every layer and
+    decode step of a batch then gets one task-id tensor, whose range the task router reads
+    from the device once (`sentence_router.ids_on_host`)."""
+    global _LANG_PAIRS
+    versions = tuple(None if t.is_inference() else t._version for t in (src_lang_B, tgt_lang_B))
+    memo = _LANG_PAIRS
+    if (memo is not None and memo[0]() is src_lang_B and memo[1]() is tgt_lang_B
+            and None not in versions and memo[2] == versions and memo[3] == num_langs):
+        return memo[4]
+    pairs_B = src_lang_B.long() * num_langs + tgt_lang_B.long()
+    _LANG_PAIRS = (weakref.ref(src_lang_B), weakref.ref(tgt_lang_B), versions, num_langs, pairs_B)
+    return pairs_B
 
 
 def sentence_mean(x_TD: Tensor, sentence_ids_T: Tensor, num_sentences: int,

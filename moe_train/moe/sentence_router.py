@@ -11,6 +11,8 @@ E experts, K expert slots per token, N tasks.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from torch import Tensor, nn
 
@@ -35,6 +37,29 @@ from moe_train.moe.routing import Routing, RoutingContext
 RAW_TEXT_FLAGS = {"domain": "--domain", "tgt_lang": "--tgt-lang", "src_lang": "--src-lang",
                   "lang_pair": "--src-lang and --tgt-lang"}
 """The translate / evaluate flags that give raw text the ids a task source reads."""
+
+_HOST_IDS: tuple[weakref.ref, int | None, list[int]] | None = None
+"""(tensor, its version, its values) of the last `ids_on_host` read."""
+
+
+def _version(t: Tensor) -> int | None:
+    """The tensor's in-place version counter; None for an inference tensor (it keeps none)."""
+    return None if t.is_inference() else t._version
+
+
+def ids_on_host(ids_B: Tensor) -> list[int]:
+    """``ids_B.tolist()``, read from the device once per tensor: every task-routed layer of a
+    forward and every decode step get the same ids tensor (``ForwardContext.domain_ids_B``,
+    ..., language pairs by `routing._lang_pairs`), so their checks (and THOR's task
+    predictor's) share one host sync. Keyed on the tensor's identity and version (an in-place
+    change reads again)."""
+    global _HOST_IDS
+    memo, version = _HOST_IDS, _version(ids_B)
+    if memo is not None and memo[0]() is ids_B and version is not None and memo[1] == version:
+        return memo[2]
+    values = ids_B.tolist()
+    _HOST_IDS = (weakref.ref(ids_B), version, values)
+    return values
 
 
 class SentenceRouter(Router):
@@ -119,6 +144,8 @@ class TaskRouter(Router):
         self.gate: nn.Linear | None = None
         self.frozen = bool(task_table)
         """Whether the table comes from the checkpoint (and may leave tasks unserved)."""
+        self._served_memo: tuple[Tensor, int | None, list[bool]] | None = None
+        """(table_ids_NK, its version, which rows are served) of the last `_served` read."""
         if task_table:
             self.num_tasks = task_table
             # Learned state of an extracted model: saved with the checkpoint.
@@ -171,29 +198,36 @@ class TaskRouter(Router):
         if tuple(task_ids_B.shape) != (rctx.num_sentences,):
             raise ValueError(f"task_ids_B has shape {tuple(task_ids_B.shape)}, expected "
                              f"({rctx.num_sentences},)")
-        if task_ids_B.numel():
-            lo, hi = int(task_ids_B.min()), int(task_ids_B.max())  # device sync, once per call
+        if task_ids_B.numel():  # host values shared by all layers and steps (ids_on_host)
+            ids = ids_on_host(task_ids_B)
+            lo, hi = int(min(ids)), int(max(ids))
             _expect(lo >= 0 and hi < self.num_tasks, "moe.num_tasks",
                     f"more than the largest task id ({hi}) from {self.task_source}",
                     self.num_tasks)
         return task_ids_B.long()
 
-    def _served(self, ids_BK: Tensor, task_ids_B: Tensor) -> None:
-        """A frozen table's unserved rows (-1) are an error naming the task id."""
-        unserved = ids_BK[:, 0] < 0
-        if bool(unserved.any()):
-            served = torch.nonzero(self.table_ids_NK[:, 0] >= 0).flatten().tolist()
+    def _served(self, task_ids_B: Tensor) -> None:
+        """A frozen table's unserved rows (-1) are an error naming the task id. Checked on
+        host copies: the ids (`ids_on_host`) and which rows are served, read once per table
+        (identity and version: a loaded checkpoint reads again)."""
+        table_NK, memo, version = self.table_ids_NK, self._served_memo, _version(self.table_ids_NK)
+        if memo is None or memo[0] is not table_NK or version is None or memo[1] != version:
+            memo = self._served_memo = (table_NK, version, (table_NK[:, 0] >= 0).tolist())
+        served_N = memo[2]
+        unserved = [t for t in ids_on_host(task_ids_B) if not served_N[t]]
+        if unserved:
+            served = [n for n, ok in enumerate(served_N) if ok]
             raise ConfigError(f"moe.extracted_task: this model serves {self.task_source} "
-                              f"id(s) {served} only, got id {int(task_ids_B[unserved][0])}")
+                              f"id(s) {served} only, got id {int(unserved[0])}")
 
     def forward(self, x_TD: Tensor, rctx: RoutingContext | None = None) -> Routing:
         rctx = _require_sentences(rctx, "task")
         task_ids_B = self._task_ids(rctx).to(x_TD.device)
         sid_T = rctx.sentence_ids_T
         if not self.learned:
+            if self.frozen:  # a fixed assignment serves every task: nothing to check
+                self._served(rctx.task_ids_B)
             ids_BK = self.table_ids_NK[task_ids_B]
-            if self.frozen:  # a fixed assignment serves every task: no extra host sync
-                self._served(ids_BK, task_ids_B)
             expert_ids_TK = ids_BK[sid_T]
             weights_TK = self.table_weights_NK[task_ids_B][sid_T].to(x_TD.dtype)
             return Routing(expert_ids_TK=expert_ids_TK, weights_TK=weights_TK, probs_TE=None,

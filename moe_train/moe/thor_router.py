@@ -36,6 +36,7 @@ from moe_train.moe.gating import (LinearGate, Router, _token_stats, linear_fp32,
 from moe_train.moe.gating import top_p_select
 from moe_train.moe.routing import (Routing, RoutingContext, context_rows, expand_rows,
                                    task_ids_from_context)
+from moe_train.moe.sentence_router import ids_on_host
 
 TASK_PROBS_KEY = "task_probs_BK"
 """Extras key of the predicted task distribution P^t (float32)."""
@@ -72,12 +73,12 @@ class TaskPredictor(nn.Module):
         probs_BK = logits_BK.softmax(-1)
         gold_B = self.gold_tasks(ctx)
         aux: dict[str, Tensor] = {}
-        if gold_B is not None:
-            gold_B = gold_B.long()
-            bad = (gold_B < 0) | (gold_B >= self.num_tasks)
-            if bool(bad.any()):
-                raise ConfigError(f"thor.num_tasks: task id {int(gold_B[bad][0])} by "
+        if gold_B is not None:  # checked on the host copy the task routers share
+            bad = [t for t in map(int, ids_on_host(gold_B)) if not 0 <= t < self.num_tasks]
+            if bad:
+                raise ConfigError(f"thor.num_tasks: task id {bad[0]} by "
                                  f"{self.cfg.task_source} outside 0 .. {self.num_tasks - 1}")
+            gold_B = gold_B.long()
             if self.cfg.alpha > 0:  # Eq. 10
                 aux["thor_task"] = self.cfg.alpha * F.cross_entropy(logits_BK, gold_B)
         table_KD = self.task_embed_KD
@@ -209,7 +210,8 @@ class ThorRouter(Router):
         """Tokens per expert, entropy, experts per real token (003 Table 7), the mean context
         gate (the share of x in the router input) and, with candidate sets, how many real
         sentences hold each expert as a candidate and the share of (sentence, candidate) pairs
-        that received a token (candidate usage)."""
+        that received a token (candidate usage). Real sentences are weighted in, not
+        selected (an output of data-dependent size): no host sync, the same values."""
         pad_T, sid_T = rctx.pad_mask_T, rctx.sentence_ids_T
         stats = _token_stats(ids_TK, self.num_experts, pad_T, probs_TE, counts_E=counts_E)
         keep_T = torch.ones_like(sid_T, dtype=torch.float32) if pad_T is None else (~pad_T).float()
@@ -221,14 +223,15 @@ class ThorRouter(Router):
         if cand_BC is not None:
             B, E = rctx.num_sentences, self.num_experts
             real_B = keep_T.new_zeros(B).index_add_(0, sid_T, keep_T) > 0
-            cand_real_BC = cand_BC[real_B]
-            stats["candidates_per_expert"] = torch.bincount(cand_real_BC.reshape(-1),
-                                                            minlength=E)[:E]
+            real_BC = real_B[:, None].expand_as(cand_BC)
+            stats["candidates_per_expert"] = cand_BC.new_zeros(E).scatter_add_(
+                0, cand_BC.reshape(-1), real_BC.reshape(-1).long())
             hit_BE = torch.zeros(B, E + 1, device=ids_TK.device)
             rows_TK = sid_T[:, None].expand_as(ids_TK)
             cols_TK = torch.where(ids_TK >= 0, ids_TK, E)
             hit_BE.index_put_((rows_TK.reshape(-1), cols_TK.reshape(-1)),
                               keep_T[:, None].expand_as(ids_TK).reshape(-1), accumulate=True)
-            used = (hit_BE[:, :E].gather(1, cand_BC) > 0)[real_B].float()
-            stats["candidate_usage"] = used.mean() if used.numel() else used.new_zeros(())
+            used_BC = ((hit_BE[:, :E].gather(1, cand_BC) > 0) & real_BC).float()
+            stats["candidate_usage"] = used_BC.sum() / real_BC.sum().clamp_min(1)
         return stats
+

@@ -7,10 +7,11 @@ branches for the single-process debug mode.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
+from torch import Tensor
 
 from moe_train.errors import PeerFailed
 from moe_train.parallel.runtime import ParallelRuntime
@@ -24,10 +25,33 @@ def all_reduce_sum(rt: ParallelRuntime, tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def all_reduce_floats(rt: ParallelRuntime, *values: float) -> list[float]:
-    """Sum a few Python floats over ranks (one collective)."""
-    t = torch.tensor(values, dtype=torch.float64, device=rt.device)
-    return all_reduce_sum(rt, t).tolist()
+def _float64_vector(rt: ParallelRuntime, values: Sequence[float | Tensor]) -> Tensor:
+    """Python floats and 0-dim tensors as one float64 vector on the device; tensors stay there
+    (nothing is read), floats become fills (no host-to-device copy)."""
+    if not any(isinstance(v, Tensor) for v in values):
+        return torch.tensor(values, dtype=torch.float64, device=rt.device)
+    return torch.stack([v.detach().to(rt.device, torch.float64).reshape(())
+                        if isinstance(v, Tensor)
+                        else torch.full((), v, dtype=torch.float64, device=rt.device)
+                        for v in values])
+
+
+def read_values(rt: ParallelRuntime, summed: Sequence[float | Tensor],
+                local: Sequence[float | Tensor] = ()) -> tuple[list[float], list[float]]:
+    """(`summed` summed over ranks, `local` as this rank has them), read from the device
+    together: one collective and one host sync. Values are Python floats or 0-dim tensors
+    still on the device (window sums of losses, metric counts)."""
+    t = all_reduce_sum(rt, _float64_vector(rt, summed))
+    if local:
+        t = torch.cat([t, _float64_vector(rt, local)])
+    values = t.tolist()
+    return values[:len(summed)], values[len(summed):]
+
+
+def all_reduce_floats(rt: ParallelRuntime, *values: float | Tensor) -> list[float]:
+    """Sum a few values (Python floats or 0-dim device tensors) over ranks: one collective,
+    one read."""
+    return read_values(rt, values)[0]
 
 
 def all_gather_object(rt: ParallelRuntime, obj: Any) -> list[Any]:
@@ -85,14 +109,33 @@ def raise_if_any_rank_failed(rt: ParallelRuntime, failed: BaseException | None,
     raise PeerFailed(peer_message)
 
 
-def step_is_finite(rt: ParallelRuntime, loss: float, grad_norm: float | None) -> bool:
+def step_is_finite(rt: ParallelRuntime, loss: float | Tensor,
+                   grad_norm: float | Tensor | None) -> bool:
     """The one decision, agreed by every rank, whether this optimizer step may be applied.
 
     False when this step's loss or global gradient norm is NaN or infinite on any rank (one
     MIN all-reduce of a flag), so either every rank updates or none does.
     """
-    finite = math.isfinite(loss) and (grad_norm is None or math.isfinite(grad_norm))
-    return all_ranks_true(rt, finite)
+    return step_decision(rt, loss, grad_norm)[0]
+
+
+def step_decision(rt: ParallelRuntime, loss: float | Tensor, grad_norm: float | Tensor | None
+                  ) -> tuple[bool, float | None]:
+    """(`step_is_finite`, the gradient norm as a float) with one host sync: the loss and the
+    norm may still be on the device (0-dim tensors); they are tested there, the flag is
+    all-reduced there, and the flag and the norm are read together."""
+    on_host = [v for v in (loss, grad_norm) if v is not None and not isinstance(v, Tensor)]
+    flag = torch.full((1,), int(all(math.isfinite(v) for v in on_host)), dtype=torch.int64,
+                      device=rt.device)
+    for v in (loss, grad_norm):
+        if isinstance(v, Tensor):
+            flag = flag * torch.isfinite(v.detach()).reshape(1).to(flag.device)
+    if rt.distributed and rt.world_size > 1:
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=rt.dp_group)
+    if not isinstance(grad_norm, Tensor):
+        return bool(flag.item()), grad_norm
+    finite, norm = torch.cat([flag.double(), grad_norm.detach().double().reshape(1)]).tolist()
+    return bool(finite), norm
 
 
 def parameters_are_finite(rt: ParallelRuntime, model: torch.nn.Module) -> bool:
@@ -102,35 +145,50 @@ def parameters_are_finite(rt: ParallelRuntime, model: torch.nn.Module) -> bool:
     return all_ranks_true(rt, finite)
 
 
-def grad_norm_and_clip(model: torch.nn.Module, expert_param_ids: set[int], rt: ParallelRuntime,
-                       max_norm: float, loss_scale: float = 1.0) -> float:
-    """Global L2 norm of the (already reduced) gradients, counting every expert once; clips.
+def global_grad_norm(model: torch.nn.Module, expert_param_ids: set[int], rt: ParallelRuntime,
+                     loss_scale: float = 1.0) -> Tensor:
+    """Global L2 norm of the (already reduced) gradients, counting every expert once, as a
+    0-dim float64 tensor on the device (nothing is read: see `grad_norm_and_clip`).
 
     Dense gradients are identical on all ranks after the data-parallel reduction; each rank of
     an expert-parallel group holds the gradients of different experts, so their squared norms
     are summed over that group. The gradients may carry a loss scale (fp16): the norm is that
-    of the unscaled gradients, `||g|| / loss_scale`, and with max_norm > 0 all gradients are
-    multiplied by min(1, max_norm / (norm + 1e-6)), which commutes with the later unscaling.
-    Returns the unscaled norm before clipping (NaN or inf when a gradient is not finite; then
-    nothing is clipped, the step is to be skipped).
+    of the unscaled gradients, `||g|| / loss_scale`. One `_foreach_norm` per group (float64
+    per-tensor norms, summed as squares), not one fp64 copy per parameter.
     """
-    dense_sq = torch.zeros((), dtype=torch.float64, device=rt.device)
-    expert_sq = torch.zeros((), dtype=torch.float64, device=rt.device)
-    grads = []
+    dense, experts = [], []
     for p in model.parameters():
-        if p.grad is None:
-            continue
-        grads.append(p.grad)
-        sq = p.grad.detach().double().pow(2).sum()
-        if id(p) in expert_param_ids:
-            expert_sq += sq
-        else:
-            dense_sq += sq
+        if p.grad is not None:
+            (experts if id(p) in expert_param_ids else dense).append(p.grad)
+    dense_sq = _squared_norm(dense, rt.device)
+    expert_sq = _squared_norm(experts, rt.device)
     if rt.ep_size > 1:
         dist.all_reduce(expert_sq, op=dist.ReduceOp.SUM, group=rt.ep_group)
-    norm = float((dense_sq + expert_sq).sqrt()) / loss_scale
+    return (dense_sq + expert_sq).sqrt() / loss_scale
+
+
+def _squared_norm(grads: list[Tensor], device: torch.device | str) -> Tensor:
+    """Sum of the squares of every element of `grads`, float64 (0 for none)."""
+    if not grads:
+        return torch.zeros((), dtype=torch.float64, device=device)
+    norms = torch._foreach_norm(grads, 2, dtype=torch.float64)
+    return torch.stack(norms).square().sum()
+
+
+def clip_gradients(model: torch.nn.Module, norm: float, max_norm: float) -> None:
+    """With max_norm > 0 and a finite `norm` above it, multiply every gradient by
+    max_norm / (norm + 1e-6) (which commutes with a later unscaling by the loss scale)."""
     if max_norm > 0 and math.isfinite(norm) and norm > max_norm:
-        coef = max_norm / (norm + 1e-6)
-        for g in grads:
-            g.mul_(coef)
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        torch._foreach_mul_(grads, max_norm / (norm + 1e-6))
+
+
+def grad_norm_and_clip(model: torch.nn.Module, expert_param_ids: set[int], rt: ParallelRuntime,
+                       max_norm: float, loss_scale: float = 1.0) -> float:
+    """`global_grad_norm` read as a float, then `clip_gradients`: returns the unscaled norm
+    before clipping (NaN or inf when a gradient is not finite; then nothing is clipped, the
+    step is to be skipped). The trainer reads the norm with its finite check instead (one
+    sync for both)."""
+    norm = float(global_grad_norm(model, expert_param_ids, rt, loss_scale))
+    clip_gradients(model, norm, max_norm)
     return norm

@@ -26,6 +26,7 @@ from torch import Tensor, nn
 
 from moe_train.config.moe import task_count
 from moe_train.errors import ConfigError
+from moe_train.kernels.histogram import expert_histogram
 from moe_train.kernels.permute import permute, unpermute
 from moe_train.moe.dispatcher import LocalDispatcher
 from moe_train.moe.experts import StackedExperts
@@ -110,14 +111,16 @@ class AllToAllDispatcher:
 
     def dispatch(self, x_TD: Tensor, routing: Routing, drop: bool = True
                  ) -> tuple[Tensor, Tensor, AllToAllMeta]:
+        """(rows this rank's experts receive, grouped by local expert; their counts_L; meta).
+        One host sync: the send and receive splits are read together, and the rows sent (N,
+        their sum) go to `permute`, which then reads nothing itself."""
         ids_TK, weights_TK, dropped = self.local.route_slots(routing, drop)
-        x_ND, row_map_N, counts_E = permute(x_TD, ids_TK, self.num_experts)
         P, L = self.ep_size, self.num_local
-        counts_PL = counts_E.view(P, L)
+        counts_PL = expert_histogram(ids_TK, self.num_experts).view(P, L)
         recv_counts_PL = torch.empty_like(counts_PL)
         dist.all_to_all_single(recv_counts_PL, counts_PL.contiguous(), group=self.group)
-        send_splits = counts_PL.sum(1).tolist()
-        recv_splits = recv_counts_PL.sum(1).tolist()
+        send_splits, recv_splits = torch.stack([counts_PL.sum(1), recv_counts_PL.sum(1)]).tolist()
+        x_ND, row_map_N, _ = permute(x_TD, ids_TK, self.num_experts, num_rows=sum(send_splits))
         x_MD = all_to_all(x_ND, recv_splits, send_splits, self.group)
         # received rows are ordered (source rank, local expert): regroup by local expert
         local_ids_M = torch.repeat_interleave(

@@ -27,8 +27,32 @@ from moe_train.moe.gated_router import TEACHER_PROBS_KEY
 from moe_train.moe.thor_router import GOLD_TASK_KEY, TASK_PROBS_KEY
 from moe_train.utils.safe_load import load_array
 
-Ratio = tuple[float, float]
-"""A metric as (numerator, denominator), e.g. (correct, total), so windows and ranks sum."""
+Ratio = tuple[float | Tensor, float | Tensor]
+"""A metric as (numerator, denominator), e.g. (correct, total), so windows and ranks sum: Python
+floats or 0-dim tensors left on the device (summed there, read once per log line)."""
+
+
+def accumulate(total: float | Tensor, value: float | Tensor) -> float | Tensor:
+    """total + value in float64 (a 0-dim device tensor once either is one): sums losses and
+    metrics over a window without reading each from the device."""
+    if isinstance(value, Tensor):
+        value = value.detach().double()
+    return total + value
+
+
+def add_ratios(window: dict[str, list[float | Tensor]], ratios: dict[str, Ratio]) -> None:
+    """Add a batch's (numerator, denominator) pairs to a window's sums, by name."""
+    for name, (num, den) in ratios.items():
+        acc = window.setdefault(name, [0.0, 0.0])
+        acc[0] = accumulate(acc[0], num)
+        acc[1] = accumulate(acc[1], den)
+
+
+def window_ratios(names: list[str], sums: list[float], prefix: str) -> dict[str, float]:
+    """``prefix + name`` -> numerator / denominator from the read sums (2 per name, in order);
+    names without a denominator are left out."""
+    return {prefix + n: sums[2 * i] / sums[2 * i + 1] for i, n in enumerate(names)
+            if sums[2 * i + 1] > 0}
 
 
 class TrainerHooks:
@@ -104,9 +128,9 @@ class TaskAccuracy(TrainerHooks):
         probs_BK, gold_B = out.extras.get(TASK_PROBS_KEY), out.extras.get(GOLD_TASK_KEY)
         if probs_BK is None or gold_B is None or batch.is_padding:
             return {}
-        with torch.no_grad():
-            correct = (probs_BK.argmax(-1) == gold_B.to(probs_BK.device)).sum().item()
-        return {"task_accuracy": (float(correct), float(gold_B.numel()))}
+        with torch.no_grad():  # the count stays on the device (a Ratio may be a tensor)
+            correct = (probs_BK.argmax(-1) == gold_B.to(probs_BK.device)).sum()
+        return {"task_accuracy": (correct, float(gold_B.numel()))}
 
 
 class TeacherProbs(TrainerHooks):
@@ -116,6 +140,7 @@ class TeacherProbs(TrainerHooks):
 
     def __init__(self, probs_NE: np.ndarray | Tensor) -> None:
         self.probs_NE = torch.as_tensor(np.asarray(probs_NE, dtype=np.float32))
+        self._on_device: Tensor | None = None  # probs_NE where the batches are, copied once
 
     @classmethod
     def from_file(cls, path: str | Path, num_sentences: int, num_domains: int) -> TeacherProbs:
@@ -128,7 +153,9 @@ class TeacherProbs(TrainerHooks):
         if batch.split != "train" or batch.is_padding:
             return {}
         idx_B = batch.indices_B
-        return {TEACHER_PROBS_KEY: self.probs_NE.index_select(0, idx_B.cpu()).to(idx_B.device)}
+        if self._on_device is None or self._on_device.device != idx_B.device:
+            self._on_device = self.probs_NE.to(idx_B.device)  # rows looked up there: no sync
+        return {TEACHER_PROBS_KEY: self._on_device.index_select(0, idx_B)}
 
 
 def load_probability_rows(path: str | Path, rows: int, cols: int, what: str, layout: str

@@ -14,13 +14,15 @@ def label_smoothed_nll(logits_BTV: torch.Tensor, target_BT: torch.Tensor, pad_id
     """Return (smoothed loss sum, nll sum) over non-pad positions.
 
     loss = (1 - eps) * nll + eps * mean_v(-log p_v): the uniform-prior smoothing of
-    Szegedy et al. as implemented in fairseq (eps spread over the whole vocabulary).
+    Szegedy et al. as implemented in fairseq (eps spread over the whole vocabulary). Pad
+    positions are zeroed, not selected: a selection's size depends on the values (a host sync
+    on an accelerator).
     """
     lprobs_BTV = F.log_softmax(logits_BTV.float(), dim=-1)
     keep_BT = target_BT.ne(pad_id)
     nll_BT = -lprobs_BTV.gather(-1, target_BT.unsqueeze(-1)).squeeze(-1)
     smooth_BT = -lprobs_BTV.mean(dim=-1)
-    nll = nll_BT.masked_select(keep_BT).sum()
-    smooth = smooth_BT.masked_select(keep_BT).sum()
+    nll = torch.where(keep_BT, nll_BT, 0.0).sum()
+    smooth = torch.where(keep_BT, smooth_BT, 0.0).sum()
     loss = (1.0 - epsilon) * nll + epsilon * smooth
     return loss, nll

@@ -30,9 +30,9 @@ from moe_train.models.lm_batch import teacher_forced
 from moe_train.parallel.zero3 import (full_numel, mark_moe_leaf_modules, register_tied_outputs,
                                       zero3_grad_norm)
 from moe_train.models.build import moe_layers
-from moe_train.parallel.collectives import (all_reduce_floats, grad_norm_and_clip,
-                                            raise_if_any_rank_failed,
-                                            step_is_finite)
+from moe_train.parallel.collectives import (all_reduce_floats, clip_gradients,
+                                            global_grad_norm, raise_if_any_rank_failed,
+                                            read_values, step_decision)
 from moe_train.parallel.expert_checkpoint import detach_experts_from_state_dict, expert_modules
 from moe_train.parallel.step_guard import (check_zero_optimizer, loss_scale, skipped_update,
                                            zero_grad_norm)
@@ -45,7 +45,7 @@ from moe_train.train.checkpointer import ENDED, Checkpointer
 from moe_train.train.ds_config import build_deepspeed_config, deepspeed_config_errors
 from moe_train.train.init_from import build_start_model
 from moe_train.train.early_stop import EarlyStop
-from moe_train.train.hooks import Ratio, TrainerHooks, hooks_for
+from moe_train.train.hooks import TrainerHooks, accumulate, add_ratios, hooks_for, window_ratios
 from moe_train.train.loss import label_smoothed_nll
 from moe_train.train.monitor import Monitor, peak_memory_mb
 from moe_train.train.preempt import STOP_SIGNALS, Preempted, StopSignals
@@ -68,13 +68,6 @@ def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str,
     if no_decay:
         groups.append({"name": "no_decay", "params": no_decay, "weight_decay": 0.0})
     return groups
-
-
-def _add_ratios(window: dict[str, list[float]], ratios: dict[str, Ratio]) -> None:
-    for name, (num, den) in ratios.items():
-        acc = window.setdefault(name, [0.0, 0.0])
-        acc[0] += num
-        acc[1] += den
 
 
 class Trainer:
@@ -143,10 +136,10 @@ class Trainer:
         self.step = 0
         self.tokens_seen = 0
         self.tokens_unsaved = 0.0  # tokens this rank trained on since tokens_seen was updated
-        self.aux_window: dict[str, float] = {}  # aux losses summed since the last log line
+        self.aux_window: dict[str, Any] = {}  # aux losses summed since the last log line
         self.aux_micro_batches = 0  # training micro-batches summed into aux_window
         self.last_lr: float | None = None  # the learning rate of the last update
-        self.metric_window: dict[str, list[float]] = {}  # hook metrics: [numerator, denominator]
+        self.metric_window: dict[str, list[Any]] = {}  # hook metrics: [numerator, denominator]
         self.moe_layers = moe_layers(self.engine.module)
         self.expert_param_ids = {id(p) for _, m in expert_modules(self.engine.module)
                                  for p in m.parameters()}
@@ -184,9 +177,10 @@ class Trainer:
             f"train {len(self.train_set)} pairs | resume from step {self.step}")
 
     # ------------------------------------------------------------------ one optimizer step
-    def _forward_loss(self, batch: Batch) -> tuple[torch.Tensor, float, float]:
+    def _forward_loss(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One forward: (scaled loss with aux and hook losses, loss sum, nll sum); aux losses
-        go to `aux_window`, hook metrics to `metric_window`."""
+        go to `aux_window`, hook metrics to `metric_window`. Nothing is read from the device:
+        the sums (detached) and the windows stay there until a log line reads them at once."""
         ctx = batch_context(batch, self.vocab.pad_id, len(self.manifest["langs"]))
         extras = self.hooks.batch_extras(batch)
         if extras:
@@ -199,44 +193,39 @@ class Trainer:
         scaled = loss_sum * scale
         for key, aux in {**out.aux_losses, **self.hooks.extra_losses(out, batch)}.items():
             scaled = scaled + aux
-            self.aux_window[key] = self.aux_window.get(key, 0.0) + aux.detach().item()
-        _add_ratios(self.metric_window, self.hooks.metrics(out, batch))
-        return scaled, loss_sum.detach().item(), nll_sum.detach().item()
+            self.aux_window[key] = accumulate(self.aux_window.get(key, 0.0), aux)
+        add_ratios(self.metric_window, self.hooks.metrics(out, batch))
+        return scaled, loss_sum.detach(), nll_sum.detach()
 
-    def _ratios(self, window: dict[str, list[float]], prefix: str) -> dict[str, float]:
-        """Hook metrics of a window, summed over ranks, as ``prefix + name`` -> ratio."""
-        # Every rank reduces the same names: the hooks' declared ones, present or not (0 / 0).
+    def _metric_sums(self, window: dict[str, list[Any]]) -> tuple[list[str], list[Any]]:
+        """(names, their numerator and denominator sums in order) of a window's hook metrics.
+        Every rank reduces the same names: the hooks' declared ones, present or not (0 / 0)."""
         names = sorted(set(window) | set(self.hooks.metric_names))
-        if not names:
-            return {}
-        sums = all_reduce_floats(self.rt, *[v for n in names for v in window.get(n, (0.0, 0.0))])
-        return {prefix + n: sums[2 * i] / sums[2 * i + 1] for i, n in enumerate(names)
-                if sums[2 * i + 1] > 0}
+        return names, [v for n in names for v in window.get(n, (0.0, 0.0))]
 
-    def _clip_gradients(self) -> float:
+    def _clip_gradients(self) -> float | torch.Tensor | None:
         """The global norm of the unscaled (fp16: loss scale divided out) gradients, counting
-        each expert once; recorded for logs. Under ZeRO 0 we clip ourselves (DeepSpeed's
-        engine-level clipping does not know which parameters are experts); under ZeRO 1/2
-        DeepSpeed's optimizer clips in `engine.step()` with its own, equal, norm."""
+        each expert once. Under ZeRO 0 we compute it (a device tensor that `train_step` reads
+        with its finite check, then clips: DeepSpeed's engine-level clipping does not know
+        which parameters are experts); under ZeRO 1/2 DeepSpeed's optimizer clips in
+        `engine.step()` with its own, equal, norm."""
         if self.cfg.optim.zero_stage == 0:
-            self.last_grad_norm = grad_norm_and_clip(self.engine.module, self.expert_param_ids,
-                                                     self.rt, self.cfg.optim.clip_norm,
-                                                     loss_scale(self.engine))
-        elif self.cfg.optim.zero_stage == 3:
-            self.last_grad_norm = zero3_grad_norm(self.engine.optimizer)
-        else:
-            self.last_grad_norm = zero_grad_norm(self.engine.optimizer)
-        return self.last_grad_norm
+            return global_grad_norm(self.engine.module, self.expert_param_ids, self.rt,
+                                    loss_scale(self.engine))
+        if self.cfg.optim.zero_stage == 3:
+            return zero3_grad_norm(self.engine.optimizer)
+        return zero_grad_norm(self.engine.optimizer)
 
-    def train_step(self) -> dict[str, float]:
-        """Consume one optimizer step of micro-batches; returns local sums for logging.
+    def train_step(self) -> dict[str, Any]:
+        """Consume one optimizer step of micro-batches; returns local sums for logging (loss
+        and nll as float64 device tensors, read by the log line).
 
         A step whose loss or global gradient norm is not finite on some rank is skipped on all
-        ranks (one agreed decision): no parameter, optimizer-moment or lr-scheduler change, the
-        gradients are dropped; its sums are zero and `nonfinite` is 1.
+        ranks (one agreed decision, the step's one host sync): no parameter, optimizer-moment
+        or lr-scheduler change, the gradients are dropped; its sums are zero and `nonfinite` is 1.
         """
         self.engine.train()
-        loss_tot = nll_tot = 0.0
+        loss_tot = nll_tot = 0.0  # float64 device tensors once a micro-batch is added
         ntok = 0
         micro = next(self.batches)
         self.last_grad_norm = None
@@ -245,15 +234,16 @@ class Trainer:
             batch = batch.to(self.rt.device)
             scaled, loss_sum, nll_sum = self._forward_loss(batch)
             self.engine.backward(scaled)
-            loss_tot += loss_sum
-            nll_tot += nll_sum
+            loss_tot, nll_tot = accumulate(loss_tot, loss_sum), accumulate(nll_tot, nll_sum)
             ntok += batch.n_tgt_tokens
             self.aux_micro_batches += 1
             if i < len(micro) - 1:
                 self.engine.step()  # accumulating: no update yet
                 continue
             # gradients are reduced at the accumulation boundary
-            finite = step_is_finite(self.rt, loss_tot, self._clip_gradients())
+            finite, self.last_grad_norm = step_decision(self.rt, loss_tot, self._clip_gradients())
+            if self.cfg.optim.zero_stage == 0:
+                clip_gradients(self.engine.module, self.last_grad_norm, self.cfg.optim.clip_norm)
             self.last_lr = self.engine.get_lr()[0]  # before the scheduler moves on
             with contextlib.nullcontext() if finite else skipped_update(self.engine):
                 self.engine.step()
@@ -302,16 +292,18 @@ class Trainer:
         self.engine.eval()
         aux_window = dict(self.aux_window)  # dev batches do not count as training aux losses
         metric_window, self.metric_window = self.metric_window, {}
-        loss = nll = tokens = 0.0
+        loss = nll = tokens = 0.0  # loss and nll: float64 device tensors after a batch
         for batch in eval_batches(self.dev_set, self.cfg.data.max_tokens, self.vocab.pad_id,
                                   self.vocab.bos_id, self.vocab.eos_id, dp_rank=self.rt.dp_rank,
                                   dp_world=self.rt.dp_world):
             batch = batch.to(self.rt.device)
             _, loss_sum, nll_sum = self._forward_loss(batch)
             if not batch.is_padding:
-                loss, nll, tokens = loss + loss_sum, nll + nll_sum, tokens + batch.n_tgt_tokens
-        loss, nll, tokens = all_reduce_floats(self.rt, loss, nll, tokens)
-        dev_metrics = self._ratios(self.metric_window, "dev/")
+                loss, nll = accumulate(loss, loss_sum), accumulate(nll, nll_sum)
+                tokens += batch.n_tgt_tokens
+        names, sums = self._metric_sums(self.metric_window)
+        (loss, nll, tokens, *sums), _ = read_values(self.rt, [loss, nll, tokens, *sums])
+        dev_metrics = window_ratios(names, sums, "dev/")
         self.aux_window, self.metric_window = aux_window, metric_window
         self.engine.train()
         tokens = max(tokens, 1.0)
@@ -368,9 +360,14 @@ class Trainer:
             print(msg, flush=True)
 
     # ------------------------------------------------------------------ the loop
-    def _log(self, window: dict[str, float], elapsed: float) -> None:
-        loss, nll, tokens = all_reduce_floats(self.rt, window["loss"], window["nll"],
-                                              window["tokens"])
+    def _log(self, window: dict[str, Any], elapsed: float) -> None:
+        """A window's log line: its sums, aux losses and MoE layer scalars, read at once."""
+        names, sums = self._metric_sums(self.metric_window)
+        layers = self._moe_layer_stats()
+        (loss, nll, tokens, *sums), local = read_values(
+            self.rt, [window["loss"], window["nll"], window["tokens"], *sums],
+            [*self.aux_window.values(), *(v for _, _, stats in layers for v in stats.values())])
+        own = iter(local)  # this rank's values: the aux losses, then the layers' scalars
         if tokens == 0:  # every step of the window was skipped: no loss to report
             loss = nll = float("nan")
         tokens_per_s = tokens / max(elapsed, 1e-9)
@@ -389,13 +386,15 @@ class Trainer:
         if grad_norm is not None:
             values["train/grad_norm"] = float(grad_norm)
         values["train/nonfinite_steps"] = float(self.nonfinite_steps)
-        for key, total in self.aux_window.items():  # the window's own micro-batches: a
-            values[f"moe/aux_{key}"] = total / max(self.aux_micro_batches, 1)  # resumed one's too
+        for key in self.aux_window:  # over the window's own micro-batches (a resumed one's too)
+            values[f"moe/aux_{key}"] = next(own) / max(self.aux_micro_batches, 1)
         self.aux_window, self.aux_micro_batches = {}, 0
-        values.update(self._ratios(self.metric_window, "train/"))
+        values.update(window_ratios(names, sums, "train/"))
         self.metric_window = {}
         self.monitor.scalars(self.step, values)
-        self._log_moe_layers()
+        for tag, counts, stats in layers:
+            self.monitor.histogram(self.step, f"moe_tokens_per_expert/{tag}", counts)
+            self.monitor.scalars(self.step, {key: next(own) for key in stats})
         self.monitor.progress(self.step, {"loss": f"{values['train/loss']:.3f}",
                                           "tok/s": f"{values['train/tokens_per_s']:.0f}"})
         if self.monitor.bar is None:
@@ -405,18 +404,19 @@ class Trainer:
                 f"{values['train/lr']:.2e} | gnorm {values.get('train/grad_norm', 0.0):.2f} | "
                 f"tok/s {values['train/tokens_per_s']:.0f} | mem {values['train/memory_mb']:.0f}MB")
 
-    def _log_moe_layers(self) -> None:
-        """Per MoE layer (last forward on this rank): tokens per expert, drops, entropy."""
+    def _moe_layer_stats(self) -> list[tuple[str, torch.Tensor, dict[str, torch.Tensor]]]:
+        """Per MoE layer (last forward on this rank): (tag, tokens per expert, its scalars:
+        drops, load CV, the router's stats such as entropy), all still on the device."""
+        out = []
         for name, layer in self.moe_layers:
             counts = layer.tokens_per_expert_E.float()
             tag = name.replace(".ffn", "").replace("_layers.", "")
-            self.monitor.histogram(self.step, f"moe_tokens_per_expert/{tag}", counts)
-            cv = (counts.std(unbiased=False) / counts.mean().clamp_min(1e-9)).item()
-            values = {f"moe_dropped/{tag}": float(layer.dropped_slots), f"moe_load_cv/{tag}": cv}
+            cv = counts.std(unbiased=False) / counts.mean().clamp_min(1e-9)
+            stats = {f"moe_dropped/{tag}": layer.dropped_slots, f"moe_load_cv/{tag}": cv}
             for key, value in layer.scalar_stats.items():  # entropy: routers with probabilities
-                name = "entropy" if key == "routing_entropy" else key
-                values[f"moe_{name}/{tag}"] = float(value)
-            self.monitor.scalars(self.step, values)
+                stats[f"moe_{'entropy' if key == 'routing_entropy' else key}/{tag}"] = value
+            out.append((tag, counts, stats))
+        return out
 
     def _validate(self, with_bleu: bool, have: dict[str, Any] | None = None,
                   to_tensorboard: bool = True) -> dict[str, Any]:
