@@ -51,14 +51,15 @@ def check_gold_domains(gold_B: Tensor, num_experts: int) -> None:
     device (a host sync), so ids already found in range are not read again: every gated
     layer of a forward gets the batch's one tensor, which is checked once per forward."""
     global _IN_RANGE
-    if _IN_RANGE is not None:
+    tracked = not gold_B.is_inference()  # inference tensors keep no version counter
+    if _IN_RANGE is not None and tracked:
         ref, version, checked = _IN_RANGE
         if ref() is gold_B and gold_B._version == version and num_experts >= checked:
             return
     if bool((gold_B >= num_experts).any()):
         raise ConfigError(f"adapters.num_experts: domain id {int(gold_B.max())} has no "
                           f"adapter (expected one adapter per domain, got {num_experts})")
-    _IN_RANGE = (weakref.ref(gold_B), gold_B._version, num_experts)
+    _IN_RANGE = (weakref.ref(gold_B), gold_B._version, num_experts) if tracked else None
 
 
 class GatedRouter(Router):
