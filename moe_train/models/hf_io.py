@@ -4,7 +4,8 @@
 safetensors, single or sharded, tokenizer files) and writes a moe_train export of the same
 model: our config, our weights, the tokenizer copied. ``--to-hf CHECKPOINT --out OUT`` writes
 a directory transformers loads with ``Qwen2MoeForCausalLM.from_pretrained``, experts saved one
-by one and files sharded as `save_pretrained` saves them (``--dtype``, ``--max-shard-size``). Weights map one to one except in the sparse blocks:
+by one and files sharded as `save_pretrained` saves them (``--dtype``, ``--max-shard-size``).
+Weights map one to one except in the sparse blocks:
 
     HF (per layer i, ``model.layers.{i}.mlp.``)    ours (``hf.model.layers.{i}.mlp.moe.``)
     gate.weight                       (E, D)        router.gate.weight.weight    (E, D)

@@ -24,8 +24,6 @@ Shape legend: T tokens (flattened B x length), B sentences, D model dim, E adapt
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -36,30 +34,20 @@ from moe_train.errors import ConfigError
 from moe_train.moe import losses
 from moe_train.moe.gating import Router, _require_sentences, _sentence_pad_mask, linear_fp32
 from moe_train.moe.routing import (TARGET_TOKENS_KEY, Routing, RoutingContext, context_rows,
-                                    expand_rows)
+                                    expand_rows, ids_on_host)
 
 TEACHER_PROBS_KEY = "teacher_probs_BE"
 """Extras key of the domain classifier's distribution over the E domains, per sentence."""
 
 
-_IN_RANGE: tuple[weakref.ref, int, int] | None = None
-"""(gold ids, their version, E) of the last `check_gold_domains` call that found them < E."""
-
-
 def check_gold_domains(gold_B: Tensor, num_experts: int) -> None:
-    """ConfigError when a gold domain id has no adapter (id >= E). The answer is read from the
-    device (a host sync), so ids already found in range are not read again: every gated
-    layer of a forward gets the batch's one tensor, which is checked once per forward."""
-    global _IN_RANGE
-    tracked = not gold_B.is_inference()  # inference tensors keep no version counter
-    if _IN_RANGE is not None and tracked:
-        ref, version, checked = _IN_RANGE
-        if ref() is gold_B and gold_B._version == version and num_experts >= checked:
-            return
-    if bool((gold_B >= num_experts).any()):
-        raise ConfigError(f"adapters.num_experts: domain id {int(gold_B.max())} has no "
-                          f"adapter (expected one adapter per domain, got {num_experts})")
-    _IN_RANGE = (weakref.ref(gold_B), gold_B._version, num_experts) if tracked else None
+    """ConfigError when a gold domain id has no adapter (id >= E), checked on the ids' host
+    copy (`ids_on_host`): every gated layer of a forward gets the batch's one tensor, which
+    is read from the device once."""
+    ids = ids_on_host(gold_B)
+    if ids and max(ids) >= num_experts:
+        raise ConfigError(f"adapters.num_experts: domain id {max(ids)} has no adapter "
+                          f"(expected one adapter per domain, got {num_experts})")
 
 
 class GatedRouter(Router):

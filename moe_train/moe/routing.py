@@ -180,6 +180,35 @@ def task_ids_from_context(ctx: ForwardContext, task_source: str | None) -> Tenso
     return _lang_pairs(ctx.src_lang_B, ctx.tgt_lang_B, int(num_langs))
 
 
+def tensor_version(t: Tensor) -> int | None:
+    """The tensor's in-place version counter; None for an inference tensor (it keeps none)."""
+    return None if t.is_inference() else t._version
+
+
+def _same(memo_ref: weakref.ref, memo_version: int | None, t: Tensor) -> bool:
+    """Whether a memo of (weak reference, version) still describes `t` unchanged."""
+    version = tensor_version(t)
+    return memo_ref() is t and version is not None and memo_version == version
+
+
+_HOST_IDS: tuple[weakref.ref, int | None, list[int]] | None = None
+"""(tensor, its version, its values) of the last `ids_on_host` read."""
+
+
+def ids_on_host(ids_B: Tensor) -> list[int]:
+    """``ids_B.tolist()``, read from the device once per tensor: every routed layer of a
+    forward and every decode step get the batch's one ids tensor (``ForwardContext``'s
+    domain / language ids, language pairs by `_lang_pairs`), so the checks of task routers,
+    THOR's predictor and gated adapters share one host sync. Keyed on the tensor's identity
+    and version: an in-place change reads again."""
+    global _HOST_IDS
+    if _HOST_IDS is not None and _same(_HOST_IDS[0], _HOST_IDS[1], ids_B):
+        return _HOST_IDS[2]
+    values = ids_B.tolist()
+    _HOST_IDS = (weakref.ref(ids_B), tensor_version(ids_B), values)
+    return values
+
+
 _LANG_PAIRS: tuple[Any, ...] | None = None
 """(src_lang_B, tgt_lang_B as weak references, their versions, num_langs, pair ids) of the
 last `_lang_pairs`."""
@@ -187,15 +216,14 @@ last `_lang_pairs`."""
 
 def _lang_pairs(src_lang_B: Tensor, tgt_lang_B: Tensor, num_langs: int) -> Tensor:
     """src_lang * num_langs + tgt_lang, the same tensor while the inputs are: every layer and
-    decode step of a batch then gets one task-id tensor, whose range the task router reads
-    from the device once (`sentence_router.ids_on_host`)."""
+    decode step of a batch then gets one task-id tensor, which `ids_on_host` reads once."""
     global _LANG_PAIRS
-    versions = tuple(None if t.is_inference() else t._version for t in (src_lang_B, tgt_lang_B))
     memo = _LANG_PAIRS
-    if (memo is not None and memo[0]() is src_lang_B and memo[1]() is tgt_lang_B
-            and None not in versions and memo[2] == versions and memo[3] == num_langs):
+    if (memo is not None and memo[3] == num_langs and _same(memo[0], memo[2][0], src_lang_B)
+            and _same(memo[1], memo[2][1], tgt_lang_B)):
         return memo[4]
     pairs_B = src_lang_B.long() * num_langs + tgt_lang_B.long()
+    versions = (tensor_version(src_lang_B), tensor_version(tgt_lang_B))
     _LANG_PAIRS = (weakref.ref(src_lang_B), weakref.ref(tgt_lang_B), versions, num_langs, pairs_B)
     return pairs_B
 

@@ -11,8 +11,6 @@ E experts, K expert slots per token, N tasks.
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 from torch import Tensor, nn
 
@@ -32,35 +30,11 @@ from moe_train.moe.gating import (
     sentence_repr,
     top_k_select,
 )
-from moe_train.moe.routing import Routing, RoutingContext
+from moe_train.moe.routing import Routing, RoutingContext, ids_on_host, tensor_version
 
 RAW_TEXT_FLAGS = {"domain": "--domain", "tgt_lang": "--tgt-lang", "src_lang": "--src-lang",
                   "lang_pair": "--src-lang and --tgt-lang"}
 """The translate / evaluate flags that give raw text the ids a task source reads."""
-
-_HOST_IDS: tuple[weakref.ref, int | None, list[int]] | None = None
-"""(tensor, its version, its values) of the last `ids_on_host` read."""
-
-
-def _version(t: Tensor) -> int | None:
-    """The tensor's in-place version counter; None for an inference tensor (it keeps none)."""
-    return None if t.is_inference() else t._version
-
-
-def ids_on_host(ids_B: Tensor) -> list[int]:
-    """``ids_B.tolist()``, read from the device once per tensor: every task-routed layer of a
-    forward and every decode step get the same ids tensor (``ForwardContext.domain_ids_B``,
-    ..., language pairs by `routing._lang_pairs`), so their checks (and THOR's task
-    predictor's) share one host sync. Keyed on the tensor's identity and version (an in-place
-    change reads again)."""
-    global _HOST_IDS
-    memo, version = _HOST_IDS, _version(ids_B)
-    if memo is not None and memo[0]() is ids_B and version is not None and memo[1] == version:
-        return memo[2]
-    values = ids_B.tolist()
-    _HOST_IDS = (weakref.ref(ids_B), version, values)
-    return values
-
 
 class SentenceRouter(Router):
     """Sentence-level routing (Switch-SL / SGMoE-SL): one top-k decision per sentence.
@@ -210,7 +184,8 @@ class TaskRouter(Router):
         """A frozen table's unserved rows (-1) are an error naming the task id. Checked on
         host copies: the ids (`ids_on_host`) and which rows are served, read once per table
         (identity and version: a loaded checkpoint reads again)."""
-        table_NK, memo, version = self.table_ids_NK, self._served_memo, _version(self.table_ids_NK)
+        table_NK, memo = self.table_ids_NK, self._served_memo
+        version = tensor_version(table_NK)
         if memo is None or memo[0] is not table_NK or version is None or memo[1] != version:
             memo = self._served_memo = (table_NK, version, (table_NK[:, 0] >= 0).tolist())
         served_N = memo[2]

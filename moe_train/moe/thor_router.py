@@ -35,8 +35,7 @@ from moe_train.moe.gating import (LinearGate, Router, _token_stats, linear_fp32,
                                    top_k_select)
 from moe_train.moe.gating import top_p_select
 from moe_train.moe.routing import (Routing, RoutingContext, context_rows, expand_rows,
-                                   task_ids_from_context)
-from moe_train.moe.sentence_router import ids_on_host
+                                   ids_on_host, task_ids_from_context)
 
 TASK_PROBS_KEY = "task_probs_BK"
 """Extras key of the predicted task distribution P^t (float32)."""

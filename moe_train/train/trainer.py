@@ -203,7 +203,7 @@ class Trainer:
         names = sorted(set(window) | set(self.hooks.metric_names))
         return names, [v for n in names for v in window.get(n, (0.0, 0.0))]
 
-    def _clip_gradients(self) -> float | torch.Tensor | None:
+    def _grad_norm(self) -> float | torch.Tensor | None:
         """The global norm of the unscaled (fp16: loss scale divided out) gradients, counting
         each expert once. Under ZeRO 0 we compute it (a device tensor that `train_step` reads
         with its finite check, then clips: DeepSpeed's engine-level clipping does not know
@@ -241,7 +241,7 @@ class Trainer:
                 self.engine.step()  # accumulating: no update yet
                 continue
             # gradients are reduced at the accumulation boundary
-            finite, self.last_grad_norm = step_decision(self.rt, loss_tot, self._clip_gradients())
+            finite, self.last_grad_norm = step_decision(self.rt, loss_tot, self._grad_norm())
             if self.cfg.optim.zero_stage == 0:
                 clip_gradients(self.engine.module, self.last_grad_norm, self.cfg.optim.clip_norm)
             self.last_lr = self.engine.get_lr()[0]  # before the scheduler moves on
