@@ -23,15 +23,15 @@ def main(config: str, out: str, steps: int, *overrides: str) -> None:
     rt = trainer.rt  # with its expert-parallel groups
     record = {"grads": None, "params": [], "norms": [], "nonfinite": [], "ep_rank": rt.ep_rank,
               "ep_size": rt.ep_size}
-    clip = trainer._clip_gradients
+    norm = trainer._grad_norm
 
-    def observe_then_clip() -> float:
+    def observe_then_norm():
         if record["grads"] is None:
             record["grads"] = {n: p.grad.detach().clone() for n, p in module.named_parameters()
                                if p.grad is not None}
-        return clip()
+        return norm()
 
-    trainer._clip_gradients = observe_then_clip  # an observer; train_step itself is unchanged
+    trainer._grad_norm = observe_then_norm  # an observer; train_step itself is unchanged
     for _ in range(int(steps)):
         sums = trainer.train_step()
         record["nonfinite"].append(sums["nonfinite"])
