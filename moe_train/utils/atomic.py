@@ -6,7 +6,9 @@ A reader (or a crashed run) never sees a half-written file or directory under th
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
+import functools
 import glob
 import json
 import os
@@ -18,6 +20,11 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 from moe_train.errors import MACHINE_ERRNOS, DataError
+
+try:  # POSIX only
+    import resource
+except ImportError:  # pragma: no cover
+    resource = None
 
 
 def _umask() -> int:
@@ -80,16 +87,50 @@ _TORCH_WRITER = ("PytorchStreamWriter", "inline_container.cc")
 
 
 def _probed_errno(where: str | os.PathLike) -> int:
-    """ENOSPC when `where`'s file system has under 1 MiB left (a failed write filled it), else
-    EIO: for libraries whose failed writes carry no errno."""
+    """The errno behind a library's failed write that carries none (torch.save, numpy), found
+    while the failed file still holds its space: ENOSPC when `where`'s file system has under
+    1 MiB left; else the errno of a small probe write beside `where` (EDQUOT for a full quota,
+    which leaves the disk's free space alone); else EFBIG when the process has a file-size
+    limit; else EIO."""
     try:
         probe = Path(where)
         while not probe.exists() and probe != probe.parent:
             probe = probe.parent
+        if probe.is_file():
+            probe = probe.parent
         vfs = os.statvfs(probe)
-        return errno.ENOSPC if vfs.f_bavail * vfs.f_frsize < 1 << 20 else errno.EIO
+        if vfs.f_bavail * vfs.f_frsize < 1 << 20:
+            return errno.ENOSPC
     except OSError:
         return errno.EIO
+    code = _probe_write(probe)
+    if code is not None:
+        return code
+    if resource is not None and resource.getrlimit(resource.RLIMIT_FSIZE)[0] != \
+            resource.RLIM_INFINITY:
+        return errno.EFBIG
+    return errno.EIO
+
+
+def _probe_write(directory: Path) -> int | None:
+    """The errno of writing and syncing 64 KiB to a temporary file in `directory` (removed
+    again), or None when that succeeds."""
+    try:
+        fd, name = tempfile.mkstemp(prefix=".probe.", suffix=".tmp", dir=directory)
+    except OSError as exc:
+        return exc.errno
+    try:
+        data = memoryview(bytes(1 << 16))
+        while data:  # a write near a limit may be short before it fails
+            data = data[os.write(fd, data):]
+        os.fsync(fd)
+    except OSError as exc:
+        return exc.errno
+    finally:
+        os.close(fd)
+        with contextlib.suppress(OSError):
+            os.unlink(name)
+    return None
 
 
 def _library_write_error(exc: Exception, where: str | os.PathLike) -> int | None:
@@ -182,8 +223,8 @@ def atomic_path(final: str | os.PathLike) -> Iterator[Path]:
 def atomic_dir(final: str | os.PathLike, overwrite: bool = False) -> Iterator[Path]:
     """Yield a temporary directory beside `final`; rename it onto `final` on success.
 
-    With `overwrite`, an existing `final` is replaced (moved aside, then removed) only after the
-    new directory is complete. A symlink is kept and the directory it leads to replaced (`--out
+    With `overwrite`, an existing `final` is replaced only after the new directory is complete,
+    in one atomic swap where the file system has one (else moved aside, then removed). A symlink is kept and the directory it leads to replaced (`--out
     latest -> runs/7`), as `atomic_path` does for a file.
     """
     final = Path(final)
@@ -201,17 +242,48 @@ def atomic_dir(final: str | os.PathLike, overwrite: bool = False) -> Iterator[Pa
         if final.exists():
             if not overwrite:
                 raise FileExistsError(f"{final}: already exists")
-            old = final.with_name(f".{final.name}.old")
-            _remove(old)
-            os.replace(final, old)
-            os.replace(tmp, final)
-            _remove(old)
+            if not _exchange(tmp, final):  # no atomic swap here: move aside, then rename
+                old = final.with_name(f".{final.name}.old")
+                _remove(old)
+                os.replace(final, old)
+                os.replace(tmp, final)
+                _remove(old)
         else:
             os.replace(tmp, final)
         _fsync_dir(final.parent)
     finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+        _remove(tmp)  # after a swap, the previous content
+
+
+_AT_FDCWD = -100
+_RENAME_EXCHANGE = 2
+
+
+@functools.cache
+def _renameat2() -> Any:
+    """The C library's renameat2 (glibc >= 2.28), or None."""
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).renameat2
+    except (AttributeError, OSError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two existing paths in one step (Linux RENAME_EXCHANGE), so that a reader of `b`
+    sees the old or the new content, never neither. False where the C library, the kernel or
+    the file system cannot."""
+    fn = _renameat2()
+    if fn is None:
+        return False
+    if fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False
+    raise OSError(code, os.strerror(code), str(b))
 
 
 def _recover(final: Path) -> None:
