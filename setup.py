@@ -13,7 +13,7 @@ setup(
     packages=find_packages(include=["moe_train", "moe_train.*"]),
     package_data={"moe_train": ["recipes/*.yaml"]},
     install_requires=[
-        "torch>=2.1",
+        "torch>=2.6",  # transformers 5; CUDA nonzero_static; _foreach_norm(dtype=)
         "deepspeed>=0.19.5,<0.20",  # older releases rank top-k by logits
         "sentencepiece>=0.2,<0.3",
         "sacrebleu>=2.4,<3",

@@ -26,6 +26,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 TORCH = "torch==2.13.0"
 """What a machine without torch gets (a CPU build where no GPU wheel is offered)."""
+MIN_TORCH = (2, 6)
+"""The oldest torch kept (setup.py's floor): transformers 5 needs it, and so do CUDA's
+nonzero_static and _foreach_norm's dtype, which the dispatch and the grad norm use."""
 
 
 def say(text: str) -> None:
@@ -74,6 +77,22 @@ def torch_version(python: Path) -> str | None:
     return out.stdout.strip() if out.returncode == 0 else None
 
 
+def too_old(version: str) -> str | None:
+    """The one-line refusal of a torch found older than MIN_TORCH (None when new enough): it
+    is kept, never replaced, so the user picks the build that suits their machine's CUDA."""
+    release = version.split("+")[0].split(".")
+    try:
+        found = tuple(int("".join(c for c in part if c.isdigit()) or 0) for part in release[:2])
+    except ValueError:
+        return None
+    if found >= MIN_TORCH:
+        return None
+    need = ".".join(map(str, MIN_TORCH))
+    return (f"torch {version} found, but moe_train needs torch >= {need}: upgrade it (a build "
+            f"for this machine's CUDA), or run make with a python3 that has no torch (then "
+            f"{TORCH} is installed)")
+
+
 def main() -> int:
     venv = ROOT / (sys.argv[1] if len(sys.argv) > 1 else ".venv")
     stamp = venv / ".installed"
@@ -89,6 +108,9 @@ def main() -> int:
             say(f"no torch found: installing {TORCH}")
             run(python, "-m", "pip", "install", "-q", TORCH)
             version = torch_version(python)
+        elif too_old(version):
+            print(f"setup: error: {too_old(version)}", file=sys.stderr)
+            return 2
         else:
             say(f"keeping the torch found ({version})")
         with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as pin:

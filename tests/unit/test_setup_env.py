@@ -37,3 +37,18 @@ def test_the_packages_of_an_outer_venv_are_found(monkeypatch) -> None:
     found = setup_env.outer_site_packages()
     assert found and all(p in {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}
                          for p in found)
+
+
+def test_a_torch_older_than_the_floor_is_refused_in_one_line() -> None:
+    """A machine's own torch is kept, never replaced; one older than setup.py's floor is
+    named with what to do instead of a resolver conflict (or a crash at the first step)."""
+    import re
+
+    setup_env = _module()
+    floor = re.search(r'"torch>=(\d+)\.(\d+)"', (ROOT / "setup.py").read_text())
+    assert floor and tuple(map(int, floor.groups())) == setup_env.MIN_TORCH
+    for new_enough in ("2.6.0", "2.13.0+cpu", "2.7.1+cu128", "3.0.0a0+git1234", "2.10.0.dev2026"):
+        assert setup_env.too_old(new_enough) is None, new_enough
+    for old in ("2.3.1+cu121", "2.5.0", "1.13.1"):
+        line = setup_env.too_old(old)
+        assert line and f"torch {old} found" in line and ">= 2.6" in line and "\n" not in line
