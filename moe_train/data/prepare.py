@@ -20,7 +20,8 @@ Manifest (``manifest.json``)::
                train_dropped_overlap, files: {split: {src, tgt}}}],
     splits: {split: {corpus_sizes: [per corpus], sentences, src_tokens, tgt_tokens,
                      skipped_too_long: [per corpus], skipped_empty: [per corpus]}},
-    data_config: {the DataConfig fields}, seed
+    data_config: {the DataConfig fields}, seed,
+    content_sha256: digest of every other file of the directory (shards, tokenizer)
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from moe_train.data.vocab import Vocab, domain_tag, lang_tag, \
     train_sentencepiece
 from moe_train.errors import ConfigError, DataError
 from moe_train.utils.atomic import atomic_dir, check_parent_writable, write_json
+from moe_train.utils.provenance import digest_tree
 
 MANIFEST_VERSION = 1
 SPM_PREFIX = "spm"
@@ -373,6 +375,10 @@ def prepare(corpora: list[CorpusFiles], out_dir: str | os.PathLike, data_cfg: Da
             "corpora": corpus_entries, "splits": splits,
             "data_config": dataclasses.asdict(data_cfg),
             "seed": seed,  # what carved dev / test and sampled sentencepiece's text
+            # every file written above, so that re-prepared data of the same sizes (a fixed
+            # sentence, a reordered corpus) still changes this manifest and the stages that
+            # read it (stages/record.py) see it
+            "content_sha256": digest_tree(tmp),
         }
         write_json(tmp / MANIFEST, manifest)  # last: its presence marks a complete directory
     return manifest

@@ -12,7 +12,7 @@ Every stage's ``done.json`` records ``made_from``:
   classifier, AD and GAD stages depend on the ``gated`` fields they read (`GATED_READS`) and
   not on MoA's, its evaluate stage on the whole config.
 - ``data``: a digest of the prepared data's ``manifest.json`` (its path may change, its
-  content may not).
+  content may not), which holds a digest of the data's files (``content_sha256``).
 - ``inputs``: a digest of the record of every other stage whose output it read.
 - ``recipe``: the recipe that ran it (all but the backbone, which every recipe shares): two
   recipes in one workdir have stages of the same name (evaluate) that are not the same.

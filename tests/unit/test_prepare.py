@@ -342,6 +342,27 @@ def test_deterministic_bytes(tmp_path: Path, two_domains: list[CorpusFiles]) -> 
     assert c["dev/law.de-en.raw.src"] != a["dev/law.de-en.raw.src"]
 
 
+def test_the_manifest_changes_with_the_content_at_the_same_sizes(tmp_path: Path) -> None:
+    """Two training lines swapped: the same sizes, token counts and vocabulary, other shards.
+    The manifest (whose digest the recipe stages compare to see stale data) changes by its
+    `content_sha256`, the digest of the directory's other files."""
+    from moe_train.utils.provenance import digest_tree
+
+    corpus = _corpus(tmp_path / "data", "law", 30, seed=3)
+    prepare([corpus], tmp_path / "a", _cfg(dev_per_domain=0, test_per_domain=0), seed=5)
+    for side in (corpus.src, corpus.tgt):
+        lines = side.read_text(encoding="utf-8").splitlines(keepends=True)
+        lines[0], lines[1] = lines[1], lines[0]
+        side.write_text("".join(lines), encoding="utf-8")
+    prepare([corpus], tmp_path / "b", _cfg(dev_per_domain=0, test_per_domain=0), seed=5)
+    a, b = (load_manifest(tmp_path / name) for name in "ab")
+    assert a["content_sha256"] != b["content_sha256"]
+    assert {k: v for k, v in a.items() if k != "content_sha256"} == \
+        {k: v for k, v in b.items() if k != "content_sha256"}
+    (tmp_path / "a" / "manifest.json").unlink()
+    assert a["content_sha256"] == digest_tree(tmp_path / "a")
+
+
 # --- shards and vocab directly ------------------------------------------------------------------
 
 def test_sharded_dataset_with_an_empty_corpus_in_the_middle(tmp_path: Path) -> None:
