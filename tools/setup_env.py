@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import re
 import subprocess
 import sys
 import sysconfig
@@ -78,14 +79,16 @@ def torch_version(python: Path) -> str | None:
 
 
 def too_old(version: str) -> str | None:
-    """The one-line refusal of a torch found older than MIN_TORCH (None when new enough): it
-    is kept, never replaced, so the user picks the build that suits their machine's CUDA."""
-    release = version.split("+")[0].split(".")
-    try:
-        found = tuple(int("".join(c for c in part if c.isdigit()) or 0) for part in release[:2])
-    except ValueError:
+    """The one-line refusal of a torch found older than MIN_TORCH (None when new enough), as
+    pip orders versions: a pre-release of the floor (2.6.0a0+git..., 2.6.0rc1) comes before
+    it. It is kept, never replaced, so the user picks the build that suits their CUDA."""
+    match = re.match(r"(\d+)\.(\d+)(?:\.(\d+))?([^+]*)", version)
+    if not match:
         return None
-    if found >= MIN_TORCH:
+    release = tuple(int(part or 0) for part in match.groups()[:3])
+    pre = re.search(r"(a|b|rc|dev)\d*", match.group(4)) is not None
+    floor = (*MIN_TORCH, 0)
+    if release > floor or (release == floor and not pre):
         return None
     need = ".".join(map(str, MIN_TORCH))
     return (f"torch {version} found, but moe_train needs torch >= {need}: upgrade it (a build "

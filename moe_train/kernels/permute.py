@@ -65,7 +65,8 @@ def sort_sentence_slots(expert_ids_TK: Tensor, expert_ids_BK: Tensor, num_expert
     """
     T, K = expert_ids_TK.shape
     B = expert_ids_BK.size(0)
-    if B == 0 or T % B or expert_ids_BK.shape != (B, K) or expert_ids_BK.is_floating_point():
+    if B == 0 or T == 0 or T % B or expert_ids_BK.shape != (B, K) or \
+            expert_ids_BK.is_floating_point():
         return None
     L = T // B
     ids_S = expert_ids_BK.reshape(-1).long()

@@ -86,30 +86,39 @@ _SHORT_WRITE_RE = re.compile(r"\d+ requested and \d+ written")  # numpy's tofile
 _TORCH_WRITER = ("PytorchStreamWriter", "inline_container.cc")
 
 
-def _probed_errno(where: str | os.PathLike) -> int:
+def _probed_errno(final: str | os.PathLike, tmp: Path | None) -> int:
     """The errno behind a library's failed write that carries none (torch.save, numpy), found
-    while the failed file still holds its space: ENOSPC when `where`'s file system has under
-    1 MiB left; else the errno of a small probe write beside `where` (EDQUOT for a full quota,
-    which leaves the disk's free space alone); else EFBIG when the process has a file-size
-    limit; else EIO."""
+    while what failed (`tmp`, a file or a directory; None for a device written in place) still
+    holds its space: ENOSPC when its file system has under 1 MiB left; else the errno of a
+    small probe write where it was written (EDQUOT for a full quota, which leaves the disk's
+    free space alone); else EFBIG when a file written reached the process's file-size limit;
+    else EIO."""
+    place = tmp if tmp is not None and tmp.exists() else Path(os.path.realpath(final))
     try:
-        probe = Path(where)
-        while not probe.exists() and probe != probe.parent:
-            probe = probe.parent
-        if probe.is_file():
-            probe = probe.parent
-        vfs = os.statvfs(probe)
+        while not place.exists() and place != place.parent:
+            place = place.parent
+        vfs = os.statvfs(place)
         if vfs.f_bavail * vfs.f_frsize < 1 << 20:
             return errno.ENOSPC
     except OSError:
         return errno.EIO
-    code = _probe_write(probe)
+    if tmp is None or not tmp.exists():
+        return errno.EIO
+    code = _probe_write(tmp if tmp.is_dir() else tmp.parent)
     if code is not None:
         return code
-    if resource is not None and resource.getrlimit(resource.RLIMIT_FSIZE)[0] != \
-            resource.RLIM_INFINITY:
-        return errno.EFBIG
+    if resource is not None:
+        limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+        if limit != resource.RLIM_INFINITY and _largest_file(tmp) >= limit:
+            return errno.EFBIG
     return errno.EIO
+
+
+def _largest_file(path: Path) -> int:
+    """Size of `path`, or of the largest file under it (0 for none)."""
+    if not path.is_dir():
+        return path.stat().st_size if path.is_file() else 0
+    return max((p.stat().st_size for p in path.rglob("*") if p.is_file()), default=0)
 
 
 def _probe_write(directory: Path) -> int | None:
@@ -119,21 +128,25 @@ def _probe_write(directory: Path) -> int | None:
         fd, name = tempfile.mkstemp(prefix=".probe.", suffix=".tmp", dir=directory)
     except OSError as exc:
         return exc.errno
+    code = None
     try:
         data = memoryview(bytes(1 << 16))
         while data:  # a write near a limit may be short before it fails
             data = data[os.write(fd, data):]
         os.fsync(fd)
     except OSError as exc:
-        return exc.errno
-    finally:
-        os.close(fd)
-        with contextlib.suppress(OSError):
-            os.unlink(name)
-    return None
+        code = exc.errno
+    try:
+        os.close(fd)  # a network file system may report the failure only here
+    except OSError as exc:
+        code = code or exc.errno
+    with contextlib.suppress(OSError):
+        os.unlink(name)
+    return code
 
 
-def _library_write_error(exc: Exception, where: str | os.PathLike) -> int | None:
+def _library_write_error(exc: Exception, final: str | os.PathLike,
+                         tmp: Path | None) -> int | None:
     """The errno behind a library's failed write that carries none, or None for any other
     error: safetensors says "(os error N)"; torch.save's zip writer raises a RuntimeError and
     numpy's short write an OSError, both without an errno (`_probed_errno`)."""
@@ -142,9 +155,9 @@ def _library_write_error(exc: Exception, where: str | os.PathLike) -> int | None
         match = _OS_ERROR_RE.search(text)
         return int(match.group(1)) if match else None
     if isinstance(exc, OSError) and exc.errno is None and _SHORT_WRITE_RE.search(text):
-        return _probed_errno(where)
+        return _probed_errno(final, tmp)
     if isinstance(exc, RuntimeError) and any(m in text for m in _TORCH_WRITER):
-        return _probed_errno(where)
+        return _probed_errno(final, tmp)
     return None
 
 
@@ -174,7 +187,7 @@ def write_errors_naming(final: str | os.PathLike, tmp: Path | None = None) -> It
         yield
     except Exception as exc:
         code = exc.errno if isinstance(exc, OSError) and exc.errno is not None else \
-            _library_write_error(exc, final)
+            _library_write_error(exc, final, tmp)
         if code is None:
             raise
         names = (exc.filename2, exc.filename) if isinstance(exc, OSError) else ()
@@ -281,8 +294,8 @@ def _exchange(a: Path, b: Path) -> bool:
     if fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
         return True
     code = ctypes.get_errno()
-    if code in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
-        return False
+    if code in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EPERM):
+        return False  # EPERM: a seccomp filter; a real refusal recurs in the fallback
     raise OSError(code, os.strerror(code), str(b))
 
 

@@ -21,22 +21,30 @@ def _write_dir(out: Path, text: str, **kwargs) -> None:
         (tmp / "model.txt").write_text(text)
 
 
+def _swaps_here(tmp_path: Path) -> bool:
+    a, b = tmp_path / "swap-a", tmp_path / "swap-b"
+    a.mkdir(), b.mkdir()
+    try:
+        return atomic._exchange(a, b)
+    finally:
+        a.rmdir(), b.rmdir()
+
+
 def test_overwriting_a_directory_never_leaves_it_missing(tmp_path, monkeypatch) -> None:
-    """The previous directory and the new one are swapped in one step: no moment (no rename)
-    at which a reader finds no directory, and nothing is left beside it."""
+    """The previous directory and the new one are swapped in one step (no rename at all, so
+    no moment at which a reader finds no directory), and nothing is left beside it."""
+    if not _swaps_here(tmp_path):
+        pytest.skip("this file system has no RENAME_EXCHANGE")
     out = tmp_path / "export"
     _write_dir(out, "old")
-    seen = []
-    real_replace = os.replace
-
-    def watched_replace(src, dst):
-        real_replace(src, dst)
-        seen.append(out.is_dir())
-
-    monkeypatch.setattr(atomic.os, "replace", watched_replace)
+    renames, swaps = [], []
+    real_exchange = atomic._exchange
+    monkeypatch.setattr(atomic.os, "replace", lambda *a: renames.append(a))
+    monkeypatch.setattr(atomic, "_exchange", lambda a, b: swaps.append(real_exchange(a, b))
+                        or swaps[-1])
     _write_dir(out, "new", overwrite=True)
     assert (out / "model.txt").read_text() == "new"
-    assert all(seen), seen
+    assert swaps == [True] and renames == []
     assert [p.name for p in tmp_path.iterdir()] == ["export"]
 
 
@@ -102,10 +110,8 @@ for name, write in (("t.pt", lambda p: torch.save(torch.zeros(1 << 20), p)),
 
 
 def test_a_full_quota_is_found_by_a_probe_write(tmp_path, monkeypatch) -> None:
-    """A full quota leaves the disk's free space alone: a small write beside the output finds
-    EDQUOT; the probe file does not stay. A write that succeeds leaves EIO."""
-    real_write = os.write
-
+    """A full quota leaves the disk's free space alone: a small write where the output was
+    being written finds EDQUOT; the probe file does not stay."""
     def quota_full(fd, data):
         raise OSError(errno.EDQUOT, os.strerror(errno.EDQUOT))
 
@@ -116,9 +122,39 @@ def test_a_full_quota_is_found_by_a_probe_write(tmp_path, monkeypatch) -> None:
     assert (err.value.errno, err.value.filename) == (errno.EDQUOT, str(tmp_path / "ckpt.pt"))
     assert list(tmp_path.iterdir()) == []
 
-    monkeypatch.setattr(atomic.os, "write", real_write)
-    assert atomic._probed_errno(tmp_path / "sub" / "x.pt") == errno.EIO
-    assert list(tmp_path.iterdir()) == []
+
+def test_the_probe_is_made_where_the_output_is_written(tmp_path, monkeypatch) -> None:
+    """A symlinked output is written (and probed) beside the file it leads to; a directory
+    in its temporary directory; a device written in place is not probed."""
+    probed = []
+    monkeypatch.setattr(atomic, "_probe_write", lambda d: probed.append(d))
+    torch_failure = RuntimeError("PytorchStreamWriter failed writing file data/0")
+    (tmp_path / "real").mkdir()
+    (tmp_path / "link.pt").symlink_to(tmp_path / "real" / "out.pt")
+    held = []
+    for out, opener in ((tmp_path / "link.pt", atomic_path), (tmp_path / "d", atomic_dir),
+                        (Path("/dev/null"), atomic_path)):
+        with pytest.raises(OSError) as err:
+            with opener(out) as tmp:
+                held.append(tmp)
+                raise torch_failure
+        assert (err.value.errno, err.value.filename) == (errno.EIO, str(out))
+    assert held[0].parent == tmp_path / "real" and held[1].parent == tmp_path
+    assert probed == [tmp_path / "real", held[1]]  # the file's directory; the directory
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link.pt", "real"]
+
+
+def test_efbig_only_for_a_file_at_the_size_limit(tmp_path, monkeypatch) -> None:
+    """Under a finite file-size limit, a failed write is EFBIG only when what was written
+    reached it; a smaller file's failure stays EIO (a network file system's error)."""
+    import resource
+
+    written = tmp_path / ".out.pt.abcdefgh.tmp"
+    written.write_bytes(bytes(1000))
+    for limit, code in ((resource.RLIM_INFINITY, errno.EIO), (4096, errno.EIO),
+                        (1000, errno.EFBIG)):
+        monkeypatch.setattr(resource, "getrlimit", lambda which, limit=limit: (limit, limit))
+        assert atomic._probed_errno(tmp_path / "out.pt", written) == code, limit
 
 
 def test_a_nearly_full_disk_says_no_space(tmp_path, monkeypatch) -> None:
@@ -126,4 +162,4 @@ def test_a_nearly_full_disk_says_no_space(tmp_path, monkeypatch) -> None:
         f_bavail, f_frsize = 10, 4096
 
     monkeypatch.setattr(atomic.os, "statvfs", lambda path: Full)
-    assert atomic._probed_errno(tmp_path / "x.pt") == errno.ENOSPC
+    assert atomic._probed_errno(tmp_path / "x.pt", None) == errno.ENOSPC

@@ -333,7 +333,7 @@ def test_a_full_disk_inside_a_directory_being_written_names_the_output(tmp_path,
 
     out, src = tmp_path / "export", tmp_path / "spm.model"
     src.write_text("model")
-    monkeypatch.setattr(atomic, "_probed_errno", lambda where: errno.ENOSPC)
+    monkeypatch.setattr(atomic, "_probed_errno", lambda final, tmp: errno.ENOSPC)
     cases = {
         "copy": lambda d: (_ for _ in ()).throw(OSError(errno.ENOSPC, "No space left on device",
                                                         str(src), None, str(d / "spm.model"))),

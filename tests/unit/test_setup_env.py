@@ -47,8 +47,9 @@ def test_a_torch_older_than_the_floor_is_refused_in_one_line() -> None:
     setup_env = _module()
     floor = re.search(r'"torch>=(\d+)\.(\d+)"', (ROOT / "setup.py").read_text())
     assert floor and tuple(map(int, floor.groups())) == setup_env.MIN_TORCH
-    for new_enough in ("2.6.0", "2.13.0+cpu", "2.7.1+cu128", "3.0.0a0+git1234", "2.10.0.dev2026"):
+    for new_enough in ("2.6.0", "2.6.1+cu124", "2.13.0+cpu", "2.7.0a0+79aa17489c",
+                       "3.0.0a0+git1234", "2.10.0.dev2026", "2.6"):
         assert setup_env.too_old(new_enough) is None, new_enough
-    for old in ("2.3.1+cu121", "2.5.0", "1.13.1"):
+    for old in ("2.3.1+cu121", "2.5.0", "1.13.1", "2.6.0a0+ecf3bae40a", "2.6.0rc1"):
         line = setup_env.too_old(old)
         assert line and f"torch {old} found" in line and ">= 2.6" in line and "\n" not in line
