@@ -115,8 +115,8 @@ def test_a_full_quota_is_found_by_a_probe_write(tmp_path, monkeypatch) -> None:
     def quota_full(fd, data):
         raise OSError(errno.EDQUOT, os.strerror(errno.EDQUOT))
 
-    monkeypatch.setattr(atomic.os, "write", quota_full)
-    with pytest.raises(OSError) as err:
+    with monkeypatch.context() as patch, pytest.raises(OSError) as err:
+        patch.setattr(atomic.os, "write", quota_full)  # os.write: only for this block
         with atomic_path(tmp_path / "ckpt.pt"):
             raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos")
     assert (err.value.errno, err.value.filename) == (errno.EDQUOT, str(tmp_path / "ckpt.pt"))
