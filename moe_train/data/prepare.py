@@ -19,7 +19,8 @@ Manifest (``manifest.json``)::
                lang_tag_id, domain_tag_id, carved: [splits carved from train],
                train_dropped_overlap, files: {split: {src, tgt}}}],
     splits: {split: {corpus_sizes: [per corpus], sentences, src_tokens, tgt_tokens,
-                     skipped_too_long: [per corpus], skipped_empty: [per corpus]}},
+                     skipped_too_long: [per corpus], skipped_empty: [per corpus],
+                     sha256: digest of the split's shards}},
     data_config: {the DataConfig fields}, seed,
     content_sha256: digest of every other file of the directory (shards, tokenizer)
 """
@@ -363,6 +364,7 @@ def prepare(corpora: list[CorpusFiles], out_dir: str | os.PathLike, data_cfg: Da
                 stats["tgt_tokens"] += sum(map(len, tgt_ids))
                 stats["skipped_too_long"].append(too_long)
                 stats["skipped_empty"].append(empty)
+            stats["sha256"] = digest_tree(split_dir)  # resume compares the training split's
             splits[split] = stats
 
         manifest = {

@@ -86,15 +86,17 @@ def _data_identity(manifest: dict[str, Any]) -> dict[str, Any]:
     train = manifest.get("splits", {}).get("train", {})
     return {**{k: manifest.get(k) for k in DATA_IDENTITY},
             "corpora": [c.get("name") for c in manifest.get("corpora", [])],
-            **{f"train {k}": train.get(k) for k in ("corpus_sizes", "src_tokens", "tgt_tokens")}}
+            **{f"train {k}": train.get(k)
+               for k in ("corpus_sizes", "src_tokens", "tgt_tokens", "sha256")}}
 
 
 def check_resume_data(tag_dir: Path, manifest: dict[str, Any], tokenizer_files: Sequence[Path]
                       ) -> None:
     """Refuse to resume from `tag_dir` on other prepared data than it trained on: a tokenizer
     file that differs from the checkpoint's copy, or a manifest that differs in the vocabulary,
-    the tags, the corpora or the training split's sizes (one CheckpointError line). The data may
-    have moved: file paths are not compared."""
+    the tags, the corpora or the training split's sizes or content digest (where both
+    manifests have one; one CheckpointError line). The data may have moved: file paths are not
+    compared; dev and test may have been carved again."""
     for path in tokenizer_files:
         stored = tag_dir / path.name
         if stored.is_file() and stored.read_bytes() != path.read_bytes():
@@ -106,7 +108,8 @@ def check_resume_data(tag_dir: Path, manifest: dict[str, Any], tokenizer_files: 
     old = _data_identity(read_json_object(tag_dir / "manifest.json",
                                           "the manifest of the data it trained on"))
     new = _data_identity(manifest)
-    differ = [f"{k} {old[k]!r} -> {new[k]!r}" for k in old if _norm(old[k]) != _norm(new[k])]
+    differ = [f"{k} {old[k]!r} -> {new[k]!r}" for k in old if _norm(old[k]) != _norm(new[k])
+              and not (k == "train sha256" and None in (old[k], new[k]))]  # older manifests
     if differ:
         raise CheckpointError(f"{tag_dir}: data.prepared_dir holds other prepared data than the "
                               f"checkpoint trained on: {'; '.join(differ)}")

@@ -268,6 +268,17 @@ def test_resume_data_check_compares_the_tokenizer_and_the_manifest(tmp_path):
     with pytest.raises(CheckpointError, match=r"other prepared data .*train corpus_sizes "
                                               r"\[100\] -> \[99\]"):
         check_resume_data(tag, fewer, [prepared / "spm.model"])
+    # the training split's content digest: compared where both manifests have one
+    manifest["splits"]["train"]["sha256"] = "aaaa"
+    (tag / "manifest.json").write_text(json.dumps(manifest))
+    before = json.loads(json.dumps(manifest))
+    del before["splits"]["train"]["sha256"]  # prepared before the digest existed: not compared
+    check_resume_data(tag, before, [prepared / "spm.model"])
+    edited = json.loads(json.dumps(manifest))
+    edited["splits"]["train"]["sha256"] = "bbbb"
+    edited["splits"]["dev"] = {"sha256": "cccc"}  # dev and test may change
+    with pytest.raises(CheckpointError, match=r"train sha256 'aaaa' -> 'bbbb'"):
+        check_resume_data(tag, edited, [prepared / "spm.model"])
     (prepared / "spm.model").write_bytes(b"model B")
     with pytest.raises(CheckpointError, match="spm.model: not the tokenizer that"):
         check_resume_data(tag, manifest, [prepared / "spm.model"])

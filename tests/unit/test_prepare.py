@@ -345,7 +345,8 @@ def test_deterministic_bytes(tmp_path: Path, two_domains: list[CorpusFiles]) -> 
 def test_the_manifest_changes_with_the_content_at_the_same_sizes(tmp_path: Path) -> None:
     """Two training lines swapped: the same sizes, token counts and vocabulary, other shards.
     The manifest (whose digest the recipe stages compare to see stale data) changes by its
-    `content_sha256`, the digest of the directory's other files."""
+    `content_sha256`, the digest of the directory's other files, and by the training split's
+    `sha256`, which a resume compares."""
     from moe_train.utils.provenance import digest_tree
 
     corpus = _corpus(tmp_path / "data", "law", 30, seed=3)
@@ -356,11 +357,17 @@ def test_the_manifest_changes_with_the_content_at_the_same_sizes(tmp_path: Path)
         side.write_text("".join(lines), encoding="utf-8")
     prepare([corpus], tmp_path / "b", _cfg(dev_per_domain=0, test_per_domain=0), seed=5)
     a, b = (load_manifest(tmp_path / name) for name in "ab")
-    assert a["content_sha256"] != b["content_sha256"]
-    assert {k: v for k, v in a.items() if k != "content_sha256"} == \
-        {k: v for k, v in b.items() if k != "content_sha256"}
     (tmp_path / "a" / "manifest.json").unlink()
     assert a["content_sha256"] == digest_tree(tmp_path / "a")
+    assert a["splits"]["train"]["sha256"] == digest_tree(tmp_path / "a" / "train")
+    assert a["content_sha256"] != b["content_sha256"]
+    assert a["splits"]["train"]["sha256"] != b["splits"]["train"]["sha256"]  # what resume reads
+    assert a["splits"]["dev"]["sha256"] == b["splits"]["dev"]["sha256"]
+    for m in (a, b):
+        del m["content_sha256"]
+        for stats in m["splits"].values():
+            del stats["sha256"]
+    assert a == b  # sizes, token counts, vocabulary: all as before
 
 
 # --- shards and vocab directly ------------------------------------------------------------------
