@@ -111,8 +111,8 @@ def main() -> int:
             say(f"no torch found: installing {TORCH}")
             run(python, "-m", "pip", "install", "-q", TORCH)
             version = torch_version(python)
-        elif too_old(version):
-            print(f"setup: error: {too_old(version)}", file=sys.stderr)
+        elif refusal := too_old(version):
+            print(f"setup: error: {refusal}", file=sys.stderr)
             return 2
         else:
             say(f"keeping the torch found ({version})")

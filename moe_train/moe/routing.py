@@ -185,8 +185,9 @@ def tensor_version(t: Tensor) -> int | None:
     return None if t.is_inference() else t._version
 
 
-def _same(memo_ref: weakref.ref, memo_version: int | None, t: Tensor) -> bool:
-    """Whether a memo of (weak reference, version) still describes `t` unchanged."""
+def unchanged(memo_ref: weakref.ref, memo_version: int | None, t: Tensor) -> bool:
+    """Whether a memo of (weak reference, version) still describes `t` unchanged: the memos
+    of host copies (`ids_on_host`, a frozen table's served rows) and of `_lang_pairs`."""
     version = tensor_version(t)
     return memo_ref() is t and version is not None and memo_version == version
 
@@ -202,7 +203,7 @@ def ids_on_host(ids_B: Tensor) -> list[int]:
     THOR's predictor and gated adapters share one host sync. Keyed on the tensor's identity
     and version: an in-place change reads again."""
     global _HOST_IDS
-    if _HOST_IDS is not None and _same(_HOST_IDS[0], _HOST_IDS[1], ids_B):
+    if _HOST_IDS is not None and unchanged(_HOST_IDS[0], _HOST_IDS[1], ids_B):
         return _HOST_IDS[2]
     values = ids_B.tolist()
     _HOST_IDS = (weakref.ref(ids_B), tensor_version(ids_B), values)
@@ -219,8 +220,8 @@ def _lang_pairs(src_lang_B: Tensor, tgt_lang_B: Tensor, num_langs: int) -> Tenso
     decode step of a batch then gets one task-id tensor, which `ids_on_host` reads once."""
     global _LANG_PAIRS
     memo = _LANG_PAIRS
-    if (memo is not None and memo[3] == num_langs and _same(memo[0], memo[2][0], src_lang_B)
-            and _same(memo[1], memo[2][1], tgt_lang_B)):
+    if (memo is not None and memo[3] == num_langs and unchanged(memo[0], memo[2][0], src_lang_B)
+            and unchanged(memo[1], memo[2][1], tgt_lang_B)):
         return memo[4]
     pairs_B = src_lang_B.long() * num_langs + tgt_lang_B.long()
     versions = (tensor_version(src_lang_B), tensor_version(tgt_lang_B))

@@ -11,6 +11,8 @@ E experts, K expert slots per token, N tasks.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from torch import Tensor, nn
 
@@ -30,7 +32,8 @@ from moe_train.moe.gating import (
     sentence_repr,
     top_k_select,
 )
-from moe_train.moe.routing import Routing, RoutingContext, ids_on_host, tensor_version
+from moe_train.moe.routing import (Routing, RoutingContext, ids_on_host, tensor_version,
+                                   unchanged)
 
 RAW_TEXT_FLAGS = {"domain": "--domain", "tgt_lang": "--tgt-lang", "src_lang": "--src-lang",
                   "lang_pair": "--src-lang and --tgt-lang"}
@@ -118,7 +121,7 @@ class TaskRouter(Router):
         self.gate: nn.Linear | None = None
         self.frozen = bool(task_table)
         """Whether the table comes from the checkpoint (and may leave tasks unserved)."""
-        self._served_memo: tuple[Tensor, int | None, list[bool]] | None = None
+        self._served_memo: tuple[weakref.ref, int | None, list[bool]] | None = None
         """(table_ids_NK, its version, which rows are served) of the last `_served` read."""
         if task_table:
             self.num_tasks = task_table
@@ -185,9 +188,9 @@ class TaskRouter(Router):
         host copies: the ids (`ids_on_host`) and which rows are served, read once per table
         (identity and version: a loaded checkpoint reads again)."""
         table_NK, memo = self.table_ids_NK, self._served_memo
-        version = tensor_version(table_NK)
-        if memo is None or memo[0] is not table_NK or version is None or memo[1] != version:
-            memo = self._served_memo = (table_NK, version, (table_NK[:, 0] >= 0).tolist())
+        if memo is None or not unchanged(memo[0], memo[1], table_NK):
+            memo = self._served_memo = (weakref.ref(table_NK), tensor_version(table_NK),
+                                        (table_NK[:, 0] >= 0).tolist())
         served_N = memo[2]
         unserved = [t for t in ids_on_host(task_ids_B) if not served_N[t]]
         if unserved:

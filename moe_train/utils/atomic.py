@@ -237,8 +237,9 @@ def atomic_dir(final: str | os.PathLike, overwrite: bool = False) -> Iterator[Pa
     """Yield a temporary directory beside `final`; rename it onto `final` on success.
 
     With `overwrite`, an existing `final` is replaced only after the new directory is complete,
-    in one atomic swap where the file system has one (else moved aside, then removed). A symlink is kept and the directory it leads to replaced (`--out
-    latest -> runs/7`), as `atomic_path` does for a file.
+    in one atomic swap where the file system has one (else moved aside, then removed). A
+    symlink is kept and the directory it leads to replaced (`--out latest -> runs/7`), as
+    `atomic_path` does for a file.
     """
     final = Path(final)
     if final.is_symlink():
