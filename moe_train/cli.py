@@ -195,6 +195,21 @@ def _add_extract(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", required=True, help="directory of the extracted export")
 
 
+def _add_average(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("average", help="the mean of several checkpoints as one export",
+                       description="Average the weights of several checkpoints of one model "
+                       "(exports, checkpoint directories, step directories; or the last N "
+                       "complete steps of one checkpoint directory) into a standalone export, "
+                       "as fairseq's average_checkpoints.py; ends with one JSON line.")
+    p.add_argument("checkpoints", nargs="+", metavar="CHECKPOINT",
+                   help="export, checkpoint or step directories (with --last: one checkpoint "
+                   "directory)")
+    p.add_argument("--last", type=int_at_least(2), metavar="N",
+                   help="the N newest complete step directories of the one checkpoint "
+                   "directory given")
+    p.add_argument("--out", required=True, help="directory of the averaged export")
+
+
 def _add_convert(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("convert", help="Hugging Face Qwen2-MoE directory <-> moe_train export",
                        description="--from-hf: a local transformers Qwen2-MoE directory "
@@ -297,8 +312,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(prog="moe-train", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     for add in (_add_synth, _add_prepare, _add_train, _add_translate, _add_evaluate, _add_demo,
-                _add_params, _add_plan, _add_extract, _add_convert, _add_routing_stats,
-                _add_pipeline):
+                _add_params, _add_plan, _add_extract, _add_average, _add_convert,
+                _add_routing_stats, _add_pipeline):
         add(sub)
     return parser
 

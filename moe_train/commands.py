@@ -383,6 +383,23 @@ def cmd_extract(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_average(args: argparse.Namespace) -> int:
+    from moe_train.train.average import AVERAGE_REPORT, last_steps, resolve_inputs, write_average
+    from moe_train.utils.atomic import check_out_dir
+
+    if args.last is not None and len(args.checkpoints) != 1:
+        raise ConfigError(f"--last {args.last}: expected one checkpoint directory with it, got "
+                          f"{len(args.checkpoints)} paths")
+    paths = last_steps(args.checkpoints[0], args.last) if args.last else args.checkpoints
+    check_out_dir(args.out, "--out", AVERAGE_REPORT, "average", sources=paths)
+    inputs = resolve_inputs(paths)
+    report = write_average(inputs, args.out)
+    names = ", ".join(f"step {i.step}" if i.step is not None else str(i.path) for i in inputs)
+    print(f"| averaged {len(inputs)} checkpoints ({names}) -> {args.out}")
+    _json_line({"out": str(args.out), **report})
+    return 0
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     from moe_train.eval.plan import format_plan, plan_from_args
 

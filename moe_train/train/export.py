@@ -73,11 +73,12 @@ def export_inference(out_dir: str | Path, state_dict: dict[str, torch.Tensor],
 
 def export_streamed(out_dir: str | Path, tensors: Iterable[tuple[str, torch.Tensor | None]],
                     cfg: ExperimentConfig, manifest: dict[str, Any],
-                    tokenizer: Path | Sequence[Path], active: bool = True) -> Path | None:
+                    tokenizer: Path | Sequence[Path], active: bool = True,
+                    extra_json: dict[str, dict[str, Any]] | None = None) -> Path | None:
     """An export written tensor by tensor, for models no process holds whole: the weights as
-    the tensor store ``model`` (model.index.json + 1 GiB safetensors shards, fp32), the rest as
-    `export_inference`. Iterating `tensors` may be collective (ZeRO-3 gathers): every rank
-    iterates it to the end; only the `active` one writes."""
+    the tensor store ``model`` (model.index.json + 1 GiB safetensors shards, fp32), the rest
+    (`extra_json` too) as `export_inference`. Iterating `tensors` may be collective (ZeRO-3
+    gathers): every rank iterates it to the end; only the `active` one writes."""
     if not active:
         for _ in tensors:
             pass
@@ -88,7 +89,7 @@ def export_streamed(out_dir: str | Path, tensors: Iterable[tuple[str, torch.Tens
         for name, t in tensors:
             writer.add(name, t.float() if t.is_floating_point() else t)
         writer.close({"format": EXPORT_FORMAT})
-        _write_export_files(tmp, cfg, manifest, tokenizer)
+        _write_export_files(tmp, cfg, manifest, tokenizer, extra_json)
     return out_dir
 
 

@@ -21,7 +21,7 @@ def _one_line_error(proc, *needles):
 
 
 def test_help_for_every_command(tmp_path):
-    for cmd in ("synth", "prepare", "train", "translate", "evaluate", "demo"):
+    for cmd in ("synth", "prepare", "train", "translate", "evaluate", "demo", "average"):
         proc = run_cli([cmd, "--help"], cwd=tmp_path)
         assert "usage: moe-train" in proc.stdout
 
@@ -101,7 +101,8 @@ def test_prepare_train_evaluate_translate(tiny_corpus, tmp_path):
     work = tmp_path / "w"
     run_cli(["train", "--config", CONFIG,
              *debug_overrides(prepared, work, "train.max_steps=30", "train.validate_every=15",
-                              "train.bleu_every=15", "train.bleu_sentences=10")], cwd=tmp_path)
+                              "train.bleu_every=15", "train.bleu_sentences=10",
+                              "checkpoint.save_every=15")], cwd=tmp_path)
     assert list((work / "tb").glob("events.out.tfevents.*"))
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -124,6 +125,15 @@ def test_prepare_train_evaluate_translate(tiny_corpus, tmp_path):
     assert result["data"]["split"] == "test" and result["data"]["prepared"]  # what was scored
     assert result["decoding"]["beam"] == 2 and "lenpen" in result["decoding"]
     assert domains  # the generator recorded its domains
+
+    # the last two checkpoints (steps 15 and 30) averaged into an export that evaluates
+    avg = run_cli(["average", str(work / "ckpt"), "--last", "2", "--out", str(tmp_path / "avg")],
+                  cwd=tmp_path)
+    assert [i["step"] for i in json.loads(avg.stdout.strip().splitlines()[-1])["inputs"]] == [
+        15, 30]
+    ev = run_cli(["evaluate", "--checkpoint", str(tmp_path / "avg"), "--split", "test",
+                  "--beam", "1"], cwd=tmp_path)
+    assert json.loads(ev.stdout.strip().splitlines()[-1])["all"]["sentences"] == 40
 
     src_file = next(tiny_corpus.glob("*/*.test.en"))
     ref_file = src_file.with_suffix(".de")

@@ -1,0 +1,186 @@
+"""Checkpoint averaging: the mean of several checkpoints' weights as one standalone export.
+
+Averaging the last few checkpoints of a run is common MT practice (fairseq's
+``average_checkpoints.py``; the Transformer paper averaged the last 5 or 20 checkpoints), a
+smoother model at no training cost. Its BLEU gain is the literature's (small and steady, Popel
+and Bojar 2018); no benchmark here has measured one yet.
+
+The inputs are exports, training checkpoint directories (their ``latest``) or step directories,
+or the last N complete steps of one training checkpoint directory. They must be one model: the
+same architecture (the config's model-shaping sections, ``moe.ep_size`` aside), the same weight
+names and shapes, the same vocabulary, tags and corpora, byte-identical tokenizer files, and
+equal non-float tensors (task tables, counters). Float weights are summed in float64 and
+divided once, so averaging a checkpoint with itself gives it back bit for bit. The newest
+input's config and manifest go into the export, beside ``average.json`` (the inputs, in order).
+Memory: the float64 sum plus one input at a time, about three times the fp32 model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from moe_train.config.schema import ExperimentConfig
+from moe_train.data.prepare import tokenizer_files
+from moe_train.errors import CheckpointError, ConfigError
+from moe_train.models.build import build_model
+from moe_train.train.checkpoint import consolidated_state_dict, list_tags, read_meta, verify
+from moe_train.train.export import (check_weights, export_inference, export_streamed,
+                                    load_export_weights, read_parts)
+from moe_train.train.resume import DATA_IDENTITY, flatten_config
+
+AVERAGE_REPORT = "average.json"
+"""The file only `moe-train average` writes into its output (the inputs it averaged)."""
+MODEL_SECTIONS = ("model.", "moe.", "adapters.", "thor.", "gated.", "qwen.")
+"""Config sections that shape the model or its routing: equal in every averaged input."""
+LAYOUT_FIELDS = frozenset({"moe.ep_size"})
+"""Fields of those sections that only say how training was laid out (experts are saved whole)."""
+
+
+@dataclass
+class AveragedInput:
+    """One checkpoint of the average, every file checked before its weights are read."""
+
+    path: Path
+    kind: str
+    """``export`` or ``step``."""
+    cfg: ExperimentConfig
+    manifest: dict[str, Any]
+    step: int | None
+    """The training step of a step directory (None for an export)."""
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        if self.kind == "export":
+            return load_export_weights(self.path)
+        return consolidated_state_dict(self.path)
+
+
+def last_steps(ckpt_dir: str | Path, n: int) -> list[Path]:
+    """The `n` newest complete step directories of a training checkpoint directory, oldest
+    first; one line when it has fewer."""
+    ckpt_dir = Path(ckpt_dir)
+    if not ckpt_dir.is_dir():
+        raise CheckpointError(f"{ckpt_dir}: not found; expected a training checkpoint directory "
+                              "(checkpoint.dir) with --last")
+    complete = [tag for tag in list_tags(ckpt_dir) if verify(ckpt_dir / tag) is None]
+    if len(complete) < n:
+        found = ", ".join(complete) or "none"
+        raise CheckpointError(f"{ckpt_dir}: holds {len(complete)} complete step directories "
+                              f"({found}); expected at least --last {n} (checkpoint.keep_last "
+                              "keeps that many during training)")
+    return [ckpt_dir / tag for tag in complete[-n:]]
+
+
+def resolve_inputs(paths: Sequence[str | Path]) -> list[AveragedInput]:
+    """Each path read as `load_for_inference` reads it (an export, a checkpoint directory's
+    latest step, a step directory); the same directory twice is refused."""
+    inputs: list[AveragedInput] = []
+    seen: dict[Path, str] = {}
+    for given in paths:
+        kind, where, cfg, manifest, _ = read_parts(given)
+        resolved = where.resolve()
+        if resolved in seen:
+            raise ConfigError(f"{given}: the same checkpoint as {seen[resolved]} ({where}); "
+                              "expected each checkpoint once")
+        seen[resolved] = str(given)
+        step = int(read_meta(where)["step"]) if kind == "step" else None
+        inputs.append(AveragedInput(where, kind, cfg, manifest, step))
+    if len(inputs) < 2:
+        raise ConfigError(f"average: {len(inputs)} checkpoint given; expected at least 2 "
+                          "(several paths, or one checkpoint directory with --last N)")
+    return inputs
+
+
+def _model_fields(cfg: ExperimentConfig) -> dict[str, Any]:
+    flat = flatten_config(cfg.to_dict())
+    return {k: v for k, v in flat.items()
+            if k.startswith(MODEL_SECTIONS) and k not in LAYOUT_FIELDS}
+
+
+def _data_fields(manifest: dict[str, Any]) -> dict[str, Any]:
+    return {**{k: manifest.get(k) for k in DATA_IDENTITY},
+            "corpora": [c.get("name") for c in manifest.get("corpora", [])]}
+
+
+def check_same_model(inputs: Sequence[AveragedInput]) -> None:
+    """One line naming the first input that is not the same model as the first one: a
+    model-shaping config field, a vocabulary / corpus fact, or a tokenizer file."""
+    first = inputs[0]
+    fields, data = _model_fields(first.cfg), _data_fields(first.manifest)
+    files = {p.name: p.read_bytes() for p in tokenizer_files(first.path, first.manifest)
+             if p.is_file()}
+    for other in inputs[1:]:
+        theirs = _model_fields(other.cfg)
+        differ = [f"{k} {fields.get(k)!r} vs {theirs.get(k)!r}"
+                  for k in sorted(fields.keys() | theirs.keys()) if fields.get(k) != theirs.get(k)]
+        their_data = _data_fields(other.manifest)
+        differ += [f"manifest {k} {data[k]!r} vs {their_data[k]!r}" for k in data
+                   if data[k] != their_data[k]]
+        differ += [f"tokenizer file {name}" for name, blob in files.items()
+                   if not (other.path / name).is_file()
+                   or (other.path / name).read_bytes() != blob]
+        if differ:
+            raise CheckpointError(f"{other.path}: not the same model as {first.path} "
+                                  f"({'; '.join(differ[:3])}"
+                                  f"{f'; {len(differ) - 3} more' if len(differ) > 3 else ''}); "
+                                  "expected checkpoints of one architecture and vocabulary")
+
+
+def average_weights(inputs: Sequence[AveragedInput]) -> dict[str, torch.Tensor]:
+    """The mean of the inputs' float weights (float64 sum, one division, fp32 result); their
+    non-float tensors, which must be equal. One input's weights are held at a time."""
+    first = inputs[0]
+    total: dict[str, torch.Tensor] = {}
+    for i, item in enumerate(inputs):
+        state = item.weights()
+        if i == 0:
+            total = {k: v.double() if v.is_floating_point() else v.clone()
+                     for k, v in state.items()}
+            continue
+        missing, extra = total.keys() - state.keys(), state.keys() - total.keys()
+        if missing or extra:
+            names = sorted(missing)[:2] + sorted(extra)[:2]
+            raise CheckpointError(f"{item.path}: its weights are not {first.path}'s "
+                                  f"({len(missing)} missing, {len(extra)} extra: "
+                                  f"{', '.join(names)}); expected one model's weights")
+        for name, value in state.items():
+            acc = total[name]
+            if tuple(value.shape) != tuple(acc.shape) or (
+                    value.is_floating_point() != acc.is_floating_point()):
+                raise CheckpointError(f"{item.path}: {name} is {value.dtype} "
+                                      f"{tuple(value.shape)}, {first.path} has {acc.dtype} "
+                                      f"{tuple(acc.shape)}; expected one model's weights")
+            if acc.is_floating_point():
+                acc.add_(value.double())
+            elif not torch.equal(acc, value):
+                raise CheckpointError(f"{item.path}: {name} ({value.dtype}, not averaged) "
+                                      f"differs from {first.path}'s; expected equal tables "
+                                      "in checkpoints of one model")
+        del state
+    n = len(inputs)
+    return {k: v.div_(n).float() if v.is_floating_point() else v for k, v in total.items()}
+
+
+def write_average(inputs: Sequence[AveragedInput], out_dir: str | Path) -> dict[str, Any]:
+    """Average `inputs` (checked to be one model) into the export `out_dir`, atomically; the
+    report that `average.json` holds."""
+    check_same_model(inputs)
+    newest = inputs[-1]
+    state = average_weights(inputs)
+    with torch.device("meta"):  # the export's config must take these weights
+        check_weights(build_model(newest.cfg, newest.manifest), state, Path(out_dir))
+    report = {"format": "moe_train-average-1", "count": len(inputs),
+              "inputs": [{"path": str(item.path), "kind": item.kind, "step": item.step}
+                         for item in inputs]}
+    tokenizer = tokenizer_files(newest.path, newest.manifest)
+    if newest.cfg.optim.zero_stage == 3:  # as its run exported it: tensor by tensor, sharded
+        export_streamed(out_dir, state.items(), newest.cfg, newest.manifest, tokenizer,
+                        extra_json={AVERAGE_REPORT: report})
+    else:
+        export_inference(out_dir, state, newest.cfg, newest.manifest, tokenizer,
+                         extra_json={AVERAGE_REPORT: report})
+    return report
+
