@@ -175,7 +175,8 @@ def write_average(inputs: Sequence[AveragedInput], out_dir: str | Path) -> dict[
     report = {"format": "moe_train-average-1", "count": len(inputs),
               "inputs": [{"path": str(item.path), "kind": item.kind, "step": item.step}
                          for item in inputs]}
-    tokenizer = tokenizer_files(newest.path, newest.manifest)
+    # a model converted from a Hugging Face directory without tokenizer files has none
+    tokenizer = [p for p in tokenizer_files(newest.path, newest.manifest) if p.is_file()]
     if newest.cfg.optim.zero_stage == 3:  # as its run exported it: tensor by tensor, sharded
         export_streamed(out_dir, state.items(), newest.cfg, newest.manifest, tokenizer,
                         extra_json={AVERAGE_REPORT: report})

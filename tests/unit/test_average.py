@@ -169,3 +169,15 @@ def test_a_zero3_model_is_averaged_into_a_sharded_export(tiny_prepared, tmp_path
     got = load_for_inference(out).model.state_dict()
     assert all(torch.equal(v, ((states[0][k].double() + states[1][k].double()) / 2).float())
                for k, v in got.items())
+
+
+def test_inputs_without_tokenizer_files_give_an_export_without_them(exports, tmp_path):
+    """A model converted from a Hugging Face directory that had no tokenizer carries none."""
+    paths, _ = exports
+    bare = [tmp_path / "b0", tmp_path / "b1"]
+    for src, dst in zip(paths, bare):
+        shutil.copytree(src, dst)
+        (dst / "spm.model").unlink()
+    assert main(["average", *map(str, bare), "--out", str(tmp_path / "avg")]) == 0
+    assert not (tmp_path / "avg" / "spm.model").exists()
+    assert load_export_weights(tmp_path / "avg").keys() == load_export_weights(paths[0]).keys()
