@@ -73,20 +73,20 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--quick", action="store_true",
                     help="tiny model, a few steps, small dev/test: checks the script")
     args = ap.parse_args(argv)
-    if not Path(args.data).is_dir():
-        print(f"skipped: {args.data} not found (the OPUS multi-domain data lives in ../shared)")
-        return
     steps, save_every, beam = (6, 2, 1) if args.quick else (args.steps, args.save_every, args.beam)
     averages = [2] if args.quick else sorted(set(args.average))
     if steps // save_every < max(averages):
         exit_bad_input(f"--average {max(averages)}: --steps {steps} with --save-every "
                        f"{save_every} leaves only {steps // save_every} checkpoints")
-    prov = provenance(command_line(__file__, argv))
     suffix = "_quick" if args.quick else ""
-    work = fresh_work(Path(args.work or ROOT / "work" / f"average-de-en{suffix.replace('_', '-')}"),
-                      args.fresh)
     out = results_path(args.out, ROOT / "benchmarks" / "results" /
                        f"average_checkpoints_de_en_cpu{suffix}.json")
+    if not Path(args.data).is_dir():
+        print(f"skipped: {args.data} not found (the OPUS multi-domain data lives in ../shared)")
+        return
+    prov = provenance(command_line(__file__, argv))
+    work = fresh_work(Path(args.work or ROOT / "work" / f"average-de-en{suffix.replace('_', '-')}"),
+                      args.fresh)
     paths = [f"data.prepared_dir={work / 'prepared'}", f"checkpoint.dir={work / 'checkpoints'}",
              f"logging.tensorboard_dir={work / 'tensorboard'}"]
     train_overrides = [f"train.max_steps={steps}", "train.max_minutes=0",

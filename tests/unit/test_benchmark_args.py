@@ -22,6 +22,8 @@ EMPTY = "<an existing directory without test files>"
 """Replaced by such a directory in each case that names it."""
 
 BAD: dict[str, list[list[str]]] = {
+    "average_checkpoints": [["--steps", "0"], ["--average", "1"],
+                            ["--fresh", "--steps", "3", "--save-every", "2", "--average", "2"]],
     "decode_throughput": [["--experts", "3"], ["--batches", "8,x"], ["--batches", "0"]],
     "gad": [["--steps", "0"], ["--minutes", "-1"], ["--test-dir", MISSING],
             ["--fresh", "--test-dir", EMPTY], ["--set", "optim.warmup_stepz=5"]],
@@ -46,7 +48,7 @@ BAD: dict[str, list[list[str]]] = {
              ["--fresh", "--test-dir", EMPTY], ["--set", "thor.alphaa=1"],
              ["--data", "opus", "--set", "train.patience=3"]],  # with the benchmark's own
 }
-WORK_DIRS = ("moa-opus-de-en", "moa-synthetic-bench", "multilingual", "opus-de-en",
+WORK_DIRS = ("average-de-en", "moa-opus-de-en", "moa-synthetic-bench", "multilingual", "opus-de-en",
              "thor-synthetic", "gad-synthetic")
 """The default work directories (under ROOT/work) that `--fresh` would empty."""
 OUT_IS_A_DIR = [(name, ["--out", EMPTY]) for name in SCRIPTS] + \
