@@ -526,13 +526,15 @@ class Trainer:
                 validated_at = self.validated_step = self.step
             out_of_time = tc.max_minutes and (time.time() - start) / 60 >= tc.max_minutes
             out_of_time, signum = self._agree(stops, bool(out_of_time))
-            if signum:  # preempted (one rank signalled is enough): save here and go
-                self._stop(signum, self.save())
             # the last step is saved after the run's final validation, so that its checkpoint
             # holds the early-stopping state that validation leaves
             last = out_of_time or self.step >= tc.max_steps
-            if self.step % self.cfg.checkpoint.save_every == 0 and not last:
-                self.save()
+            saved = None
+            if not signum and self.step % self.cfg.checkpoint.save_every == 0 and not last:
+                saved = self.save()
+                _, signum = self._agree(stops, False)  # a signal during the save: stop here
+            if signum:  # preempted (one rank signalled is enough): save here and go
+                self._stop(signum, saved or self.save())
             pause_s = time.time() - paused_at
             window_start += pause_s
             paused += pause_s

@@ -66,3 +66,32 @@ def test_a_signal_during_the_final_validation_stops_after_the_export(tiny_prepar
     assert "| exported" in proc.stdout and (tmp_path / "ckpt" / "export").is_dir()
     assert f"stopped: SIGTERM at step 3: saved {tmp_path / 'ckpt' / 'step_00000003'}" \
         in proc.stderr
+
+
+def test_a_signal_during_a_periodic_save_stops_at_that_checkpoint(tiny_prepared, tmp_path):
+    """No further step and no second save: the checkpoint just written is where to go on (a
+    launcher's grace period after SIGTERM may not hold another step and save)."""
+    script = tmp_path / "run.py"
+    script.write_text(
+        "import os, signal, sys\n"
+        "from moe_train.train.checkpointer import Checkpointer\n"
+        "save = Checkpointer.save\n"
+        "def during(self, step, *args, **kwargs):\n"
+        "    out = save(self, step, *args, **kwargs)\n"
+        "    if step == 2:\n"
+        "        os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    return out\n"
+        "Checkpointer.save = during\n"
+        "from moe_train.cli import main\n"
+        "sys.exit(main(sys.argv[1:]))\n")
+    proc = subprocess.run(
+        [sys.executable, str(script), "train", "--config", CONFIG,
+         *debug_overrides(tiny_prepared, tmp_path, "train.validate_every=0", "train.log_every=1",
+                          "train.max_steps=10", "checkpoint.save_every=2",
+                          "data.max_tokens=400")],
+        cwd=ROOT, env=cli_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 128 + signal.SIGTERM, proc.stderr[-2000:]
+    assert f"stopped: SIGTERM at step 2: saved {tmp_path / 'ckpt' / 'step_00000002'}" \
+        in proc.stderr
+    assert "| step      3 |" not in proc.stdout
+    assert sorted(p.name for p in (tmp_path / "ckpt").glob("step_*")) == ["step_00000002"]
