@@ -23,12 +23,14 @@ import torch
 from torch import nn
 
 from moe_train.config.schema import EvalConfig, ExperimentConfig
+from moe_train.data.prepare import tokenizer_files
+from moe_train.data.shards import read_manifest
 from moe_train.errors import CheckpointError, ConfigError, DataError
 from moe_train.parallel.collectives import barrier
 from moe_train.parallel.runtime import ParallelRuntime
 from moe_train.stages.record import differences, made_from, stale_error
 from moe_train.train.checkpoint import latest_tag, read_meta
-from moe_train.train.resume import check_resume_config
+from moe_train.train.resume import check_resume_config, check_resume_data
 from moe_train.utils.atomic import remove_stale_temporaries, write_json
 from moe_train.utils.provenance import finish as finish_provenance, now_iso, provenance
 
@@ -151,9 +153,10 @@ class StageContext:
 
     def resume_training(self, stage: str, cfg: ExperimentConfig) -> bool:
         """Whether `stage`'s training continues from its checkpoints (a run stopped before the
-        stage finished). Checkpoints trained with a config that may not change on resume are
-        deleted with `--rerun-stale` (one line says so) and the stage trains anew; without it
-        they are a one-line error saying so."""
+        stage finished). Checkpoints trained with a config that may not change on resume, or
+        on other prepared data (tokenizer, vocabulary, corpora, the training split's sizes or
+        content), are deleted with `--rerun-stale` (one line says so) and the stage trains
+        anew; without it they are a one-line error saying so."""
         ckpt = Path(cfg.checkpoint.dir)
         tag = latest_tag(ckpt, warn=None)
         if tag is None:
@@ -161,6 +164,9 @@ class StageContext:
         stored = read_meta(ckpt / tag)["config"]  # unreadable: its own error, nothing deleted
         try:
             check_resume_config(stored, cfg.to_dict(), str(ckpt / tag), log=lambda _: None)
+            prepared = Path(cfg.data.prepared_dir)
+            manifest = read_manifest(prepared)
+            check_resume_data(ckpt / tag, manifest, tokenizer_files(prepared, manifest))
             return True
         except CheckpointError as exc:
             if self.stage_dir(stage).resolve() != (self.workdir / stage).resolve():
@@ -172,7 +178,8 @@ class StageContext:
         barrier(self.rt)  # every rank has looked before rank 0 deletes
         if self.rt.is_main:
             print(f"| stage {stage}: its unfinished training ({ckpt / tag}) used another "
-                  f"config; deleting {ckpt} and training the stage anew", flush=True)
+                  f"config or other data; deleting {ckpt} and training the stage anew",
+                  flush=True)
             shutil.rmtree(ckpt)
         barrier(self.rt)
         return False

@@ -316,5 +316,40 @@ def test_an_unfinished_training_stage_with_another_config_is_retrained_with_reru
     assert ckpt.latest_tag(ckpt_dir, warn=None) == "step_00000002"
     ctx.rerun_stale = True
     assert not ctx.resume_training("backbone", changed) and not ckpt_dir.exists()
-    assert "used another config; deleting" in capsys.readouterr().out
+    assert "used another config or other data; deleting" in capsys.readouterr().out
     assert not ctx.resume_training("backbone", changed)  # nothing left to resume
+
+
+def test_an_unfinished_training_stage_on_re_prepared_data_is_retrained_with_rerun_stale(
+        tmp_path, capsys) -> None:
+    """Training data prepared again with other content (same sizes) under the same
+    data.prepared_dir: the unfinished stage is one line naming --rerun-stale, which trains it
+    anew, as for a changed config (before, the trainer refused it later, and --rerun-stale
+    could not help)."""
+    import torch
+
+    from moe_train.train import checkpoint as ckpt
+
+    class Engine:  # what save_checkpoint needs of a DeepSpeed engine
+        module = torch.nn.Linear(2, 2)
+        optimizer = torch.optim.AdamW(module.parameters())
+
+        def save_checkpoint(self, save_dir, tag, client_state, save_latest):
+            (tmp_path / save_dir / tag).mkdir(parents=True, exist_ok=True)
+
+    ctx = _ctx(tmp_path)
+    cfg = backbone_config(ctx)
+    manifest = tmp_path / "prepared" / "manifest.json"
+    manifest.write_text(json.dumps({"version": 1, "splits": {"train": {"sha256": "aa"}}}))
+    ckpt_dir = tmp_path / cfg.checkpoint.dir
+    ckpt.save_checkpoint(Engine(), ctx.rt, ckpt_dir, 2,
+                         {"step": 2, "config": cfg.to_dict(), "world_size": 1},
+                         {"manifest.json": manifest}, 2)
+    assert ctx.resume_training("backbone", cfg)  # the same data: it goes on
+    manifest.write_text(json.dumps({"version": 1, "splits": {"train": {"sha256": "bb"}}}))
+    with pytest.raises(CheckpointError, match=r"train sha256 'aa' -> 'bb'; stage backbone has "
+                                          r"not finished: with --rerun-stale it is trained anew"):
+        ctx.resume_training("backbone", cfg)
+    ctx.rerun_stale = True
+    assert not ctx.resume_training("backbone", cfg) and not ckpt_dir.exists()
+    assert "used another config or other data; deleting" in capsys.readouterr().out
