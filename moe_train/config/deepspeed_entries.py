@@ -17,7 +17,8 @@ DEEPSPEED_OWNED: dict[str, str] = {
     "gradient_clipping": "optim.clip_norm",
     "zero_optimization.stage": "optim.zero_stage",
     "bf16.enabled": "optim.precision",
-    "bfloat16.enabled": "optim.precision",
+    "bfloat16": "optim.precision (moe_train writes DeepSpeed's bf16 section, which DeepSpeed "
+                "reads instead of its old bfloat16 alias: other bf16 options go under bf16)",
     "fp16.enabled": "optim.precision",
     "amp": "optim.precision",
     "torch_autocast": "optim.precision",
@@ -47,8 +48,13 @@ DEEPSPEED_UNSUPPORTED: dict[str, tuple[Any, str]] = {
     "flops_profiler.enabled": (
         True, "DeepSpeed's profiler needs a tensor forward output; moe_train's models return "
               "a ModelOutput"),
+    "autotuning.enabled": (
+        True, "DeepSpeed's autotuning turns on its flops profiler and timers, which need a "
+              "tensor forward output; moe_train's models return a ModelOutput"),
 }
-"""Entries DeepSpeed accepts but moe_train cannot run with that value: (value, why)."""
+"""Boolean entries DeepSpeed accepts but moe_train cannot run with that value: (value, why).
+Any other value than true or false is refused too: DeepSpeed would read a string such as
+"true" as true."""
 
 _ABSENT = object()
 
@@ -80,6 +86,10 @@ def check_deepspeed_entries(entries: dict[str, Any], where: str) -> None:
                               f"absent, got {value!r}")
     for key, (bad, why) in DEEPSPEED_UNSUPPORTED.items():
         value = _lookup(entries, key, where)
-        if value is not _ABSENT and value == bad:
+        if value is _ABSENT:
+            continue
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where}{key}: expected true or false, got {value!r}")
+        if value == bad:
             raise ConfigError(f"{where}{key}: {value!r} is not supported: {why}; expected it "
                               "absent")

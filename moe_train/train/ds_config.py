@@ -38,28 +38,34 @@ def check_layout(precision: str, zero_stage: int, ep_size: int) -> None:
                           "optim.precision fp32)")
 
 
-_DTYPES = {"fp32": "fp32", "float32": "fp32", "float": "fp32", "bf16": "bf16",
-           "bfloat16": "bf16", "bfloat": "bf16", "fp16": "fp16", "float16": "fp16",
-           "half": "fp16"}
-"""DeepSpeed's names of a data type (its DtypeEnum) -> ours."""
+_DTYPES = {"fp32": "fp32", "float32": "fp32", "float": "fp32", "torch.float32": "fp32",
+           "bf16": "bf16", "bfloat16": "bf16", "torch.bfloat16": "bf16", "fp16": "fp16",
+           "float16": "fp16", "half": "fp16", "torch.float16": "fp16"}
+"""The names of a floating-point type that DeepSpeed's training config reads
+(deepspeed.runtime.config.DtypeEnum; its inference config also takes "bfloat", this one does
+not) -> ours."""
 
 
 def check_grad_accum_dtype(precision: str, zero_stage: int, ds: dict[str, Any]) -> None:
     """`data_types.grad_accum_dtype` (a raw DeepSpeed entry) where DeepSpeed and moe_train can
     run it: fp32 sums of 16-bit micro-batch gradients need ZeRO 2 or 3 (DeepSpeed refuses them
     at ZeRO 0, with a traceback, and at ZeRO 1 swaps in its BF16_Optimizer, whose state our
-    checkpoints and non-finite step guard do not read); never below the model's precision."""
+    checkpoints and non-finite step guard do not read); never below the model's precision.
+    Every `data_types` dtype (param_dtype, buffer_dtype too) must be a name DeepSpeed reads."""
     node = ds.get("data_types")
     if node is not None and not isinstance(node, dict):
         raise ConfigError(f"deepspeed.data_types: expected a mapping (grad_accum_dtype: ...), "
                           f"got {node!r}")
+    for key, value in (node or {}).items():  # DeepSpeed reads them with a traceback
+        if key in ("param_dtype", "buffer_dtype", "grad_accum_dtype") and value is not None \
+                and _DTYPES.get(value if isinstance(value, str) else "") is None:
+            raise ConfigError(f"deepspeed.data_types.{key}: expected one of "
+                              f"{', '.join(_DTYPES)}, got {value!r}")
     value = node.get("grad_accum_dtype") if node else None
-    if value is None or (precision == "fp32" and value in ("fp32", "float32", "float")):
+    if value is None:
         return
     field_ = "deepspeed.data_types.grad_accum_dtype"
-    dtype = _DTYPES.get(value) if isinstance(value, str) else None
-    if dtype is None:
-        raise ConfigError(f"{field_}: expected fp32, bf16 or fp16, got {value!r}")
+    dtype = _DTYPES[value]
     if dtype == precision:
         return
     if dtype != "fp32":
@@ -136,8 +142,9 @@ def deepspeed_config_errors(raw: dict[str, Any] | None = None) -> Iterator[None]
 
 
 def _raised_by_deepspeed(exc: BaseException) -> bool:
-    """Whether `exc` is DeepSpeed's own: its config / ZeRO error types, or raised in a frame
-    of the deepspeed package (its assertions and ValueErrors, not ours under its calls)."""
+    """Whether `exc` is DeepSpeed's own: its config / ZeRO error types, or raised under a
+    frame of the deepspeed package with none of ours below it (its assertions and ValueErrors,
+    also from the standard library it calls; not ours under its calls)."""
     from deepspeed.runtime.config import DeepSpeedConfigError
     from deepspeed.runtime.zero.utils import ZeRORuntimeException
 
@@ -147,11 +154,17 @@ def _raised_by_deepspeed(exc: BaseException) -> bool:
 
     import deepspeed
 
-    package = os.path.dirname(os.path.abspath(deepspeed.__file__)) + os.sep
-    tb = exc.__traceback__
-    while tb is not None and tb.tb_next is not None:
+    import moe_train
+
+    packages = [os.path.dirname(os.path.abspath(m.__file__)) + os.sep
+                for m in (deepspeed, moe_train)]
+    owner = None  # the innermost frame of either package: the standard library's (an Enum
+    tb = exc.__traceback__  # refusing a name DeepSpeed passed it) count for their caller
+    while tb is not None:
+        path = os.path.abspath(tb.tb_frame.f_code.co_filename)
+        owner = next((i for i, pkg in enumerate(packages) if path.startswith(pkg)), owner)
         tb = tb.tb_next
-    return tb is not None and os.path.abspath(tb.tb_frame.f_code.co_filename).startswith(package)
+    return owner == 0
 
 
 def _dotted(entries: dict[str, Any], prefix: str = "") -> list[str]:

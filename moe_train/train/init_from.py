@@ -12,7 +12,6 @@ is the exception: its consolidated state is read whole on every rank (export it 
 
 from __future__ import annotations
 
-import contextlib
 from pathlib import Path
 from typing import Any
 
@@ -103,10 +102,14 @@ def build_start_model(cfg: ExperimentConfig, manifest: dict, ds_config: dict, is
     opened before the model is built, so a bad path fails at once."""
     from moe_train.models.build import build_model
     from moe_train.parallel.zero3 import partitioned_build
+    from moe_train.train.ds_config import deepspeed_config_errors
 
     init_from = cfg.train.init_from
     src = open_init_weights(init_from, cfg, manifest) if init_from and load else None
     partitioned = bool(init_from) and cfg.optim.zero_stage == 3 and cfg.decoder_only
-    with partitioned_build(ds_config) if partitioned else contextlib.nullcontext():
+    if partitioned:  # DeepSpeed reads the config here first: its refusals are one line too
+        with deepspeed_config_errors(cfg.deepspeed), partitioned_build(ds_config):
+            model = build_model(cfg, manifest)
+    else:
         model = build_model(cfg, manifest)
     return model, 0 if src is None else load_init_weights(model, src, is_main)

@@ -83,15 +83,22 @@ _SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**1
 
 def byte_size(text: str) -> int:
     """An argparse type: a size in bytes, as transformers' ``max_shard_size`` takes it (an
-    integer, or a number with KB / MB / GB / TB, powers of 1000, or KiB / MiB / GiB / TiB)."""
+    integer, or a number with KB / MB / GB / TB, powers of 1000, or KiB / MiB / GiB / TiB; a
+    lowercase final b after K, M, G or T counts bits, "5Gb" being 625 MB); a whole number of
+    bytes, at least 1."""
     import re
+    from decimal import Decimal
 
     match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
-    unit = match.group(2).upper() if match else None
-    if unit not in _SIZE_UNITS or float(match.group(1)) * _SIZE_UNITS[unit] < 1:
-        raise argparse.ArgumentTypeError(f"expected a size such as 5GB, 500MB or 2GiB, "
-                                         f"got {text!r}")
-    return int(float(match.group(1)) * _SIZE_UNITS[unit])
+    unit = match.group(2) if match else ""
+    factor = _SIZE_UNITS.get(unit.upper()) if match else None
+    size = Decimal(match.group(1)) * factor if factor else Decimal(0)
+    if re.fullmatch(r"[KkMmGgTt]b", unit):
+        size /= 8
+    if size < 1 or size != size.to_integral_value():
+        raise argparse.ArgumentTypeError(f"expected a whole number of bytes such as 5GB, 500MB "
+                                         f"or 2GiB, got {text!r}")
+    return int(size)
 
 
 def existing_dir(text: str) -> str:

@@ -121,7 +121,7 @@ def test_to_hf_shards_and_casts_as_save_pretrained(tmp_path) -> None:
     for name, t in again.state_dict().items():
         assert torch.equal(t, ours.state_dict()[name]), name
     for args, needle in ((["--to-hf", str(tmp_path / "ours"), "--max-shard-size", "5XB"],
-                          "--max-shard-size: expected a size such as 5GB"),
+                          "--max-shard-size: expected a whole number of bytes such as 5GB"),
                          (["--from-hf", str(tmp_path / "hf"), "--dtype", "bfloat16"],
                           "--dtype and --max-shard-size go with --to-hf")):
         proc = run_cli(["convert", *args, "--out", str(tmp_path / "bad")], cwd=tmp_path,

@@ -94,6 +94,20 @@ def test_bad_argument_is_one_line_and_status_2(name: str, argv: list[str], capsy
     assert _tree(tmp_path) == before  # nothing written or deleted
 
 
+def test_byte_size_reads_sizes_as_transformers_does() -> None:
+    """max_shard_size's units: powers of 1000 and 1024, a lowercase b after K/M/G/T counting
+    bits; a fraction of a byte, nothing or a 400-digit number in one line, not a traceback."""
+    from moe_train.utils.cli_args import byte_size
+
+    for text, size in [("5GB", 5 * 10**9), ("2GiB", 2 * 2**30), ("5Gb", 625 * 10**6),
+                       ("1.5GB", 15 * 10**8), ("1000", 1000), ("7 MiB", 7 * 2**20)]:
+        assert byte_size(text) == size, text
+    assert byte_size("1" + "0" * 400) == 10**400
+    for text in ("1.9", "0", "0.5KiB1", "5XB", "", "1e9", "inf"):
+        with pytest.raises(argparse.ArgumentTypeError, match="expected a whole number of bytes"):
+            byte_size(text)
+
+
 def test_argument_types() -> None:
     assert int_at_least(0)("0") == 0 and int_at_least(1)("7") == 7
     assert positive_float("0.5") == 0.5 and non_negative_float("0") == 0.0

@@ -93,6 +93,8 @@ def test_yaml_errors_name_file_and_line(tmp_path):
     ("deepspeed.zero_optimization.stage=2", "optim.zero_stage"),
     ("deepspeed.bf16.enabled=true", "optim.precision"),
     ("deepspeed.bfloat16.enabled=true", "optim.precision"),
+    # DeepSpeed reads bfloat16 only without bf16, which moe_train always writes: dropped
+    ("deepspeed.bfloat16.immediate_grad_update=true", "other bf16 options go under bf16"),
     ("deepspeed.fp16.enabled=true", "optim.precision"),
     ("deepspeed.optimizer.type=AdamW", "moe_train builds the optimizer"),
     ("deepspeed.scheduler.type=WarmupLR", "optim.warmup_steps"),
@@ -104,8 +106,8 @@ def test_deepspeed_entries_moe_train_acts_on_are_refused(entry, field_) -> None:
     """A raw ZeRO stage, precision, optimizer or scheduler would run something else than the
     config and the log say (ZeRO-0 clipping and the non-finite guard follow optim.zero_stage)."""
     key = entry.split("=")[0].removesuffix(".type").removesuffix(".enabled") \
-        .removesuffix(".partition_activations")
-    if key in ("deepspeed.bf16", "deepspeed.bfloat16", "deepspeed.fp16"):
+        .removesuffix(".partition_activations").removesuffix(".immediate_grad_update")
+    if key in ("deepspeed.bf16", "deepspeed.fp16"):
         key += ".enabled"
     with pytest.raises(ConfigError, match=rf"{re.escape(key)}: set by moe_train from .*"
                                           rf"{re.escape(field_)}"):
@@ -131,6 +133,13 @@ def test_deepspeed_entries_moe_train_acts_on_are_refused(entry, field_) -> None:
      "deepspeed.zero_optimization.load_from_fp32_weights: False"),
     ("deepspeed.wall_clock_breakdown=true", "deepspeed.wall_clock_breakdown: True is not"),
     ("deepspeed.flops_profiler.enabled=true", "deepspeed.flops_profiler.enabled: True is not"),
+    ("deepspeed.autotuning.enabled=true", "deepspeed.autotuning.enabled: True is not supported: "
+     "DeepSpeed's autotuning turns on its flops profiler"),
+    # DeepSpeed reads a string such as "true" as true
+    ('deepspeed.zero_optimization.round_robin_gradients="true"',
+     "deepspeed.zero_optimization.round_robin_gradients: expected true or false, got 'true'"),
+    ('deepspeed.checkpoint.load_universal="no"',
+     "deepspeed.checkpoint.load_universal: expected true or false, got 'no'"),
 ])
 def test_deepspeed_entries_moe_train_cannot_run_are_one_line(entry, message) -> None:
     """Scalars where DeepSpeed reads a section (its old `zero_optimization: true` form ran

@@ -127,3 +127,18 @@ def test_a_qwen_run_starts_from_a_sharded_hugging_face_directory(tmp_path) -> No
         torch.testing.assert_close(model.eval()(ids).logits_BTV, hf(input_ids=ids).logits,
                                    atol=1e-5, rtol=1e-5)
     assert not differ(model, source)
+
+
+def test_deepspeed_refusing_the_partitioned_build_is_one_config_line() -> None:
+    """A decoder-only model fine-tuned under ZeRO-3 is built inside DeepSpeed's zero.Init,
+    which reads the config before deepspeed.initialize does: its refusal of a raw entry is the
+    same one line (it was a pydantic traceback)."""
+    from moe_train.errors import ConfigError
+    from moe_train.train.ds_config import build_deepspeed_config
+
+    cfg = qwen("optim.zero_stage=3", "train.init_from=/nonexistent",
+               "deepspeed.zero_optimization.reduce_bucket_size=-5")
+    ds = build_deepspeed_config(cfg, 1, torch.device("cpu"))
+    with pytest.raises(ConfigError, match=r"^deepspeed config \(DeepSpeedZeroConfig\): "
+                                          r"reduce_bucket_size: Input should be greater than 0"):
+        build_start_model(cfg, MANIFEST, ds, True, load=False)  # a resume: nothing is read

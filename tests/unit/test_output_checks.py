@@ -291,6 +291,22 @@ def test_deepspeed_validation_is_one_config_line() -> None:
         raise KeyError("x")
     with pytest.raises(AssertionError), deepspeed_config_errors(raw):  # ours, under its calls
         raise AssertionError("ours")
+    # raised in the standard library under DeepSpeed (its DtypeEnum refusing a name in enum.py):
+    # DeepSpeed's; the same under a frame of ours that DeepSpeed called: ours
+    import enum
+
+    import moe_train
+
+    ns: dict = {}
+    exec(compile("def refuse(): raise ValueError(\"'bfloat' is not a valid DtypeEnum\")",
+                 enum.__file__, "exec"), ns)
+    exec(compile("def ours(): refuse()", moe_train.__file__, "exec"), ns)
+    exec(compile("def deepspeeds(call): call()", in_deepspeed, "exec"), ns)
+    with pytest.raises(ConfigError, match="'bfloat' is not a valid DtypeEnum"), \
+            deepspeed_config_errors(raw):
+        ns["deepspeeds"](ns["refuse"])
+    with pytest.raises(ValueError), deepspeed_config_errors(raw):
+        ns["deepspeeds"](ns["ours"])
 
 
 def test_a_write_that_fails_names_the_output_and_leaves_nothing(tmp_path) -> None:

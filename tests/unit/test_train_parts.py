@@ -92,7 +92,10 @@ def test_deepspeed_config_mapping():
     ("bf16", 0, "fp32", "fp32 sums of bf16 gradients need optim.zero_stage 2 or 3 .* 0$"),
     ("bf16", 1, "fp32", "fp32 sums of bf16 gradients need optim.zero_stage 2 or 3 .* 1$"),
     ("fp32", 2, "bf16", r"bf16 below the model's fp32 \(optim.precision\); expected fp32$"),
-    ("bf16", 2, "fp64", "expected fp32, bf16 or fp16, got 'fp64'$"),
+    ("bf16", 2, "fp64", "expected one of fp32, .*, got 'fp64'$"),
+    # DeepSpeed's inference config takes "bfloat", its training config does not (a traceback)
+    ("bf16", 2, "bfloat", "expected one of .*, got 'bfloat'$"),
+    ("bf16", 2, "torch.float32", None),
     ("bf16", 2, None, None),
 ])
 def test_grad_accum_dtype_only_where_deepspeed_and_we_run_it(precision, zero, accum, error):
@@ -111,6 +114,18 @@ def test_grad_accum_dtype_only_where_deepspeed_and_we_run_it(precision, zero, ac
         return
     with pytest.raises(ConfigError, match="^deepspeed.data_types.grad_accum_dtype: " + error):
         build_deepspeed_config(cfg, 1, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("key", ["param_dtype", "buffer_dtype"])
+def test_every_data_types_name_is_one_deepspeed_reads(key):
+    """DeepSpeed reads param_dtype and buffer_dtype with its DtypeEnum: a typo was its
+    ValueError from the standard library's enum, a traceback."""
+    cfg = load_config(overrides=["optim.precision=bf16", f"deepspeed.data_types.{key}=bf_16"])
+    with pytest.raises(ConfigError, match=f"^deepspeed.data_types.{key}: expected one of "
+                                          r".*, got 'bf_16'$"):
+        build_deepspeed_config(cfg, 1, torch.device("cpu"))
+    cfg = load_config(overrides=["optim.precision=bf16", f"deepspeed.data_types.{key}=bf16"])
+    assert build_deepspeed_config(cfg, 1, torch.device("cpu"))["data_types"] == {key: "bf16"}
 
 
 def test_no_weight_decay_on_stacked_expert_and_adapter_biases_and_norms():
