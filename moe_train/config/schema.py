@@ -232,7 +232,9 @@ class TrainConfig:
     early_stop_metric: str = "loss"
     """loss (dev loss) or bleu (dev greedy BLEU, then computed at every validation)."""
     min_delta: float = 0.0
-    """Smallest change of the early-stopping metric that counts as an improvement."""
+    """Smallest change of the early-stopping metric that counts as an improvement: for
+    `patience`, and for the best validation `export_best` exports (as Keras' EarlyStopping
+    restores its best weights)."""
     init_from: str = ""
     """Start a fresh run from these weights: a moe_train export or checkpoint directory, or a
     local Hugging Face Qwen2-MoE directory (model.arch hf_qwen2_moe), every name and shape

@@ -24,7 +24,9 @@ class EarlyStop:
         self.bad = 0
         self.best = -math.inf
         """The best of every validation (sign-adjusted), off-schedule ones included: the
-        checkpoint `train.export_best` exports."""
+        checkpoint `train.export_best` exports. As in Keras' EarlyStopping, a value is a new
+        best only when it beats this one by more than `min_delta`: a later validation that
+        is better by less keeps the earlier best."""
         self.best_step = 0
         self.best_values: dict[str, float] = {}
         """The validation values (numbers only) of the best step."""
