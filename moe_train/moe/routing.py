@@ -192,21 +192,26 @@ def unchanged(memo_ref: weakref.ref, memo_version: int | None, t: Tensor) -> boo
     return memo_ref() is t and version is not None and memo_version == version
 
 
-_HOST_IDS: tuple[weakref.ref, int | None, list[int]] | None = None
-"""(tensor, its version, its values) of the last `ids_on_host` read."""
+HOST_IDS_KEPT = 4
+"""How many ids tensors `ids_on_host` remembers: a side may route by two sources at once (a
+task-routed MoE by target language, gated adapters by domain), whose layers alternate."""
+_HOST_IDS: list[tuple[weakref.ref, int | None, list[int]]] = []
+"""(tensor, its version, its values) of the last `HOST_IDS_KEPT` tensors `ids_on_host` read,
+newest last."""
 
 
 def ids_on_host(ids_B: Tensor) -> list[int]:
     """``ids_B.tolist()``, read from the device once per tensor: every routed layer of a
-    forward and every decode step get the batch's one ids tensor (``ForwardContext``'s
-    domain / language ids, language pairs by `_lang_pairs`), so the checks of task routers,
-    THOR's predictor and gated adapters share one host sync. Keyed on the tensor's identity
-    and version: an in-place change reads again."""
-    global _HOST_IDS
-    if _HOST_IDS is not None and unchanged(_HOST_IDS[0], _HOST_IDS[1], ids_B):
-        return _HOST_IDS[2]
+    forward and every decode step get the batch's ids tensors (``ForwardContext``'s domain /
+    language ids, language pairs by `_lang_pairs`), so the checks of task routers, THOR's
+    predictor and gated adapters share one host sync per tensor. Keyed on the tensor's
+    identity and version: an in-place change reads again."""
+    for ref, version, values in _HOST_IDS:
+        if unchanged(ref, version, ids_B):
+            return values
     values = ids_B.tolist()
-    _HOST_IDS = (weakref.ref(ids_B), tensor_version(ids_B), values)
+    _HOST_IDS.append((weakref.ref(ids_B), tensor_version(ids_B), values))
+    del _HOST_IDS[:-HOST_IDS_KEPT]
     return values
 
 

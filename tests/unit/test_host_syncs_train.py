@@ -151,13 +151,49 @@ def _gated_forward(model, domains_B: torch.Tensor):
     return model(src_BS, src_BS[:, :4], ctx)
 
 
+def _ids_reads(syncs: SyncPoints) -> int:
+    """The host reads of the gold-id checks (gated_router, and routing.ids_on_host that they
+    share with task routers and THOR)."""
+    return _in(syncs, "moe/gated_router") + _in(syncs, "moe/routing")
+
+
 def test_gated_gold_domains_checked_once_per_forward():
     """Every gated layer of a forward gets the batch's one domain tensor: checked once (was:
-    once per layer, here 4)."""
+    once per layer, here 4). Each forward has a new tensor, as each batch does."""
     model = _gated_model()
     assert sum(1 for _ in moe_layers(model)) == 4
-    syncs = _counted(_gated_forward, model, torch.tensor([0, 2, 1]))
-    _at_most(syncs, 1, "gated layers' gold-domain check", total=_in(syncs, "moe/gated_router"))
+    _gated_forward(model, torch.tensor([0, 2, 1]))
+    with SyncPoints() as syncs:
+        _gated_forward(model, torch.tensor([0, 2, 1]))
+    assert _ids_reads(syncs) == 1, "\n".join(syncs.where())
+
+
+def test_two_id_sources_on_one_side_are_read_once_each():
+    """Task routers by target language and gated adapters by domain on the same layers: their
+    checks alternate between two ids tensors, each read once per forward (a one-tensor memo
+    read both again at every layer: 8 reads here, 24 with 6+6 layers)."""
+    cfg = load_config(None, [
+        "model.d_model=16", "model.n_heads=2", "model.ffn_dim=32", "model.encoder_layers=2",
+        "model.decoder_layers=2", "moe.num_experts=4", "moe.layers=all", "moe.k=2",
+        "moe.encoder_router=task", "moe.decoder_router=task", "moe.num_tasks=3",
+        "moe.encoder_task_source=tgt_lang", "moe.decoder_task_source=tgt_lang",
+        "adapters.num_experts=3", "adapters.router=gated", "adapters.sides=both",
+        "adapters.dim=8", "gated.gate_loss=ce"])
+    torch.manual_seed(0)
+    model = build_model(cfg, {"vocab_size": 30, "pad_id": 0}).train()
+    assert sum(1 for _ in moe_layers(model)) == 8
+
+    def forward():
+        src_BS = torch.randint(4, 30, (3, 5), generator=torch.Generator().manual_seed(2))
+        ctx = ForwardContext(domain_ids_B=torch.tensor([0, 2, 1]),
+                             tgt_lang_B=torch.tensor([1, 0, 2]),
+                             extras={TARGET_TOKENS_KEY: 12})
+        return model(src_BS, src_BS[:, :4], ctx)
+
+    forward()
+    with SyncPoints() as syncs:
+        forward()
+    assert _ids_reads(syncs) == 2, "\n".join(syncs.where())
 
 
 def test_gated_gold_domain_error_is_unchanged():
