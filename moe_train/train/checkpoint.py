@@ -28,6 +28,7 @@ uses it to die inside a save. Assumes the checkpoint directory is on a shared fi
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -36,7 +37,7 @@ import shutil
 import signal
 import sys
 from pathlib import Path
-from typing import Any, Callable, Collection
+from typing import Any, Callable, Collection, Iterator
 
 import numpy as np
 import torch
@@ -250,21 +251,34 @@ def save_checkpoint(engine: Any, rt: ParallelRuntime, ckpt_dir: str | Path, step
                       lambda: _write_step(engine, rt, tmp_dir, meta, save_extra))
     _test_hook("engine_saved", step)
     _saved_everywhere(rt, tmp_dir, final, complete)
-    if rt.is_main:
-        _test_hook("before_rename", step)
-        if final.exists():  # torn, or left by a killed run; `latest` does not name it
-            trash = ckpt_dir / f".trash-{tag}"
-            shutil.rmtree(trash, ignore_errors=True)
-            os.replace(final, trash)
-            shutil.rmtree(trash, ignore_errors=True)
-        os.replace(tmp_dir, final)
-        _fsync(ckpt_dir)
-        _test_hook("before_latest", step)
-        _write_synced(ckpt_dir / "latest", tag + "\n")
-        _test_hook("before_rotate", step)
-        _rotate(ckpt_dir, keep_last, tag, keep)
-    barrier(rt)
+    failed = None
+    if rt.is_main:  # the others wait in the agreement below, which a failure here reaches too
+        try:
+            _publish(ckpt_dir, tmp_dir, final, tag, step, keep_last, keep)
+        except Exception as exc:  # noqa: BLE001  (raised by the agreement, on this rank)
+            shutil.rmtree(tmp_dir, ignore_errors=True)  # gone already once it was renamed
+            failed = exc
+    raise_if_any_rank_failed(rt, failed, f"{final}: rank 0 could not rename this checkpoint "
+                             "into place or point latest at it (its error line says why)")
     return final
+
+
+def _publish(ckpt_dir: Path, tmp_dir: Path, final: Path, tag: str, step: int, keep_last: int,
+             keep: Collection[str]) -> None:
+    """Rank 0: the complete temporary directory renamed to `final`, `latest` pointed at it,
+    older steps rotated out."""
+    _test_hook("before_rename", step)
+    if final.exists():  # torn, or left by a killed run; `latest` does not name it
+        trash = ckpt_dir / f".trash-{tag}"
+        shutil.rmtree(trash, ignore_errors=True)
+        os.replace(final, trash)
+        shutil.rmtree(trash, ignore_errors=True)
+    os.replace(tmp_dir, final)
+    _fsync(ckpt_dir)
+    _test_hook("before_latest", step)
+    _write_synced(ckpt_dir / "latest", tag + "\n")
+    _test_hook("before_rotate", step)
+    _rotate(ckpt_dir, keep_last, tag, keep)
 
 
 def _saved_everywhere(rt: ParallelRuntime, tmp_dir: Path, final: Path,
@@ -276,8 +290,9 @@ def _saved_everywhere(rt: ParallelRuntime, tmp_dir: Path, final: Path,
     try:
         with write_errors_naming(final, tmp_dir):
             write()
-    except OSError as exc:
+    except Exception as exc:  # noqa: BLE001  (not only OSError: the others must not wait)
         failed = exc
+
     def cleanup() -> None:
         if rt.is_main:
             shutil.rmtree(tmp_dir, ignore_errors=True)
@@ -302,23 +317,84 @@ def _complete_step(tmp_dir: Path, step: int, meta: dict[str, Any],
 
 def _write_step(engine: Any, rt: ParallelRuntime, tmp_dir: Path, meta: dict[str, Any],
                 save_extra: Callable[[Path], None] | None) -> None:
-    """Every file of a step checkpoint into `tmp_dir` (collective)."""
-    engine.save_checkpoint(str(tmp_dir.parent), tag=tmp_dir.name,
-                           client_state={"moe_train": meta}, save_latest=False)
-    with atomic_path(tmp_dir / f"rng_rank{rt.rank}.pt") as tmp:
-        torch.save(rng_state(), tmp)
+    """Every file of a step checkpoint into `tmp_dir` (collective). A part that fails on one
+    rank (a full disk) does not stop it: every rank runs every part, so that the gathers and
+    barriers inside them stay matched, and the first error is raised at the end."""
+    errors: list[Exception] = []
+
+    def part(write: Callable[[], None]) -> None:
+        try:
+            write()
+        except Exception as exc:  # noqa: BLE001  (raised below, once every part has run)
+            errors.append(exc)
+
+    def engine_state() -> None:
+        with _deferred_engine_writes(engine):
+            engine.save_checkpoint(str(tmp_dir.parent), tag=tmp_dir.name,
+                                   client_state={"moe_train": meta}, save_latest=False)
+
+    def rng() -> None:
+        with atomic_path(tmp_dir / f"rng_rank{rt.rank}.pt") as tmp:
+            torch.save(rng_state(), tmp)
+
+    part(engine_state)
+    part(rng)
     if save_extra is not None:
-        save_extra(tmp_dir)
+        part(lambda: save_extra(tmp_dir))
     partitioned = is_zero_partitioned(engine.optimizer)
     if partitioned or has_unfused_masters(engine.optimizer):  # collective: every rank
-        experts = {id(p) for _, m in expert_modules(engine.module) for p in m.parameters()}
-        writer = TensorStoreWriter(tmp_dir, DENSE_STORE, active=rt.is_main)
-        params = dense_params(engine.module, experts)
-        # ZeRO 0 in 16-bit: the masters only (DeepSpeed's own files hold the moments)
-        save_param_state(params, engine.optimizer, writer, moments=partitioned)
-        writer.close({"step": adam_step(engine.optimizer), "lr_scheduler": {
-            "last_epoch": int(getattr(engine.lr_scheduler, "last_epoch", 0))},
-            "aliases": param_aliases(engine.module, params)})
+        def dense() -> None:
+            experts = {id(p) for _, m in expert_modules(engine.module) for p in m.parameters()}
+            writer = TensorStoreWriter(tmp_dir, DENSE_STORE, active=rt.is_main)
+            params = dense_params(engine.module, experts)
+            # ZeRO 0 in 16-bit: the masters only (DeepSpeed's own files hold the moments)
+            save_param_state(params, engine.optimizer, writer, moments=partitioned)
+            writer.close({"step": adam_step(engine.optimizer), "lr_scheduler": {
+                "last_epoch": int(getattr(engine.lr_scheduler, "last_epoch", 0))},
+                "aliases": param_aliases(engine.module, params)})
+
+        part(dense)
+    if errors:
+        raise errors[0]
+
+
+@contextlib.contextmanager
+def _deferred_engine_writes(engine: Any) -> Iterator[None]:
+    """DeepSpeed's file writes inside `save_checkpoint` (its checkpoint engine's save and
+    makedirs) record their first error instead of raising: the rank then still runs the
+    collectives that follow them (ZeRO-3's gathers, the final barrier), and the error is
+    raised once `save_checkpoint` has returned."""
+    writes = getattr(engine, "checkpoint_engine", None)
+    if writes is None:
+        yield
+        return
+    errors: list[Exception] = []
+
+    def deferred(write: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if errors:
+                return None
+            try:
+                return write(*args, **kwargs)
+            except Exception as exc:  # noqa: BLE001  (raised after save_checkpoint)
+                errors.append(exc)
+                return None
+
+        return call
+
+    own = {name: writes.__dict__[name] for name in ("save", "makedirs")
+           if name in writes.__dict__}
+    writes.save, writes.makedirs = deferred(writes.save), deferred(writes.makedirs)
+    try:
+        yield
+    finally:
+        for name in ("save", "makedirs"):
+            if name in own:
+                setattr(writes, name, own[name])
+            else:
+                delattr(writes, name)
+    if errors:
+        raise errors[0]
 
 
 # ---------------------------------------------------------------------- load

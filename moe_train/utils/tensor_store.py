@@ -33,7 +33,9 @@ def index_path(directory: Path, stem: str) -> Path:
 class TensorStoreWriter:
     """Buffers tensors and writes shards of at most about `max_bytes` (a larger tensor gets a
     shard of its own). With `active` False (a rank that does not write) it keeps nothing, so
-    callers can run the same collective gathers on every rank."""
+    callers can run the same collective gathers on every rank. For the same reason a shard
+    that cannot be written (a full disk) does not stop the caller's loop: the writer keeps
+    nothing more and `close` raises that first error, after every gather has run."""
 
     def __init__(self, directory: Path, stem: str, active: bool = True,
                  max_bytes: int = MAX_SHARD_BYTES) -> None:
@@ -43,9 +45,11 @@ class TensorStoreWriter:
         self.buffered = 0
         self.weight_map: dict[str, str] = {}
         self.shards = 0
+        self.error: Exception | None = None
+        """The first shard write that failed; `close` raises it."""
 
     def add(self, name: str, tensor: Tensor) -> None:
-        if not self.active:
+        if not self.active or self.error is not None:
             return
         if name in self.weight_map or name in self.buffer:
             raise ValueError(f"tensor {name} added twice")
@@ -60,15 +64,22 @@ class TensorStoreWriter:
             return
         self.shards += 1
         name = f"{self.stem}-{self.shards:05d}.safetensors"
-        save_tensors(self.directory / name, self.buffer, metadata={"format": STORE_FORMAT})
+        try:
+            save_tensors(self.directory / name, self.buffer, metadata={"format": STORE_FORMAT})
+        except Exception as exc:  # noqa: BLE001  (raised by close, once the loop is done)
+            self.error = exc
         self.weight_map.update({k: name for k in self.buffer})
         self.buffer, self.buffered = {}, 0
 
     def close(self, meta: dict[str, Any] | None = None) -> None:
-        """Write the last shard and the index (with `meta`, JSON)."""
+        """Write the last shard and the index (with `meta`, JSON); the first failed shard
+        write is raised here."""
         if not self.active:
             return
-        self._flush()
+        if self.error is None:
+            self._flush()
+        if self.error is not None:
+            raise self.error
         write_json(index_path(self.directory, self.stem),
                    {"format": STORE_FORMAT, "meta": meta or {}, "weight_map": self.weight_map})
 

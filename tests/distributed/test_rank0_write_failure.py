@@ -29,10 +29,31 @@ PATCHES = {
              "                      str(tmp_dir / 'meta.json'))\n"
              "    return orig(tmp_dir, step, meta, attachments)\n"
              "m._complete_step = patched\n"),
+    # inside DeepSpeed's save_checkpoint, before its final barrier (rank 0's model states)
+    "deepspeed": ("from deepspeed.runtime.checkpoint_engine import torch_checkpoint_engine as m\n"
+                  "orig = m.TorchCheckpointEngine.save\n"
+                  "def patched(self, state_dict, path):\n"
+                  "    if 'step_00000002' in str(path) and 'mp_rank_00_model' in str(path):\n"
+                  "        raise OSError(errno.ENOSPC, 'No space left on device', str(path))\n"
+                  "    return orig(self, state_dict, path)\n"
+                  "m.TorchCheckpointEngine.save = patched\n"),
+    # a shard of the ZeRO-1 dense store, mid-way through the per-parameter gathers
+    "shard": ("from moe_train.utils import tensor_store as m\n"
+              "init = m.TensorStoreWriter.__init__\n"
+              "m.TensorStoreWriter.__init__ = lambda self, d, stem, active=True, max_bytes=0: \\\n"
+              "    init(self, d, stem, active, 4096)\n"
+              "orig = m.save_tensors\n"
+              "def patched(path, tensors, metadata=None):\n"
+              "    if 'step_00000002' in str(path) and path.name.endswith('00001.safetensors'):\n"
+              "        raise OSError(errno.ENOSPC, 'No space left on device', str(path))\n"
+              "    return orig(path, tensors, metadata=metadata)\n"
+              "m.save_tensors = patched\n"),
 }
+EXTRA = {"shard": ["optim.zero_stage=1"]}
+"""Overrides a case needs beside the common ones."""
 
 
-@pytest.mark.parametrize("where", ["export", "save"])
+@pytest.mark.parametrize("where", ["export", "save", "deepspeed", "shard"])
 def test_a_rank0_write_failure_stops_every_rank_in_one_line(tiny_prepared, tmp_path, where):
     from moe_train.parallel.runtime import free_port
 
@@ -44,7 +65,8 @@ def test_a_rank0_write_failure_stops_every_rank_in_one_line(tiny_prepared, tmp_p
            "train", "--config", CONFIG,
            *debug_overrides(tiny_prepared, tmp_path, "train.max_steps=3",
                             "checkpoint.save_every=1", "train.validate_every=0",
-                            "train.bleu_sentences=4", "data.max_tokens=400")]
+                            "train.bleu_sentences=4", "data.max_tokens=400",
+                            *EXTRA.get(where, []))]
     start = time.time()
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=cli_env(), stdout=out,
@@ -56,6 +78,12 @@ def test_a_rank0_write_failure_stops_every_rank_in_one_line(tiny_prepared, tmp_p
     if where == "export":
         assert f"error: {ckpt / 'export'}: No space left on device" in text, text[-3000:]
         assert f"error: {ckpt}: another rank failed at the end of training" in text
+    elif where in ("deepspeed", "shard"):  # before, the ranks waited in different collectives
+        assert f"error: {ckpt / 'step_00000002'}/" in text, text[-3000:]
+        assert ": No space left on device" in text
+        assert f"error: {ckpt / 'step_00000002'}: another rank could not write" in text
+        assert latest_tag(ckpt, warn=None) == "step_00000001" and not list(ckpt.glob(".tmp-*"))
+        assert "| step      3 |" not in text
     else:
         assert f"error: {ckpt / 'step_00000002' / 'meta.json'}: No space left on device" in text
         assert f"error: {ckpt / 'step_00000002'}: another rank could not write" in text
