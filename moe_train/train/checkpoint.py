@@ -358,16 +358,17 @@ def _write_step(engine: Any, rt: ParallelRuntime, tmp_dir: Path, meta: dict[str,
         raise errors[0]
 
 
+ENGINE_WRITES = (("checkpoint_engine", ("save", "makedirs")), (None, ("_copy_recovery_script",)))
+"""The methods through which DeepSpeed's `save_checkpoint` writes files: its checkpoint
+engine's, and the engine's own copy of its recovery scripts (ZeRO 1-3, rank 0)."""
+
+
 @contextlib.contextmanager
 def _deferred_engine_writes(engine: Any) -> Iterator[None]:
-    """DeepSpeed's file writes inside `save_checkpoint` (its checkpoint engine's save and
-    makedirs) record their first error instead of raising: the rank then still runs the
-    collectives that follow them (ZeRO-3's gathers, the final barrier), and the error is
-    raised once `save_checkpoint` has returned."""
-    writes = getattr(engine, "checkpoint_engine", None)
-    if writes is None:
-        yield
-        return
+    """DeepSpeed's file writes inside `save_checkpoint` (`ENGINE_WRITES`) record their first
+    error instead of raising: the rank then still runs the collectives that follow them
+    (ZeRO-3's gathers, the final barrier), and the error is raised once `save_checkpoint` has
+    returned. Later writes are skipped."""
     errors: list[Exception] = []
 
     def deferred(write: Callable[..., Any]) -> Callable[..., Any]:
@@ -382,17 +383,21 @@ def _deferred_engine_writes(engine: Any) -> Iterator[None]:
 
         return call
 
-    own = {name: writes.__dict__[name] for name in ("save", "makedirs")
-           if name in writes.__dict__}
-    writes.save, writes.makedirs = deferred(writes.save), deferred(writes.makedirs)
+    patched: list[tuple[Any, str, Any]] = []  # (object, method, its own attribute or None)
+    for attr, methods in ENGINE_WRITES:
+        obj = engine if attr is None else getattr(engine, attr, None)
+        for name in methods:
+            if obj is not None and callable(getattr(obj, name, None)):
+                patched.append((obj, name, vars(obj).get(name)))
+                setattr(obj, name, deferred(getattr(obj, name)))
     try:
         yield
     finally:
-        for name in ("save", "makedirs"):
-            if name in own:
-                setattr(writes, name, own[name])
+        for obj, name, own in patched:
+            if own is not None:
+                setattr(obj, name, own)
             else:
-                delattr(writes, name)
+                delattr(obj, name)
     if errors:
         raise errors[0]
 

@@ -29,7 +29,8 @@ PATCHES = {
              "                      str(tmp_dir / 'meta.json'))\n"
              "    return orig(tmp_dir, step, meta, attachments)\n"
              "m._complete_step = patched\n"),
-    # inside DeepSpeed's save_checkpoint, before its final barrier (rank 0's model states)
+    # inside DeepSpeed's save_checkpoint, before its final barrier: rank 0's model states
+    # through its checkpoint engine (ZeRO 0) ...
     "deepspeed": ("from deepspeed.runtime.checkpoint_engine import torch_checkpoint_engine as m\n"
                   "orig = m.TorchCheckpointEngine.save\n"
                   "def patched(self, state_dict, path):\n"
@@ -37,6 +38,15 @@ PATCHES = {
                   "        raise OSError(errno.ENOSPC, 'No space left on device', str(path))\n"
                   "    return orig(self, state_dict, path)\n"
                   "m.TorchCheckpointEngine.save = patched\n"),
+    # ... and its copy of zero_to_fp32.py beside the steps by shutil (ZeRO 1-3, rank 0)
+    "script": ("import deepspeed.runtime.engine as m\n"
+               "copies = []\n"
+               "def copy(src, dst):\n"
+               "    copies.append(dst)\n"
+               "    if len(copies) > 2:  # the second save: two scripts each\n"
+               "        raise OSError(errno.ENOSPC, 'No space left on device', str(dst))\n"
+               "    return orig(src, dst)\n"
+               "orig, m.copyfile = m.copyfile, copy\n"),
     # a shard of the ZeRO-1 dense store, mid-way through the per-parameter gathers
     "shard": ("from moe_train.utils import tensor_store as m\n"
               "init = m.TensorStoreWriter.__init__\n"
@@ -49,11 +59,11 @@ PATCHES = {
               "    return orig(path, tensors, metadata=metadata)\n"
               "m.save_tensors = patched\n"),
 }
-EXTRA = {"shard": ["optim.zero_stage=1"]}
+EXTRA = {"shard": ["optim.zero_stage=1"], "script": ["optim.zero_stage=1"]}
 """Overrides a case needs beside the common ones."""
 
 
-@pytest.mark.parametrize("where", ["export", "save", "deepspeed", "shard"])
+@pytest.mark.parametrize("where", ["export", "save", "deepspeed", "script", "shard"])
 def test_a_rank0_write_failure_stops_every_rank_in_one_line(tiny_prepared, tmp_path, where):
     from moe_train.parallel.runtime import free_port
 
@@ -78,9 +88,10 @@ def test_a_rank0_write_failure_stops_every_rank_in_one_line(tiny_prepared, tmp_p
     if where == "export":
         assert f"error: {ckpt / 'export'}: No space left on device" in text, text[-3000:]
         assert f"error: {ckpt}: another rank failed at the end of training" in text
-    elif where in ("deepspeed", "shard"):  # before, the ranks waited in different collectives
-        assert f"error: {ckpt / 'step_00000002'}/" in text, text[-3000:]
-        assert ": No space left on device" in text
+    elif where in ("deepspeed", "script", "shard"):  # before: the ranks waited in different
+        # collectives (the script is copied beside the steps, the others into the step)
+        named = ckpt / "zero_to_fp32.py" if where == "script" else f"{ckpt / 'step_00000002'}/"
+        assert f"error: {named}" in text and ": No space left on device" in text, text[-3000:]
         assert f"error: {ckpt / 'step_00000002'}: another rank could not write" in text
         assert latest_tag(ckpt, warn=None) == "step_00000001" and not list(ckpt.glob(".tmp-*"))
         assert "| step      3 |" not in text

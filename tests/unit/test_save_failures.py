@@ -64,12 +64,17 @@ class Engine:
         self.module = torch.nn.Linear(2, 2)
         self.optimizer = torch.optim.AdamW(self.module.parameters())
         self.checkpoint_engine = Writes(fail)
-        self.after_writes = 0
+        self.fail, self.after_writes = fail, 0
+
+    def _copy_recovery_script(self, save_path):  # ZeRO 1-3: shutil.copyfile on rank 0
+        if self.fail == "zero_to_fp32.py":
+            raise full_disk(Path(save_path) / self.fail)
 
     def save_checkpoint(self, save_dir, tag, client_state, save_latest):
         self.checkpoint_engine.makedirs(Path(save_dir) / tag, exist_ok=True)
         for name in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_optim_states.pt"):
             self.checkpoint_engine.save({}, Path(save_dir) / tag / name)
+        self._copy_recovery_script(save_dir)
         self.after_writes += 1  # DeepSpeed's dist.barrier()
 
 
@@ -86,6 +91,19 @@ def test_deepspeed_s_failed_write_is_raised_after_its_save_checkpoint(tmp_path):
     assert not list((tmp_path / "ckpt").iterdir())  # temporary directory removed
     ckpt.save_checkpoint(Engine(), rt, tmp_path / "ckpt", 3, {"step": 3, "config": {}}, {}, 2)
     assert ckpt.latest_tag(tmp_path / "ckpt", warn=None) == "step_00000003"
+
+
+def test_deepspeed_s_recovery_script_copy_is_deferred_too(tmp_path):
+    """DeepSpeed copies zero_to_fp32.py beside the steps with shutil.copyfile, outside its
+    checkpoint engine, before its final barrier."""
+    engine = Engine(fail="zero_to_fp32.py")
+    with pytest.raises(OSError, match="No space left on device") as err:
+        ckpt.save_checkpoint(engine, ParallelRuntime(), tmp_path / "ckpt", 2,
+                             {"step": 2, "config": {}}, {}, 2)
+    assert err.value.filename.endswith("zero_to_fp32.py") and engine.after_writes == 1
+    assert "_copy_recovery_script" not in vars(engine)  # its own method back
+    assert engine.checkpoint_engine.saved == ["mp_rank_00_model_states.pt",
+                                              "zero_pp_rank_0_optim_states.pt"]
 
 
 def test_every_part_of_a_step_runs_when_one_fails(tmp_path, monkeypatch):
