@@ -12,7 +12,10 @@ names and shapes, the same vocabulary, tags and corpora, byte-identical tokenize
 equal non-float tensors (task tables, counters). Float weights are summed in float64 and
 divided once, so averaging a checkpoint with itself gives it back bit for bit. The newest
 input's config and manifest go into the export, beside ``average.json`` (the inputs, in order).
-Memory: the float64 sum plus one input at a time, about three times the fp32 model.
+Memory: the float64 sum plus one input's fp32 weights at a time, about three times the fp32
+model (a step directory's optimizer state is mapped from its file, not read). Extracted
+sub-networks must keep the same experts (their ``extract.json``); otherwise average the full
+checkpoints, then extract.
 """
 
 from __future__ import annotations
@@ -26,11 +29,13 @@ import torch
 from moe_train.config.schema import ExperimentConfig
 from moe_train.data.prepare import tokenizer_files
 from moe_train.errors import CheckpointError, ConfigError
+from moe_train.eval.extract import EXTRACT_REPORT
 from moe_train.models.build import build_model
 from moe_train.train.checkpoint import consolidated_state_dict, list_tags, read_meta, verify
 from moe_train.train.export import (check_weights, export_inference, export_streamed,
                                     load_export_weights, read_parts)
 from moe_train.train.resume import DATA_IDENTITY, flatten_config
+from moe_train.utils.safe_load import read_json_object
 
 AVERAGE_REPORT = "average.json"
 """The file only `moe-train average` writes into its output (the inputs it averaged)."""
@@ -122,6 +127,7 @@ def check_same_model(inputs: Sequence[AveragedInput]) -> None:
         differ += [f"tokenizer file {name}" for name, blob in files.items()
                    if not (other.path / name).is_file()
                    or (other.path / name).read_bytes() != blob]
+        differ += _kept_experts_differ(first, other)
         if differ:
             raise CheckpointError(f"{other.path}: not the same model as {first.path} "
                                   f"({'; '.join(differ[:3])}"
@@ -129,39 +135,67 @@ def check_same_model(inputs: Sequence[AveragedInput]) -> None:
                                   "expected checkpoints of one architecture and vocabulary")
 
 
+def _kept_experts(item: AveragedInput) -> dict[str, Any] | None:
+    """The global experts an extracted sub-network kept per layer (its extract.json), None
+    for a full model."""
+    if not item.cfg.moe.extracted_task:
+        return None
+    report = read_json_object(item.path / EXTRACT_REPORT,
+                              "the report of the extraction (experts_kept)")
+    kept = report.get("experts_kept")
+    if not isinstance(kept, dict):
+        raise CheckpointError(f"{item.path / EXTRACT_REPORT}: no 'experts_kept'; expected the "
+                              "report `moe-train extract` writes")
+    return kept
+
+
+def _kept_experts_differ(first: AveragedInput, other: AveragedInput) -> list[str]:
+    """Extracted sub-networks whose slots hold other experts: each layer that differs."""
+    mine, theirs = _kept_experts(first), _kept_experts(other)
+    if mine == theirs:
+        return []
+    if mine is None or theirs is None:
+        return ["one is an extracted sub-network, the other not"]
+    layers = sorted(layer for layer in mine.keys() | theirs.keys()
+                    if mine.get(layer) != theirs.get(layer))
+    return [f"experts kept in {layer} {mine.get(layer)} vs {theirs.get(layer)} (average the "
+            "full checkpoints, then extract)" for layer in layers]
+
+
 def average_weights(inputs: Sequence[AveragedInput]) -> dict[str, torch.Tensor]:
     """The mean of the inputs' float weights (float64 sum, one division, fp32 result); their
     non-float tensors, which must be equal. One input's weights are held at a time."""
     first = inputs[0]
-    total: dict[str, torch.Tensor] = {}
-    for i, item in enumerate(inputs):
-        state = item.weights()
-        if i == 0:
-            total = {k: v.double() if v.is_floating_point() else v.clone()
-                     for k, v in state.items()}
-            continue
-        missing, extra = total.keys() - state.keys(), state.keys() - total.keys()
-        if missing or extra:
-            names = sorted(missing)[:2] + sorted(extra)[:2]
-            raise CheckpointError(f"{item.path}: its weights are not {first.path}'s "
-                                  f"({len(missing)} missing, {len(extra)} extra: "
-                                  f"{', '.join(names)}); expected one model's weights")
-        for name, value in state.items():
-            acc = total[name]
-            if tuple(value.shape) != tuple(acc.shape) or (
-                    value.is_floating_point() != acc.is_floating_point()):
-                raise CheckpointError(f"{item.path}: {name} is {value.dtype} "
-                                      f"{tuple(value.shape)}, {first.path} has {acc.dtype} "
-                                      f"{tuple(acc.shape)}; expected one model's weights")
-            if acc.is_floating_point():
-                acc.add_(value.double())
-            elif not torch.equal(acc, value):
-                raise CheckpointError(f"{item.path}: {name} ({value.dtype}, not averaged) "
-                                      f"differs from {first.path}'s; expected equal tables "
-                                      "in checkpoints of one model")
-        del state
+    total = {k: v.double() if v.is_floating_point() else v.clone()
+             for k, v in first.weights().items()}
+    for item in inputs[1:]:
+        _add(total, item.weights(), item, first)  # its weights go when _add returns
     n = len(inputs)
     return {k: v.div_(n).float() if v.is_floating_point() else v for k, v in total.items()}
+
+
+def _add(total: dict[str, torch.Tensor], state: dict[str, torch.Tensor], item: AveragedInput,
+         first: AveragedInput) -> None:
+    """Add one input's float weights to `total`; its non-float tensors must equal the first's."""
+    missing, extra = total.keys() - state.keys(), state.keys() - total.keys()
+    if missing or extra:
+        names = sorted(missing)[:2] + sorted(extra)[:2]
+        raise CheckpointError(f"{item.path}: its weights are not {first.path}'s "
+                              f"({len(missing)} missing, {len(extra)} extra: "
+                              f"{', '.join(names)}); expected one model's weights")
+    for name, value in state.items():
+        acc = total[name]
+        if tuple(value.shape) != tuple(acc.shape) or (
+                value.is_floating_point() != acc.is_floating_point()):
+            raise CheckpointError(f"{item.path}: {name} is {value.dtype} "
+                                  f"{tuple(value.shape)}, {first.path} has {acc.dtype} "
+                                  f"{tuple(acc.shape)}; expected one model's weights")
+        if acc.is_floating_point():
+            acc.add_(value.double())
+        elif not torch.equal(acc, value):
+            raise CheckpointError(f"{item.path}: {name} ({value.dtype}, not averaged) "
+                                  f"differs from {first.path}'s; expected equal tables "
+                                  "in checkpoints of one model")
 
 
 def write_average(inputs: Sequence[AveragedInput], out_dir: str | Path) -> dict[str, Any]:

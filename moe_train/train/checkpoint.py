@@ -526,7 +526,7 @@ def consolidated_state_dict(tag_dir: str | Path) -> dict[str, torch.Tensor]:
         path = Path(tag_dir) / ZERO3_MODEL_STATES  # buffers whole, parameters partitioned
     if not path.is_file():
         raise CheckpointError(f"{path}: missing model states")
-    states = load_torch(path, "DeepSpeed model states")
+    states = load_torch(path, "DeepSpeed model states", mmap=True)  # the optimizer's unread
     state = states.get("module") if isinstance(states, dict) else None
     if not isinstance(state, dict):
         raise CheckpointError(f"{path}: no 'module' weights in the model states")

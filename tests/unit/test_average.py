@@ -181,3 +181,47 @@ def test_inputs_without_tokenizer_files_give_an_export_without_them(exports, tmp
     assert main(["average", *map(str, bare), "--out", str(tmp_path / "avg")]) == 0
     assert not (tmp_path / "avg" / "spm.model").exists()
     assert load_export_weights(tmp_path / "avg").keys() == load_export_weights(paths[0]).keys()
+
+
+def test_extracted_sub_networks_must_keep_the_same_experts(tiny_prepared, tmp_path, capsys):
+    """Two extractions of one task may keep other experts (a learned gate changes during
+    training): slot 0 of one is then another expert than slot 0 of the other. Refused, with
+    the way out; the same experts average."""
+    task = ["moe.k=1", "moe.encoder_router=task", "moe.decoder_router=task",
+            "moe.encoder_task_source=tgt_lang", "moe.decoder_task_source=tgt_lang"]
+    kept = {}
+    for name, seed in (("a", 0), ("b", 1)):
+        make_export(tiny_prepared, tmp_path / name, seed, *task)
+        assert main(["extract", "--checkpoint", str(tmp_path / name), "--task", "de",
+                     "--out", str(tmp_path / f"{name}_de")]) == 0
+        kept[name] = json.loads((tmp_path / f"{name}_de" / "extract.json").read_text())[
+            "experts_kept"]
+    assert kept["a"] != kept["b"]  # these seeds' gates keep other experts
+    capsys.readouterr()
+    err = refused(["average", str(tmp_path / "a_de"), str(tmp_path / "b_de"), "--out",
+                   str(tmp_path / "avg")], capsys)
+    assert "experts kept in" in err and "average the full checkpoints, then extract" in err
+    shutil.copytree(tmp_path / "a_de", tmp_path / "a_de2")
+    assert main(["average", str(tmp_path / "a_de"), str(tmp_path / "a_de2"), "--out",
+                 str(tmp_path / "avg")]) == 0
+    err = refused(["average", str(tmp_path / "a"), str(tmp_path / "a_de"), "--out",
+                   str(tmp_path / "avg2")], capsys)
+    assert "not the same model" in err
+
+
+def test_one_input_s_weights_are_held_at_a_time():
+    """Beside the float64 sum: the first input's tensors are gone before the second loads."""
+    import weakref
+
+    alive: dict[int, list] = {}
+    seen = []
+
+    class Tracked(FakeInput):
+        def weights(self):
+            seen.append({i: sum(r() is not None for r in refs) for i, refs in alive.items()})
+            state = {"w": torch.full((4,), float(len(alive)))}
+            alive[len(alive)] = [weakref.ref(v) for v in state.values()]
+            return state
+
+    got = average_weights([Tracked("a", {}), Tracked("b", {}), Tracked("c", {})])
+    assert seen == [{}, {0: 0}, {0: 0, 1: 0}] and torch.equal(got["w"], torch.ones(4))

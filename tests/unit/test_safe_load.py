@@ -322,3 +322,14 @@ def test_numpy_arrays_are_loaded_without_pickles_and_checked(tmp_path):
     (tmp_path / "meta.npz").write_bytes((tmp_path / "meta.npy").read_bytes())
     with pytest.raises(CheckpointError, match=r"meta\.npz: a single array, not an \.npz archive"):
         load_arrays(tmp_path / "meta.npz", "ids", ("split",), 3)
+
+
+def test_load_torch_maps_a_zip_file_and_reads_a_legacy_one_whole(tmp_path) -> None:
+    """mmap (DeepSpeed's model states, whose optimizer part a reader of the weights skips):
+    the same values; a file in torch's legacy format cannot be mapped and is read whole."""
+    state = {"module": {"w": torch.arange(6.0)}, "optimizer": {"m": torch.ones(3)}}
+    torch.save(state, tmp_path / "new.pt")
+    torch.save(state, tmp_path / "old.pt", _use_new_zipfile_serialization=False)
+    for name in ("new.pt", "old.pt"):
+        got = load_torch(tmp_path / name, "model states", mmap=True)
+        assert torch.equal(got["module"]["w"], state["module"]["w"]), name
