@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 
@@ -287,11 +288,8 @@ def test_a_stage_being_run_is_locked_against_a_second_run(tmp_path) -> None:
     assert second.reuse("backbone", second.cfg) is not None  # done, and free
 
 
-def test_an_unfinished_training_stage_with_another_config_is_retrained_with_rerun_stale(
-        tmp_path, capsys) -> None:
-    """A training stage stopped before it finished (preempted, killed) resumes from its
-    checkpoints; with a config that may not change on resume it is one line saying that
-    --rerun-stale trains it anew, and --rerun-stale does (the checkpoints go)."""
+def _save_step(ctx: StageContext, ckpt_dir: Path, cfg, attachments: dict | None = None) -> None:
+    """Step 2 of `cfg`'s training saved into `ckpt_dir` by a fake DeepSpeed engine."""
     import torch
 
     from moe_train.train import checkpoint as ckpt
@@ -301,13 +299,24 @@ def test_an_unfinished_training_stage_with_another_config_is_retrained_with_reru
         optimizer = torch.optim.AdamW(module.parameters())
 
         def save_checkpoint(self, save_dir, tag, client_state, save_latest):
-            (tmp_path / save_dir / tag).mkdir(parents=True, exist_ok=True)
+            (Path(save_dir) / tag).mkdir(parents=True, exist_ok=True)
+
+    ckpt.save_checkpoint(Engine(), ctx.rt, ckpt_dir, 2,
+                         {"step": 2, "config": cfg.to_dict(), "world_size": 1},
+                         attachments or {}, 2)
+
+
+def test_an_unfinished_training_stage_with_another_config_is_retrained_with_rerun_stale(
+        tmp_path, capsys) -> None:
+    """A training stage stopped before it finished (preempted, killed) resumes from its
+    checkpoints; with a config that may not change on resume it is one line saying that
+    --rerun-stale trains it anew, and --rerun-stale does (the checkpoints go)."""
+    from moe_train.train import checkpoint as ckpt
 
     ctx = _ctx(tmp_path)
     cfg = backbone_config(ctx)
     ckpt_dir = tmp_path / cfg.checkpoint.dir
-    ckpt.save_checkpoint(Engine(), ctx.rt, ckpt_dir, 2,
-                         {"step": 2, "config": cfg.to_dict(), "world_size": 1}, {}, 2)
+    _save_step(ctx, ckpt_dir, cfg)
     assert ctx.resume_training("backbone", cfg)  # the same config: it goes on
     changed = backbone_config(_ctx(tmp_path, "optim.lr=0.123"))
     with pytest.raises(CheckpointError, match=r"optim.lr 0.0.* -> 0.123; stage backbone has not "
@@ -326,25 +335,12 @@ def test_an_unfinished_training_stage_on_re_prepared_data_is_retrained_with_reru
     data.prepared_dir: the unfinished stage is one line naming --rerun-stale, which trains it
     anew, as for a changed config (before, the trainer refused it later, and --rerun-stale
     could not help)."""
-    import torch
-
-    from moe_train.train import checkpoint as ckpt
-
-    class Engine:  # what save_checkpoint needs of a DeepSpeed engine
-        module = torch.nn.Linear(2, 2)
-        optimizer = torch.optim.AdamW(module.parameters())
-
-        def save_checkpoint(self, save_dir, tag, client_state, save_latest):
-            (tmp_path / save_dir / tag).mkdir(parents=True, exist_ok=True)
-
     ctx = _ctx(tmp_path)
     cfg = backbone_config(ctx)
     manifest = tmp_path / "prepared" / "manifest.json"
     manifest.write_text(json.dumps({"version": 1, "splits": {"train": {"sha256": "aa"}}}))
     ckpt_dir = tmp_path / cfg.checkpoint.dir
-    ckpt.save_checkpoint(Engine(), ctx.rt, ckpt_dir, 2,
-                         {"step": 2, "config": cfg.to_dict(), "world_size": 1},
-                         {"manifest.json": manifest}, 2)
+    _save_step(ctx, ckpt_dir, cfg, {"manifest.json": manifest})
     assert ctx.resume_training("backbone", cfg)  # the same data: it goes on
     manifest.write_text(json.dumps({"version": 1, "splits": {"train": {"sha256": "bb"}}}))
     with pytest.raises(CheckpointError, match=r"train sha256 'aa' -> 'bb'; stage backbone has "
