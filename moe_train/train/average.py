@@ -1,9 +1,10 @@
 """Checkpoint averaging: the mean of several checkpoints' weights as one standalone export.
 
 Averaging the last few checkpoints of a run is common MT practice (fairseq's
-``average_checkpoints.py``; the Transformer paper averaged the last 5 or 20 checkpoints), a
-smoother model at no training cost. Its BLEU gain is the literature's (small and steady, Popel
-and Bojar 2018); no benchmark here has measured one yet.
+``average_checkpoints.py``; the Transformer paper averaged the last 5 or 20 checkpoints of a
+converged run), a smoother model at no training cost. It pays near convergence: on a run far
+from it (benchmarks/average_checkpoints.py, OPUS de-en at 1500 steps) the last 2 and 5
+checkpoints averaged lost 0.45 and 0.77 test BLEU against the last one.
 
 The inputs are exports, training checkpoint directories (their ``latest``) or step directories,
 or the last N complete steps of one training checkpoint directory. They must be one model: the
