@@ -11,8 +11,9 @@ or the last N complete steps of one training checkpoint directory. They must be 
 same architecture (the config's model-shaping sections, ``moe.ep_size`` aside), the same weight
 names and shapes, the same vocabulary, tags and corpora, byte-identical tokenizer files, and
 equal non-float tensors (task tables, counters). Float weights are summed in float64 and
-divided once, so averaging a checkpoint with itself gives it back bit for bit. The newest
-input's config and manifest go into the export, beside ``average.json`` (the inputs, in order).
+divided once, so averaging a checkpoint with itself gives it back bit for bit. The last
+input's config and manifest (with ``--last``: the newest step's) go into the export, beside
+``average.json`` (the inputs, in order).
 Memory: the float64 sum plus one input's fp32 weights at a time, about three times the fp32
 model (a step directory's optimizer state is mapped from its file, not read). Extracted
 sub-networks must keep the same experts (their ``extract.json``); otherwise average the full
@@ -203,7 +204,7 @@ def write_average(inputs: Sequence[AveragedInput], out_dir: str | Path) -> dict[
     """Average `inputs` (checked to be one model) into the export `out_dir`, atomically; the
     report that `average.json` holds."""
     check_same_model(inputs)
-    newest = inputs[-1]
+    newest = inputs[-1]  # the last given: with --last, the newest step
     state = average_weights(inputs)
     with torch.device("meta"):  # the export's config must take these weights
         check_weights(build_model(newest.cfg, newest.manifest), state, Path(out_dir))
