@@ -37,7 +37,7 @@ from moe_train.models.build import build_model
 from moe_train.train.checkpoint import consolidated_state_dict, list_tags, read_meta, verify
 from moe_train.train.export import (check_weights, export_inference, export_streamed,
                                     load_export_weights, read_parts)
-from moe_train.train.resume import DATA_IDENTITY, flatten_config
+from moe_train.train.resume import flatten_config, vocabulary_identity
 from moe_train.utils.safe_load import read_json_object
 
 AVERAGE_REPORT = "average.json"
@@ -108,23 +108,18 @@ def _model_fields(cfg: ExperimentConfig) -> dict[str, Any]:
             if k.startswith(MODEL_SECTIONS) and k not in LAYOUT_FIELDS}
 
 
-def _data_fields(manifest: dict[str, Any]) -> dict[str, Any]:
-    return {**{k: manifest.get(k) for k in DATA_IDENTITY},
-            "corpora": [c.get("name") for c in manifest.get("corpora", [])]}
-
-
 def check_same_model(inputs: Sequence[AveragedInput]) -> None:
     """One line naming the first input that is not the same model as the first one: a
     model-shaping config field, a vocabulary / corpus fact, or a tokenizer file."""
     first = inputs[0]
-    fields, data = _model_fields(first.cfg), _data_fields(first.manifest)
+    fields, data = _model_fields(first.cfg), vocabulary_identity(first.manifest)
     files = {p.name: p.read_bytes() for p in tokenizer_files(first.path, first.manifest)
              if p.is_file()}
     for other in inputs[1:]:
         theirs = _model_fields(other.cfg)
         differ = [f"{k} {fields.get(k)!r} vs {theirs.get(k)!r}"
                   for k in sorted(fields.keys() | theirs.keys()) if fields.get(k) != theirs.get(k)]
-        their_data = _data_fields(other.manifest)
+        their_data = vocabulary_identity(other.manifest)
         differ += [f"manifest {k} {data[k]!r} vs {their_data[k]!r}" for k in data
                    if data[k] != their_data[k]]
         differ += [f"tokenizer file {name}" for name, blob in files.items()

@@ -82,10 +82,15 @@ DATA_IDENTITY: tuple[str, ...] = ("tokenizer", "vocab_size", "pad_id", "unk_id",
 """Manifest fields that a resumed run's prepared data must share with the checkpoint's."""
 
 
+def vocabulary_identity(manifest: dict[str, Any]) -> dict[str, Any]:
+    """What a model's ids mean: the `DATA_IDENTITY` fields and the corpus names (task ids)."""
+    return {**{k: manifest.get(k) for k in DATA_IDENTITY},
+            "corpora": [c.get("name") for c in manifest.get("corpora", [])]}
+
+
 def _data_identity(manifest: dict[str, Any]) -> dict[str, Any]:
     train = manifest.get("splits", {}).get("train", {})
-    return {**{k: manifest.get(k) for k in DATA_IDENTITY},
-            "corpora": [c.get("name") for c in manifest.get("corpora", [])],
+    return {**vocabulary_identity(manifest),
             **{f"train {k}": train.get(k)
                for k in ("corpus_sizes", "src_tokens", "tgt_tokens", "sha256")}}
 
