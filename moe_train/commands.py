@@ -20,13 +20,23 @@ def _json_line(obj: dict[str, Any]) -> None:
     print(json.dumps(obj, sort_keys=True), flush=True)
 
 
+@contextlib.contextmanager
 def _runtime():
-    """A distributed runtime under a launcher, else a plain single-process one (no process group)."""
-    from moe_train.parallel.runtime import ParallelRuntime, detect_launch, init_runtime
+    """A distributed runtime under a launcher, else a plain single-process one (no process
+    group); the process group is shut down at the end, without waiting for the peers when this
+    rank failed (they may be inside a collective)."""
+    from moe_train.parallel.runtime import ParallelRuntime, detect_launch, init_runtime, shutdown
 
-    if detect_launch(os.environ).multi_process:
-        return init_runtime()
-    return ParallelRuntime()
+    if not detect_launch(os.environ).multi_process:
+        yield ParallelRuntime()
+        return
+    rt = init_runtime()
+    try:
+        yield rt
+    except BaseException:
+        shutdown(rt, barrier=False)
+        raise
+    shutdown(rt)
 
 
 def cmd_synth(args: argparse.Namespace) -> int:
@@ -441,11 +451,11 @@ def cmd_routing_stats(args: argparse.Namespace) -> int:
     from moe_train.train.export import load_for_inference
 
     check_out_dir(args.out)
-    rt = _runtime()
-    inf = load_for_inference(args.checkpoint, rt.device)
-    dataset = _prepared_split(inf, args.prepared, args.split)
-    stats = collect_routing_stats(inf.model, dataset, inf.manifest, rt, inf.cfg.data.max_tokens,
-                                  max_batches=args.max_batches)
+    with _runtime() as rt:
+        inf = load_for_inference(args.checkpoint, rt.device)
+        dataset = _prepared_split(inf, args.prepared, args.split)
+        stats = collect_routing_stats(inf.model, dataset, inf.manifest, rt, inf.cfg.data.max_tokens,
+                                      max_batches=args.max_batches)
     if rt.is_main:
         paths = write_routing_stats(stats, args.out, {
             "checkpoint": str(inf.source), "prepared": str(args.prepared or
@@ -478,26 +488,26 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     files = [p.resolve() for p in outputs.values() if not write_target(p)[1]]  # not /dev/null
     if len(set(files)) < len(files):
         raise ConfigError("--hyps and --json: expected two different files")
-    rt = _runtime()
-    inf = load_for_inference(args.checkpoint, rt.device)
-    if not (args.src or args.prepared):  # the model's own prepared data
-        for flag, path in outputs.items():
-            check_out_file(path, flag, {"--prepared": inf.cfg.data.prepared_dir})
-    ecfg = _eval_config(args, inf.cfg.eval)
-    if args.src:
-        hyps = _translate_raw(inf, args, source, src, ecfg, rt.device)
-        tgt = args.tgt_lang or group_target(c["tgt_lang"]
-                                            for c in _serving(inf)[0].get("corpora", []))
-        metrics = {"all": corpus_metrics(hyps, refs, tgt), "domains": {}, "pairs": {}}
-        ordered = hyps
-        scored = {"src": str(args.src), "ref": str(args.ref)}
-    else:
-        dataset = _prepared_split(inf, args.prepared, args.split)
-        scored = {"prepared": str(args.prepared or inf.cfg.data.prepared_dir),
-                  "split": args.split}
-        metrics, hyp_map = evaluate_dataset(inf.model, dataset, inf.vocab, inf.manifest, rt,
-                                            ecfg, inf.cfg.data.max_tokens, routing=True)
-        ordered = [hyp_map[i] for i in sorted(hyp_map)]
+    with _runtime() as rt:
+        inf = load_for_inference(args.checkpoint, rt.device)
+        if not (args.src or args.prepared):  # the model's own prepared data
+            for flag, path in outputs.items():
+                check_out_file(path, flag, {"--prepared": inf.cfg.data.prepared_dir})
+        ecfg = _eval_config(args, inf.cfg.eval)
+        if args.src:
+            hyps = _translate_raw(inf, args, source, src, ecfg, rt.device)
+            tgt = args.tgt_lang or group_target(c["tgt_lang"]
+                                                for c in _serving(inf)[0].get("corpora", []))
+            metrics = {"all": corpus_metrics(hyps, refs, tgt), "domains": {}, "pairs": {}}
+            ordered = hyps
+            scored = {"src": str(args.src), "ref": str(args.ref)}
+        else:
+            dataset = _prepared_split(inf, args.prepared, args.split)
+            scored = {"prepared": str(args.prepared or inf.cfg.data.prepared_dir),
+                      "split": args.split}
+            metrics, hyp_map = evaluate_dataset(inf.model, dataset, inf.vocab, inf.manifest, rt,
+                                                ecfg, inf.cfg.data.max_tokens, routing=True)
+            ordered = [hyp_map[i] for i in sorted(hyp_map)]
     if rt.is_main:
         if metrics["domains"]:
             print(format_table(metrics))

@@ -17,6 +17,7 @@ module global.
 from __future__ import annotations
 
 import datetime
+import importlib
 import os
 import re
 import shutil
@@ -305,6 +306,9 @@ def init_runtime(backend: str | None = None, timeout_s: int = 1800,
         if tune_allocator:
             tune_cpu_allocator()
     if not dist.is_initialized():
+        # Dynamo (which the optimizers import) keeps, from its import on, references to the
+        # world group if it exists then, so `shutdown` could not free it: import it first.
+        importlib.import_module("torch._dynamo")
         deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False,
                                    timeout=datetime.timedelta(seconds=timeout_s))
     return ParallelRuntime(rank=rank, world_size=world, local_rank=local_rank, backend=backend,
@@ -324,18 +328,36 @@ def deepspeed_shm_buffer(rank: int, env: Mapping[str, str] = os.environ) -> str 
     return f"{DEEPSPEED_SHM_DIR}/deepspeed_allreduce_buffer_{os.getuid()}_{addr}_{port}_{rank}"
 
 
-def shutdown(runtime: ParallelRuntime) -> None:
-    """Tear down the process group (safe to call when nothing was initialised) and unlink this
-    rank's DeepSpeed shared-memory all-reduce buffer, which DeepSpeed never removes: every run
-    would otherwise leave 67 MB per rank in /dev/shm, that is in RAM, until reboot. The peers'
-    mappings stay valid after the unlink (they are past the barrier anyway)."""
+def shutdown(runtime: ParallelRuntime, barrier: bool = True) -> None:
+    """Tear down the process groups (safe to call when nothing was initialised) while Python is
+    whole, and unlink this rank's DeepSpeed shared-memory all-reduce buffer.
+
+    - `barrier`: wait for the peers first (a clean end). An error path passes False: a peer may
+      be inside another collective, and a barrier there would hang both.
+    - torch's `destroy_process_group` only shuts the backends down: DeepSpeed's group registries
+      (and whatever model or engine is not yet collected) still hold the group objects, so their
+      gloo worker threads would live on into interpreter finalization, where a worker releasing
+      a tensor's Python object aborts the process ("terminate called without an active
+      exception", exit -6) after a run that succeeded. DeepSpeed's own teardown drops its
+      references, and the garbage is collected here, which stops those threads now.
+    - DeepSpeed never removes the shared-memory buffer: every run would otherwise leave 67 MB
+      per rank in /dev/shm, that is in RAM, until reboot. The peers' mappings stay valid after
+      the unlink (they are past the barrier anyway)."""
+    import gc
+
+    import deepspeed.comm as ds_comm
     import torch.distributed as dist
 
-    if dist.is_initialized():
-        rank = dist.get_rank()
-        if runtime.distributed:
-            dist.barrier()
+    if not dist.is_initialized():
+        return
+    rank = dist.get_rank()
+    if runtime.distributed and barrier:
+        dist.barrier()
+    if ds_comm.is_initialized():  # also releases DeepSpeed's cached groups
+        ds_comm.destroy_process_group()
+    else:  # a group DeepSpeed did not start (tests)
         dist.destroy_process_group()
-        path = deepspeed_shm_buffer(rank)
-        if path is not None and os.path.isfile(path):
-            os.unlink(path)
+    gc.collect()
+    path = deepspeed_shm_buffer(rank)
+    if path is not None and os.path.isfile(path):
+        os.unlink(path)
