@@ -12,7 +12,7 @@ import torch
 from moe_train.config.schema import EvalConfig
 from moe_train.data.vocab import Vocab
 from moe_train.eval.decode import translate_dataset
-from moe_train.eval.metrics import corpus_metrics, group_target
+from moe_train.eval.metrics import corpus_metrics
 from moe_train.eval.routing_stats import collect_routing_stats
 from moe_train.eval.routing_tables import RoutingStats
 from moe_train.models.build import moe_layers
@@ -45,8 +45,8 @@ def evaluate_dataset(model: torch.nn.Module, dataset: Any, vocab: Vocab, manifes
         by_pair[pair].append(i)
 
     def score(ids: list[int]) -> dict[str, Any]:
-        tgt = group_target(langs[int(dataset.tgt_lang_ids[i])] for i in ids)
-        return corpus_metrics([hyps[i] for i in ids], [refs[i] for i in ids], tgt)
+        return corpus_metrics([hyps[i] for i in ids], [refs[i] for i in ids],
+                              [langs[int(dataset.tgt_lang_ids[i])] for i in ids])
 
     metrics = {"all": score(order),
                "domains": {d: score(ids) for d, ids in sorted(by_domain.items())},

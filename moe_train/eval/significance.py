@@ -15,12 +15,18 @@ from typing import Any, Sequence
 import numpy as np
 from sacrebleu.metrics import BLEU, CHRF
 
-from moe_train.eval.metrics import bleu_tokenizer
+from moe_train.eval.metrics import bleu_statistics, per_sentence
 
 
-def _stats(metric: Any, hyps: Sequence[str], refs: Sequence[str]) -> np.ndarray:
-    return np.asarray(metric._extract_corpus_statistics(list(hyps), [list(refs)]),
-                      dtype=np.float64)
+def _stats(name: str, hyps: Sequence[str], refs: Sequence[str],
+           langs: Sequence[str | None]) -> tuple[np.ndarray, str]:
+    """Per-sentence sufficient statistics of `name` (bleu, chrf) and its signature."""
+    if name == "bleu":
+        return bleu_statistics(hyps, refs, langs)
+    chrf = CHRF()
+    stats_NS = np.asarray(chrf._extract_corpus_statistics(list(hyps), [list(refs)]),
+                          dtype=np.float64)
+    return stats_NS, str(chrf.get_signature())
 
 
 def _resampled(metric: Any, stats_NS: np.ndarray, idx_RN: np.ndarray) -> np.ndarray:
@@ -31,15 +37,16 @@ def _resampled(metric: Any, stats_NS: np.ndarray, idx_RN: np.ndarray) -> np.ndar
 def paired_bootstrap(hyps_a: Sequence[str], hyps_b: Sequence[str], refs: Sequence[str],
                      samples: int = 1000, seed: int = 12345,
                      strata: Sequence[int] | None = None,
-                     tgt_lang: str | None = None) -> dict[str, Any]:
+                     tgt_lang: str | Sequence[str | None] | None = None) -> dict[str, Any]:
     """System A against system B on the same sentences: per metric (``bleu``, ``chrf``) the
     corpus scores, ``delta`` = A - B, the 95% percentile interval of the resampled deltas
     (``ci95``), and the share of resamples in which A does not beat B (``p_a_not_better``,
     the one-sided p-value of "A is better") and in which B does not beat A
     (``p_b_not_better``). `strata`: sizes of consecutive blocks of the sentences (test sets
     joined end to end) that each resample draws from separately, so that every resample keeps
-    each block's share. BLEU tokenizes as `corpus_metrics` does for `tgt_lang` (Chinese,
-    Japanese, Korean: their own tokenizers); each metric records its sacreBLEU signature.
+    each block's share. BLEU tokenizes as `corpus_metrics` does for `tgt_lang` (one target
+    language for all sentences or one each; Chinese, Japanese, Korean: their own tokenizers);
+    each metric records its sacreBLEU signature.
     Deterministic for a given `seed`."""
     if not (len(hyps_a) == len(hyps_b) == len(refs)):
         raise ValueError(f"paired bootstrap needs one hypothesis of each system per reference: "
@@ -59,9 +66,10 @@ def paired_bootstrap(hyps_a: Sequence[str], hyps_b: Sequence[str], refs: Sequenc
     out: dict[str, Any] = {"sentences": len(refs), "samples": samples, "seed": seed}
     if strata is not None:
         out["strata"] = blocks
-    bleu = BLEU(tokenize=bleu_tokenizer(tgt_lang, refs))
-    for name, metric in (("bleu", bleu), ("chrf", CHRF())):
-        stats_a, stats_b = _stats(metric, hyps_a, refs), _stats(metric, hyps_b, refs)
+    langs = per_sentence(tgt_lang, len(refs))
+    for name, metric in (("bleu", BLEU()), ("chrf", CHRF())):
+        (stats_a, signature), (stats_b, _) = (_stats(name, hyps, refs, langs)
+                                              for hyps in (hyps_a, hyps_b))
         a = metric._compute_score_from_stats(list(stats_a.sum(axis=0))).score
         b = metric._compute_score_from_stats(list(stats_b.sum(axis=0))).score
         delta_R = _resampled(metric, stats_a, idx_RN) - _resampled(metric, stats_b, idx_RN)
@@ -70,5 +78,5 @@ def paired_bootstrap(hyps_a: Sequence[str], hyps_b: Sequence[str], refs: Sequenc
                      "ci95": [round(float(lo), 2), round(float(hi), 2)],
                      "p_a_not_better": round(float(np.mean(delta_R <= 0)), 4),
                      "p_b_not_better": round(float(np.mean(delta_R >= 0)), 4),
-                     "signature": str(metric.get_signature())}
+                     "signature": signature}
     return out

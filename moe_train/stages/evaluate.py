@@ -56,8 +56,9 @@ from moe_train.utils.provenance import digest_files, digest_tree
 
 STAGE = "evaluate"
 CACHE_DIR = "eval_cache"
-CACHE_FORMAT = 2
-"""Version of what a cache entry holds (2: scores and test hypotheses); older entries miss."""
+CACHE_FORMAT = 3
+"""Version of what a cache entry holds and how its scores were computed (2: scores and test
+hypotheses; 3: BLEU tokenized per target language, `bleu_statistics`); older entries miss."""
 HYP_DIR = "hypotheses"
 
 
@@ -133,12 +134,16 @@ def random_routing(inf: InferenceModel):
 def backbone_cache_key(export: Path, prepared: Path, split: str, ecfg: EvalConfig,
                        eval_sentences: int, max_tokens: int) -> dict[str, Any]:
     """What the backbone's test scores depend on: the export's content (weights, config,
-    tokenizer), the prepared split's content and manifest, and every decode setting."""
+    tokenizer), the prepared split's content and manifest, every decode setting, and the
+    sacreBLEU version that scores them."""
+    import sacrebleu
+
     prepared = Path(prepared)
     data_files = [prepared / MANIFEST, *(p for p in (prepared / split).rglob("*")
                                           if p.is_file() and not p.name.startswith("."))]
     return {"format": CACHE_FORMAT, "checkpoint_sha256": digest_tree(Path(export)),
             "test_data_sha256": digest_files(data_files, prepared), "split": split,
+            "sacrebleu": sacrebleu.__version__,
             "decode": {"beam": ecfg.beam, "lenpen": ecfg.lenpen, "max_len_a": ecfg.max_len_a,
                        "max_len_b": ecfg.max_len_b, "max_sentences": ecfg.max_sentences,
                        "max_tokens": max_tokens, "sentences_per_domain": eval_sentences}}

@@ -26,7 +26,7 @@ from moe_train.data.shards import ShardedDataset, nonempty_split
 from moe_train.data.views import Relabeled
 from moe_train.errors import ConfigError
 from moe_train.eval.decode import batch_context, translate_dataset
-from moe_train.eval.metrics import corpus_metrics, group_target
+from moe_train.eval.metrics import corpus_metrics
 from moe_train.moe.gated_router import GatedRouter
 from moe_train.stages.classifier import load_classifier, load_probs
 from moe_train.stages.classifier_core import DomainClassifier
@@ -55,9 +55,8 @@ def score_system(hyps: dict[int, str], test: ShardedDataset, idx: np.ndarray,
     langs = test.manifest["langs"]
 
     def score(ids: np.ndarray) -> dict[str, Any]:
-        tgt = group_target(langs[int(test.tgt_lang_ids[int(i)])] for i in ids)
         return corpus_metrics([hyps[int(i)] for i in ids], [test.raw_tgt(int(i)) for i in ids],
-                              tgt)
+                              [langs[int(test.tgt_lang_ids[int(i)])] for i in ids])
 
     gold = test.domain_ids[idx]
     per = {d: score(idx[gold == k]) for k, d in enumerate(domains) if (gold == k).any()}

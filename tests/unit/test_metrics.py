@@ -47,3 +47,37 @@ def test_chinese_targets_use_sacrebleu_s_chinese_tokenizer():
     ja = corpus_metrics(["猫が座った"], ["猫が座った"], "ja")["bleu_signature"]
     assert "tok:ja-mecab" in ja or "tok:char" in ja
     assert "tok:13a" in corpus_metrics(hyps, refs, "de")["bleu_signature"]
+
+
+def test_a_region_or_three_letter_code_keeps_the_chinese_tokenizer():
+    """zh_CN and zh_TW sentences are one target language (not "mixed", which used to mean
+    13a), and FLORES' zho_Hans / jpn_Jpan name Chinese and Japanese."""
+    from moe_train.eval.metrics import base_language, group_target
+
+    assert group_target(["zh_CN", "zh_TW", "ZH"]) == "zh" and group_target(["de", "zh"]) is None
+    assert [base_language(c) for c in ("zho_Hans", "jpn_Jpan", "kor", "de-AT")] == \
+        ["zh", "ja", "ko", "de"]
+    hyps, refs = ["我今天去学校上课。", "这只猫坐在桌子上。"], ["我今天去学校上课了。", "这只猫坐在垫子上。"]
+    for langs in (["zh_CN", "zh_TW"], "zho_Hans"):
+        m = corpus_metrics(hyps, refs, langs)
+        assert m["bleu"] == corpus_metrics(hyps, refs, "zh")["bleu"] > 50, langs
+        assert "tok:zh|" in m["bleu_signature"]
+
+
+def test_a_group_that_mixes_targets_tokenizes_each_sentence_for_its_own_language():
+    """en-de with en-zh: one corpus BLEU from the summed counts of the German sentences under
+    13a and the Chinese ones under zh (as sacreBLEU computes each), not 13a over all."""
+    from sacrebleu.metrics import BLEU
+
+    de_h, de_r = ["the cat sat on the mat", "a dog ran home"], ["the cat sat on a mat",
+                                                               "a dog ran home"]
+    zh_h, zh_r = ["我今天去学校上课。", "这只猫坐在桌子上。"], ["我今天去学校上课了。", "这只猫坐在垫子上。"]
+    hyps, refs = [de_h[0], zh_h[0], de_h[1], zh_h[1]], [de_r[0], zh_r[0], de_r[1], zh_r[1]]
+    m = corpus_metrics(hyps, refs, ["de", "zh", "de", "zh"])
+    stats = [sum(x) for x in zip(*BLEU(tokenize="13a")._extract_corpus_statistics(de_h, [de_r]),
+                                 *BLEU(tokenize="zh")._extract_corpus_statistics(zh_h, [zh_r]))]
+    assert m["bleu"] == round(BLEU()._compute_score_from_stats(stats).score, 2)
+    assert m["bleu"] > corpus_metrics(hyps, refs)["bleu"] + 3  # 13a over all: 65.8
+    assert "|tok:13a+zh|" in m["bleu_signature"]
+    with pytest.raises(ValueError, match="3 target languages but 4"):
+        corpus_metrics(hyps, refs, ["de", "zh", "de"])

@@ -102,3 +102,16 @@ def test_strata_resample_each_test_set_apart():
     for bad in ([60, 1], [61, -1], [0, 60]):
         with pytest.raises(ValueError, match="strata"):
             paired_bootstrap(GOOD, BAD, REFS, strata=bad)
+
+
+def test_per_sentence_targets_score_as_corpus_metrics_does():
+    from moe_train.eval.metrics import corpus_metrics
+
+    refs = ["the cat sat on a mat", "我今天去学校上课了。", "a dog ran home", "这只猫坐在垫子上。"]
+    good = ["the cat sat on a mat", "我今天去学校上课。", "a dog ran home", "这只猫坐在桌子上。"]
+    bad = ["a mat", "我。", "home", "这只猫。"]
+    langs = ["de", "zh", "de", "zh"]
+    out = paired_bootstrap(good, bad, refs, samples=50, tgt_lang=langs)["bleu"]
+    assert out["a"] == corpus_metrics(good, refs, langs)["bleu"]
+    assert out["b"] == corpus_metrics(bad, refs, langs)["bleu"]
+    assert "tok:13a+zh" in out["signature"]
