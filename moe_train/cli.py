@@ -43,9 +43,9 @@ def _add_prepare(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--data", help="OPUS-like directory {domain}/{domain}.{l1}-{l2}.{split}.{lang}")
     p.add_argument("--src", help="plain source file (instead of --data)")
     p.add_argument("--tgt", help="plain target file (with --src)")
-    p.add_argument("--domain", default="default", help="domain tag of --src/--tgt")
-    p.add_argument("--src-lang", default="src", help="source language of --src")
-    p.add_argument("--tgt-lang", default="tgt", help="target language of --tgt")
+    p.add_argument("--domain", help="domain tag of --src/--tgt (default: default)")
+    p.add_argument("--src-lang", help="source language of --src (default: src)")
+    p.add_argument("--tgt-lang", help="target language of --tgt (default: tgt)")
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--config", help="YAML config whose data section and train.seed (dev/test "
                    "carving, sentencepiece sampling) are used")

@@ -77,11 +77,18 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
     if bool(args.data) == bool(args.src):
         raise ConfigError("prepare: give either --data DIR or --src FILE --tgt FILE")
+    plain = {"--tgt": args.tgt, "--domain": args.domain, "--src-lang": args.src_lang,
+             "--tgt-lang": args.tgt_lang}
+    if args.data and any(v is not None for v in plain.values()):
+        given = ", ".join(flag for flag, v in plain.items() if v is not None)
+        raise ConfigError(f"prepare: {given} go with --src FILE, not --data DIR (whose file "
+                          f"names give the languages and domains)")
     if args.src:
         if not args.tgt:
             raise ConfigError("prepare: --src needs --tgt")
-        corpora = [plain_corpus(args.src, args.tgt, domain=args.domain, src_lang=args.src_lang,
-                                tgt_lang=args.tgt_lang)]
+        names = {"domain": args.domain, "src_lang": args.src_lang, "tgt_lang": args.tgt_lang}
+        corpora = [plain_corpus(args.src, args.tgt,  # the defaults where not given
+                                **{k: v for k, v in names.items() if v is not None})]
     else:
         corpora = discover(args.data, pairs=cfg.data.pairs, domains=cfg.data.domains)
     manifest = prepare(corpora, args.out, cfg.data, seed=cfg.train.seed,
@@ -89,7 +96,8 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     for split, info in manifest["splits"].items():
         print(f"| {split:<5} {info['sentences']:>8} pairs | {info['src_tokens']:>9} src tokens | "
               f"{info['tgt_tokens']:>9} tgt tokens | skipped (too long) "
-              f"{sum(info['skipped_too_long'])}")
+              f"{sum(info['skipped_too_long'])} | skipped (no tokens) "
+              f"{sum(info['skipped_empty'])}")
     print(f"| vocabulary {manifest['vocab_size']} | domains {', '.join(manifest['domains'])} | "
           f"wrote {args.out}")
     return 0
@@ -218,6 +226,7 @@ def _prompts(inf, args: argparse.Namespace, lines: list[str], source: str = "inp
     --src-lang / --tgt-lang or the model's only choice. A blank line (or one the tokenizer
     keeps nothing of) stays blank; a prompt must leave room for a translation as long as its
     source (`fit_prompt`): else the line is refused, or its source cut (--long-lines)."""
+    from moe_train.data.corpus import collapse_spaces
     from moe_train.data.prompts import fit_prompt
     from moe_train.eval.decode import max_source_tokens, positions_field
 
@@ -242,7 +251,7 @@ def _prompts(inf, args: argparse.Namespace, lines: list[str], source: str = "inp
     count = lambda text: len(inf.vocab.encode(text))  # noqa: E731
     prompts = []
     for line_no, line in enumerate(lines, start=1):
-        text = " ".join(line.split())
+        text = collapse_spaces(line)
         if not text or not count(text):
             prompts.append("")
             continue
@@ -468,11 +477,13 @@ def cmd_routing_stats(args: argparse.Namespace) -> int:
 
 
 def cmd_evaluate(args: argparse.Namespace) -> int:
-    from moe_train.data.corpus import read_text_input
+    from moe_train.data.corpus import STDIN, read_text_input
 
     if args.src or args.ref:  # raw text is checked before the model loads
         if not (args.src and args.ref):
             raise ConfigError("evaluate: --src and --ref go together")
+        if str(args.src) == str(args.ref) == STDIN:
+            raise ConfigError("evaluate: --src and --ref cannot both be standard input (-)")
         (source, src), (_, refs) = read_text_input(args.src), read_text_input(args.ref)
         if len(src) != len(refs):
             raise DataError(f"{args.src}: {len(src)} lines but {args.ref} has {len(refs)}")

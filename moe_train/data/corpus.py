@@ -239,9 +239,7 @@ def _read_lines(path: Path, max_chars: int) -> list[str]:
         if len(line) > max_chars:
             raise DataError(f"{path}:{line_no}: {len(line)} characters, longer than "
                             f"data.max_chars={max_chars}")
-        # Minimal normalisation: runs of any Unicode whitespace become one space, ends stripped.
-        # This also removes stray line separators (\r, \v, \f, U+2028...) from inside a line.
-        clean = " ".join(line.split())
+        clean = collapse_spaces(line)
         if not clean:
             raise DataError(f"{path}:{line_no}: empty line")
         lines.append(clean)
@@ -260,3 +258,10 @@ def read_pairs(files: CorpusFiles, max_chars: int) -> tuple[list[str], list[str]
     if len(src) != len(tgt):
         raise DataError(f"{files.src}: {len(src)} lines but {files.tgt} has {len(tgt)}")
     return src, tgt
+
+
+def collapse_spaces(line: str) -> str:
+    """The one normalisation of text before tokenization, in training data and in what is
+    translated alike: runs of any Unicode whitespace become one space, ends stripped (stray line
+    separators inside a line, \r \v \f U+0085 U+2028..., go too)."""
+    return " ".join(line.split())

@@ -28,9 +28,9 @@ Manifest (``manifest.json``)::
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import shutil
-import unicodedata
 import zlib
 from pathlib import Path
 from typing import Any
@@ -223,7 +223,7 @@ def _drop_held_out_sources(texts: dict[str, dict[str, Pairs]], langs: dict[str, 
     """Drop every train pair that holds a dev or test source of any corpus, on either side in
     the same language (in place), so that no held-out sentence is trained on, not even through
     another domain or the reverse direction that shares it (its source as a training target);
-    sentences compare after NFKC normalisation, as sentencepiece reads them. `langs`: each
+    sentences compare as sentencepiece reads them (`_norm`). `langs`: each
     corpus's (source, target) language. Returns the pairs dropped per corpus."""
     held = {(langs[name][0], _norm(s)) for name, by_split in texts.items()
             for split in ("dev", "test") if split in by_split for s in by_split[split][0]}
@@ -239,7 +239,18 @@ def _drop_held_out_sources(texts: dict[str, dict[str, Pairs]], langs: dict[str, 
 
 
 def _norm(sentence: str) -> str:
-    return unicodedata.normalize("NFKC", sentence)
+    """`sentence` as sentencepiece's default rule (nmt_nfkc) reads it: NFKC, without control or
+    zero-width characters (a BOM or U+200B in the middle of a file), spaces collapsed. Two
+    sentences equal here encode alike, so a held-out one cannot come back through an invisible
+    difference."""
+    return _nmt_nfkc().normalize(sentence)
+
+
+@functools.lru_cache(maxsize=1)
+def _nmt_nfkc() -> Any:
+    import sentencepiece as spm
+
+    return spm.SentencePieceNormalizer(rule_name="nmt_nfkc")
 
 
 EVAL_MAX_LEN = 1000

@@ -15,6 +15,7 @@ import torch
 
 from moe_train.config.schema import EvalConfig
 from moe_train.data.batching import Batch, eval_batches
+from moe_train.data.corpus import collapse_spaces
 from moe_train.data.vocab import Vocab
 from moe_train.errors import DataError
 from moe_train.eval.lm_search import lm_beam_search, lm_greedy_search
@@ -140,15 +141,16 @@ def encode_lines(vocab: Vocab, lines: Sequence[str], limit: int | None, source: 
                  prefix_ids: Sequence[int] = (), long_lines: str = "error",
                  warn: Callable[[str], None] | None = None,
                  field: str = "model.max_positions") -> list[list[int]]:
-    """Encode raw lines (after the tag ids `prefix_ids`, end-of-sentence not included) and check
-    them against `limit` (model.max_positions) before anything is translated.
+    """Encode raw lines (spaces collapsed as in prepared data, `collapse_spaces`; after the tag
+    ids `prefix_ids`, end-of-sentence not included) and check them against `limit`
+    (model.max_positions) before anything is translated.
 
     A line that does not fit is a DataError naming ``source:line`` and the limit, unless
     `long_lines` is ``truncate``: then its tokens are cut to fit and `warn` hears about it.
     """
     if long_lines not in LONG_LINES:
         raise ValueError(f"long_lines: expected one of {', '.join(LONG_LINES)}, got {long_lines!r}")
-    encoded = vocab.encode_batch(list(lines))
+    encoded = vocab.encode_batch([collapse_spaces(line) for line in lines])
     if prefix_ids:
         encoded = [[*prefix_ids, *ids] for ids in encoded]
     if limit is None:

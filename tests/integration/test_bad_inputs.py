@@ -280,6 +280,9 @@ CASES: dict[str, Case] = {
                                        ("data.vocab_size", "integer", "many"), PAIR),
     "prepare_missing_data_dir": Case(["prepare", "--data", "{tmp}/corpora", "--out", "{tmp}/out"],
                                      ("{tmp}/corpora", "not found")),
+    "prepare_data_with_plain_options": Case(
+        ["prepare", "--data", "{tmp}/corpora", "--tgt-lang", "de", "--domain", "law", "--out",
+         "{tmp}/out"], ("--domain, --tgt-lang", "go with --src FILE, not --data DIR")),
     "prepare_over_other_files": Case(prepare(), ("{tmp}/out", "not empty"),
                                      {**PAIR, "out/mine.txt": "not prepared data\n"}),
     # train: config
@@ -414,6 +417,9 @@ CASES: dict[str, Case] = {
         evaluate("--prepared", "{tmp}/prep", "--json", "{tmp}/prep/manifest.json"),
         ("--json {tmp}/prep/manifest.json", "a file of the --prepared input"),
         {"prep/manifest.json": "{}"}),
+    "evaluate_src_and_ref_both_stdin": Case(evaluate("--src", "-", "--ref", "-"),
+                                            ("--src and --ref", "standard input"),
+                                            stdin=b"a b\n"),
     "evaluate_src_without_ref": Case(evaluate("--src", "{tmp}/src.txt"), ("--src", "--ref"),
                                      {"src.txt": "a b\n"}),
     "evaluate_non_utf8_ref": Case(RAW, ("{tmp}/ref.txt:2", "UTF-8"),

@@ -482,7 +482,8 @@ def test_an_empty_split_is_one_line_where_it_must_hold_sentences(tmp_path: Path)
 def test_held_out_sources_are_not_training_targets_nor_hidden_by_unicode_form(
         tmp_path: Path) -> None:
     """A held-out de source comes back as the de target of the reverse direction in another
-    domain, and as a source in NFD form in a third: both pairs leave train."""
+    domain, as a source in NFD form in a third, and behind a zero-width space or BOM in a
+    fourth: all those pairs leave train."""
     import unicodedata
 
     root = tmp_path / "data"
@@ -498,12 +499,19 @@ def test_held_out_sources_are_not_training_targets_nor_hidden_by_unicode_form(
     (it / "it.de-en.train.de").write_text("".join(f"{d}\n" for d in nfd))
     (it / "it.de-en.train.en").write_text("".join(f"{e}\n" for e in en))
     (root / "law" / "law.de-en.train.de").write_text("".join(f"{d} ä\n" for d in de))
+    # law's again behind characters sentencepiece drops: a zero-width space, a mid-file BOM
+    sub = root / "sub"
+    sub.mkdir()
+    hidden = [("\u200b" if i % 2 else "\ufeff") + f"{d} ä" for i, d in enumerate(de)]
+    (sub / "sub.de-en.train.de").write_text("".join(f"x{i}\n{h}\n" for i, h in enumerate(hidden)))
+    (sub / "sub.de-en.train.en").write_text("".join(f"y{i}\nsub {e}\n" for i, e in enumerate(en)))
     corpora = discover(root, pairs=["de-en", "en-de"])
     manifest = prepare(corpora, tmp_path / "out", _cfg(dev_per_domain=3, test_per_domain=3))
     by_name = {c["name"]: c for c in manifest["corpora"]}
     assert law.src.exists()
     assert by_name["med.en-de"]["train_dropped_overlap"] >= 6  # law's held-out, as targets
     assert by_name["it.de-en"]["train_dropped_overlap"] >= 6  # law's held-out, in NFD
+    assert by_name["sub.de-en"]["train_dropped_overlap"] >= 6  # law's held-out, invisibly marked
     assert manifest["seed"] == 1  # what carved the held-out sets
 
 

@@ -93,6 +93,15 @@ def test_encoded_lines_start_with_the_prefix_which_counts_towards_the_limit():
         encode_lines(FakeVocab(), ["abc"], 5, prefix_ids=[20, 21])
 
 
+def test_lines_to_translate_are_spaced_as_prepared_data_is():
+    """prepare collapses whitespace (a NEL, a vertical tab, doubled spaces); so does what
+    `translate` / `evaluate --src` encode, or a line would tokenize unlike its training twin.
+    A blank line stays blank."""
+    raw = ["  the\x85patient\vtakes   it ", "", "a\u2028b"]
+    assert encode_lines(FakeVocab(), raw, None) == \
+        FakeVocab().encode_batch(["the patient takes it", "", "a b"])
+
+
 def test_raw_text_labels_take_only_what_the_model_trained_on():
     """Languages and domains are checked against the corpora the model saw, not every name in
     its manifest: en is one of its languages but never a target (an untrained task row)."""
