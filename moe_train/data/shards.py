@@ -87,6 +87,30 @@ def read_manifest(prepared_dir: str | os.PathLike) -> dict[str, Any]:
     return manifest
 
 
+CORPUS_KEYS = {"name": (str, "a string"), "domain_id": (int, "an integer"),
+               "src_lang_id": (int, "an integer"), "tgt_lang_id": (int, "an integer")}
+"""What a dataset reads of each manifest corpus entry, and its type."""
+
+
+def _check_corpus_entries(path: Path, corpora: Any, split: str, info: dict[str, Any]) -> None:
+    """The manifest's corpus entries and `split`'s per-corpus sizes are what a dataset reads
+    (a damaged manifest is one DataError line, not a KeyError inside the loader)."""
+    again = "(corrupt); run `moe-train prepare` again"
+    if not isinstance(corpora, list):
+        raise DataError(f"{path}: corpora: expected a list {again}")
+    for i, corpus in enumerate(corpora):
+        for key, (kind, expected) in CORPUS_KEYS.items():
+            value = corpus.get(key) if isinstance(corpus, dict) else None
+            if not isinstance(value, kind) or isinstance(value, bool):
+                raise DataError(f"{path}: corpora[{i}].{key}: expected {expected}, got "
+                                f"{value!r} {again}")
+    sizes = info.get("corpus_sizes")
+    if not (isinstance(sizes, list) and len(sizes) == len(corpora)
+            and all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in sizes)):
+        raise DataError(f"{path}: splits.{split}.corpus_sizes: expected {len(corpora)} "
+                        f"counts, one per corpus, got {sizes!r} {again}")
+
+
 def _open_tokens(path: Path, n_tokens: int) -> np.ndarray:
     """Memory-map a token file (an empty file cannot be mapped: use an empty array)."""
     if not path.is_file():
@@ -174,6 +198,7 @@ class ShardedDataset:
         if not corpora:
             raise DataError(f"{self.prepared_dir / MANIFEST}: lists no corpora (corrupt); "
                             "run `moe-train prepare` again")
+        _check_corpus_entries(self.prepared_dir / MANIFEST, corpora, split, splits[split])
         self.corpus_names: list[str] = [c["name"] for c in corpora]
         self.corpus_sizes: list[int] = [int(s) for s in splits[split]["corpus_sizes"]]
         self.num_corpora = len(corpora)

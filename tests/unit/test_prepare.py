@@ -392,6 +392,20 @@ def test_sharded_dataset_with_an_empty_corpus_in_the_middle(tmp_path: Path) -> N
     assert np.fromfile(split / "a.src.bin", dtype=np.int32).tolist() == [5, 6, 7]
     clone = pickle.loads(pickle.dumps(ds))
     assert list(clone.src(2)) == [12, 13, 14]
+    for damage, needle in (({"sizes": None}, r"splits.train.corpus_sizes: expected 3 counts"),
+                           ({"sizes": [2, 1]}, r"corpus_sizes: expected 3 counts.*\[2, 1\]"),
+                           ({"drop": "domain_id"}, r"corpora\[1\].domain_id: expected an integer"),
+                           ({"drop": "name"}, r"corpora\[1\].name: expected a string")):
+        broken = [dict(c) for c in corpora]
+        broken[1].pop(damage.get("drop", "-"), None)
+        train = {} if damage.get("sizes", 0) is None else \
+            {"corpus_sizes": damage.get("sizes", [2, 0, 1])}
+        write_json(tmp_path / "manifest.json", {"version": 1, "corpora": broken,
+                                                "splits": {"train": train}})
+        with pytest.raises(DataError, match=needle + r".*\(corrupt\); run `moe-train prepare`"):
+            ShardedDataset(tmp_path, "train")
+    write_json(tmp_path / "manifest.json", {"version": 1, "corpora": corpora,
+                                            "splits": {"train": {"corpus_sizes": [2, 0, 1]}}})
     (split / "c.src.bin").write_bytes(b"\0" * 4)  # truncated
     with pytest.raises(DataError, match="corrupt shard"):
         ShardedDataset(tmp_path, "train")
