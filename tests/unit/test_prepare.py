@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pickle
 import random
+import re
 from pathlib import Path
 
 import numpy as np
@@ -543,3 +544,21 @@ def test_the_sentencepiece_model_does_not_depend_on_the_machines_cores(tmp_path,
                                    seed=1, max_sentences=10_000)
         models.append(path.read_bytes())
     assert models[0] == models[1]
+
+
+def test_a_sentence_holding_a_tag_piece_is_refused_by_file_and_line(tmp_path: Path) -> None:
+    """sentencepiece would read `<2en>` / `<dom:law>` inside text as the tag itself; nothing is
+    written. A tag of another vocabulary (`<2fr>` here) is plain text."""
+    law = _corpus(tmp_path / "data", "law", 30, seed=3)
+    lines = law.tgt.read_text().splitlines()
+    lines[4] = "<2fr> is text here"
+    law.tgt.write_text("\n".join(lines) + "\n")
+    prepare([law], tmp_path / "ok", _cfg(dev_per_domain=3, test_per_domain=3))
+    for line_no, tag in ((7, "<2en>"), (12, "<dom:law>")):
+        lines[line_no - 1] = f"see {tag} here"
+        law.tgt.write_text("\n".join(lines) + "\n")
+        with pytest.raises(DataError, match=rf"^{re.escape(str(law.tgt))}:{line_no}: holds "
+                                            rf"'{re.escape(tag)}', which this vocabulary keeps"):
+            prepare([law], tmp_path / "out", _cfg(dev_per_domain=3, test_per_domain=3))
+        assert not (tmp_path / "out").exists()
+        lines[line_no - 1] = "fine again"
