@@ -29,8 +29,13 @@ def _stats(name: str, hyps: Sequence[str], refs: Sequence[str],
     return stats_NS, str(chrf.get_signature())
 
 
-def _resampled(metric: Any, stats_NS: np.ndarray, idx_RN: np.ndarray) -> np.ndarray:
-    sums_RS = stats_NS[idx_RN].sum(axis=1)
+def _resampled(metric: Any, stats_NS: np.ndarray, idx_RN: np.ndarray,
+               chunk: int = 50) -> np.ndarray:
+    """The corpus score of every resample (rows of `idx_RN`), `chunk` resamples at a time: the
+    gathered statistics of all 1000 at once would take resamples x sentences x statistics
+    floats (0.5 GB for chrF on 3,500 sentences)."""
+    sums_RS = np.concatenate([stats_NS[idx_RN[r:r + chunk]].sum(axis=1)
+                              for r in range(0, len(idx_RN), chunk)])
     return np.array([metric._compute_score_from_stats(list(s)).score for s in sums_RS])
 
 

@@ -115,3 +115,16 @@ def test_per_sentence_targets_score_as_corpus_metrics_does():
     assert out["a"] == corpus_metrics(good, refs, langs)["bleu"]
     assert out["b"] == corpus_metrics(bad, refs, langs)["bleu"]
     assert "tok:13a+zh" in out["signature"]
+
+
+def test_resamples_scored_in_chunks_equal_all_at_once():
+    import numpy as np
+    from sacrebleu.metrics import CHRF
+
+    from moe_train.eval.significance import _resampled
+
+    chrf = CHRF()
+    stats_NS = np.asarray(chrf._extract_corpus_statistics(GOOD + BAD, [REFS + REFS]), dtype=float)
+    idx_RN = np.random.default_rng(0).integers(0, len(stats_NS), size=(23, len(stats_NS)))
+    whole = _resampled(chrf, stats_NS, idx_RN, chunk=len(idx_RN))
+    assert len(whole) == 23 and np.array_equal(_resampled(chrf, stats_NS, idx_RN, chunk=5), whole)
