@@ -59,10 +59,10 @@ def group_target(tgt_langs: Iterable[str]) -> str | None:
 
 def bleu_statistics(hyps: Sequence[str], refs: Sequence[str],
                     tgt_langs: Sequence[str | None]) -> tuple[np.ndarray, str]:
-    """Per-sentence BLEU sufficient statistics (N x 10: lengths, n-gram matches and totals),
-    each sentence tokenized for its own target language (`bleu_tokenizer` on the references of
-    that language), and sacreBLEU's signature, whose tokenizer field joins the names by "+" when
-    the sentences needed several. The counts add up over sentences, so a group that mixes
+    """Per-sentence BLEU sufficient statistics (N x 10 at 4-grams: lengths, n-gram matches and
+    totals), each sentence tokenized for its own target language (`bleu_tokenizer` on the
+    references of that language), and sacreBLEU's signature, whose tokenizer field joins the
+    names by "+" when the sentences needed several. The counts add up over sentences, so a group that mixes
     targets (en-de with en-zh) gets one corpus BLEU in which neither side is mis-tokenized
     (13a over unsegmented Chinese would count each sentence as a word or two)."""
     by_lang: dict[str, list[int]] = defaultdict(list)
@@ -71,11 +71,16 @@ def bleu_statistics(hyps: Sequence[str], refs: Sequence[str],
     by_tokenizer: dict[str, list[int]] = defaultdict(list)
     for lang, ids in by_lang.items():
         by_tokenizer[bleu_tokenizer(lang, [refs[i] for i in ids])].extend(ids)
-    stats_NS = np.zeros((len(hyps), 10))
+    if not by_tokenizer:
+        raise DataError("no sentences to score")
+    stats_NS: np.ndarray | None = None
     for name, ids in sorted(by_tokenizer.items()):
         bleu = BLEU(tokenize=name)
-        stats_NS[ids] = bleu._extract_corpus_statistics([hyps[i] for i in ids],
-                                                        [[refs[i] for i in ids]])
+        part = np.asarray(bleu._extract_corpus_statistics([hyps[i] for i in ids],
+                                                          [[refs[i] for i in ids]]), dtype=float)
+        if stats_NS is None:
+            stats_NS = np.zeros((len(hyps), part.shape[1]))
+        stats_NS[ids] = part
     signature = re.sub(r"tok:[^|]+", "tok:" + "+".join(sorted(by_tokenizer)),
                        str(bleu.get_signature()))
     return stats_NS, signature
