@@ -336,13 +336,14 @@ def shutdown(runtime: ParallelRuntime, barrier: bool = True) -> None:
       be inside another collective, and a barrier there would hang both.
     - torch's `destroy_process_group` only shuts the backends down: DeepSpeed's group registries
       (and whatever model or engine is not yet collected) still hold the group objects, so their
-      gloo worker threads would live on into interpreter finalization, where a worker releasing
-      a tensor's Python object aborts the process ("terminate called without an active
-      exception", exit -6) after a run that succeeded. DeepSpeed's own teardown drops its
-      references, and the garbage is collected here, which stops those threads now.
+      gloo worker threads would live on into interpreter finalization, where a worker that
+      still has to release a tensor's Python object can abort the process ("terminate called
+      without an active exception", exit -6, once in CI) after a run that succeeded.
+      DeepSpeed's own teardown drops its references, and the garbage is collected here, which
+      stops those threads now.
     - DeepSpeed never removes the shared-memory buffer: every run would otherwise leave 67 MB
       per rank in /dev/shm, that is in RAM, until reboot. The peers' mappings stay valid after
-      the unlink (they are past the barrier anyway)."""
+      the unlink (each mapped the others' at start-up)."""
     import gc
 
     import deepspeed.comm as ds_comm
