@@ -142,6 +142,8 @@ class MoAConfig:
                 "a non-negative integer", self.anchors_per_domain)
         _expect(isinstance(self.anchor_domains, list), "moa.anchor_domains",
                 "a list of domain names", self.anchor_domains)
+        _expect(len(set(map(str, self.anchor_domains))) == len(self.anchor_domains),
+                "moa.anchor_domains", "each domain once", self.anchor_domains)
         _expect(self.clusterer in CLUSTERERS, "moa.clusterer", f"one of {', '.join(CLUSTERERS)}",
                 self.clusterer)
         for name in ("whiten", "unit_norm"):

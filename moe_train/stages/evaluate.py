@@ -47,8 +47,8 @@ from moe_train.moe.moa_router import MoAGate, RandomSentenceRouter, SharedRouter
 from moe_train.moe.routing import RoutingContext
 from moe_train.stages.cluster import load_cluster
 from moe_train.stages.cluster_core import cluster_report
-from moe_train.stages.common import StageContext, moa_stages, quality_decoding
-from moe_train.stages.distill import gate_labels, load_gate
+from moe_train.stages.common import StageContext, load_matching, moa_stages, quality_decoding
+from moe_train.stages.distill import GATE, gate_labels, load_gate
 from moe_train.stages.features import encode_sentences
 from moe_train.train.export import InferenceModel, load_for_inference
 from moe_train.utils.atomic import lines_text, write_json, write_text
@@ -212,6 +212,10 @@ def run(ctx: StageContext) -> dict[str, Any]:
         models["adapters"] = load_for_inference(
             ctx.require("adapters", STAGE) / "checkpoints" / "export", rt.device)
     result: dict[str, Any] = {"test_sentences": int(len(idx)), "beam": moa.eval_beam}
+    gate = None
+    if "distill" in stages:  # checked before hours of decoding, loaded as the adapters stage does
+        gate = MoAGate(backbone.cfg.model.d_model, moa.num_clusters)
+        load_matching(gate, load_gate(ctx, STAGE), ctx.stage_dir("distill") / GATE, set())
 
     def scores(inf: InferenceModel) -> dict[str, Any]:
         metrics, hyps = evaluate_dataset(inf.model, test, inf.vocab, inf.manifest, rt, ecfg,
@@ -257,9 +261,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
     assignments: dict[str, np.ndarray] = {}
     if "cluster" in stages:
         assignments["clusterer"] = load_cluster(ctx, STAGE)[0].predict(features_ND)
-    if "distill" in stages:
-        gate = MoAGate(features_ND.shape[1], moa.num_clusters)
-        gate.load_state_dict(load_gate(ctx, STAGE))
+    if gate is not None:
         assignments["distilled_gate"] = gate_labels(gate, features_ND)
     routed = models.get("adapters", backbone)
     learned = sentence_router_labels(routed, features_ND)

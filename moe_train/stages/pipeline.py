@@ -71,6 +71,10 @@ def run_pipeline(ctx: StageContext, recipe: str = "moa", stage: str | None = Non
         adapters.check_recipe_config(ctx)
     order = recipe_stages(ctx, recipe)
     if stage is not None:
+        if stage not in order and recipe == "moa":  # gad's optional tag stage says why itself
+            raise ConfigError(f"--stage: {stage} is not a stage of this config's moa recipe "
+                              f"({', '.join(order)}: adapters.router and adapters.num_experts "
+                              f"decide)")
         look = dataclasses.replace(ctx, upstream_of=stage, read={})
         for name in order[:order.index(stage)] if stage in order else []:
             try:

@@ -10,7 +10,9 @@ Every stage's ``done.json`` records ``made_from``:
   share it, and a new adapter step count leaves the features, clusters and gate current.
   The gad recipe's backbone (MIX, the same stage) follows the same rules; its TAG,
   classifier, AD and GAD stages depend on the ``gated`` fields they read (`GATED_READS`) and
-  not on MoA's, its evaluate stage on the whole config.
+  not on MoA's, the classifier not on the model's either (`GAD_STAGE_IGNORES`), its evaluate
+  stage on the whole config. No stage depends on a section its model never reads
+  (`unread_sections`: THOR's without THOR, the gated router's in a MoA model without one).
 - ``data``: a digest of the prepared data's ``manifest.json`` (its path may change, its
   content may not), which holds a digest of the data's files (``content_sha256``).
 - ``inputs``: a digest of the record of every other stage whose output it read.
@@ -58,6 +60,27 @@ STAGE_IGNORES: dict[str, tuple[str, ...]] = {
 }
 """Per stage, the further fields it does not read."""
 
+GAD_STAGE_IGNORES: dict[str, tuple[str, ...]] = {
+    # The domain classifier reads the data, its `gated` fields and moa.seed; the backbone whose
+    # encoder it may use is an input (its record stands for the model's settings).
+    "classifier": ("model.*", "moe.*", "adapters.*", "thor.*", "qwen.*", "optim.*", "train.*",
+                   "eval.*"),
+}
+"""Per gad-recipe stage (other than the shared backbone), the further fields it does not read."""
+
+
+def unread_sections(cfg: ExperimentConfig, recipe: str) -> tuple[str, ...]:
+    """Fields the model `cfg` configures never reads: THOR's without a THOR router, Qwen's
+    without the decoder-only model, the adapters' settings beside their count when there are
+    none, and (moa recipe) the gated router's without it. A change there changes no artifact."""
+    out = [*(() if cfg.uses_thor else ("thor.*",)), *(() if cfg.decoder_only else ("qwen.*",))]
+    if not cfg.adapters.enabled:
+        out += [f"adapters.{f.name}" for f in fields(AdapterConfig) if f.name != "num_experts"]
+    if recipe == "moa" and cfg.adapters.router != "gated":
+        out.append("gated.*")
+    return tuple(out)
+
+
 MOA_READS: dict[str, frozenset[str]] = {
     "backbone": frozenset(),  # moa.pre_inject shows as its adapters.num_experts
     "features": frozenset({"sample_size", "anchors_per_domain", "anchor_domains", "seed"}),
@@ -101,7 +124,8 @@ def config_fields(stage: str, cfg: ExperimentConfig, recipe: str = "moa") -> dic
     """The flattened config fields `stage` of `recipe` depends on."""
     shared = recipe == "moa" or stage == "backbone"  # every recipe's backbone is one stage
     moa_reads = MOA_READS.get(stage) if shared else None
-    patterns = IGNORED + (STAGE_IGNORES.get(stage, ()) if shared else ())
+    patterns = IGNORED + unread_sections(cfg, recipe) + \
+        (STAGE_IGNORES.get(stage, ()) if shared else GAD_STAGE_IGNORES.get(stage, ()))
     gated_reads = GATED_READS.get(stage) if recipe == "gad" else None
     if gated_reads is not None:
         moa_reads = frozenset({"seed"})

@@ -44,11 +44,21 @@ def test_fields_leave_out_what_no_artifact_depends_on(tmp_path) -> None:
     assert not [f for f in fields if f.startswith(("logging.", "checkpoint."))]
     assert "data.prepared_dir" not in fields and "moa.workdir" not in fields
     assert "train.progress_bar" not in fields and "data.num_workers" not in fields
-    # The backbone depends on its adapter's shape, not on MoA's stage settings or routing.
+    # The backbone depends on its adapter's shape, not on MoA's stage settings or routing;
+    # without an adapter, on their count only.
     backbone = config_fields("backbone", cfg)
-    assert "adapters.dim" in backbone and "adapters.num_experts" in backbone
-    assert not [f for f in backbone if f.startswith("moa.")]
-    assert "adapters.tau" not in backbone and "adapters.task_source" not in backbone
+    assert "adapters.dim" not in backbone and backbone["adapters.num_experts"] == 0
+    injected = config_fields("backbone", _ctx(tmp_path, "adapters.num_experts=1").cfg)
+    assert "adapters.dim" in injected and "adapters.num_experts" in injected
+    assert not [f for f in injected if f.startswith("moa.")]
+    assert "adapters.tau" not in injected and "adapters.task_source" not in injected
+    # No stage reads a section its model does not use: THOR's, Qwen's, a gated router's.
+    gumbel = _ctx(tmp_path, "adapters.num_experts=4", "adapters.router=gumbel").cfg
+    for stage in ("adapters", "evaluate"):
+        assert not [f for f in config_fields(stage, gumbel)
+                    if f.startswith(("thor.", "qwen.", "gated."))], stage
+    gated = _ctx(tmp_path, "adapters.num_experts=4", "adapters.router=gated").cfg
+    assert "gated.temperature" in config_fields("adapters", gated)
     # Features, clusters and the gate read the data and the moa section only.
     gate = config_fields("cluster", cfg)
     assert "moa.num_clusters" in gate and "data.vocab_size" in gate
@@ -66,7 +76,10 @@ def test_fields_leave_out_what_no_artifact_depends_on(tmp_path) -> None:
     gad = config_fields("gad", cfg, recipe="gad")
     assert {"gated.gad_init", "gated.encoder_loss_norm", "gated.alpha"} <= set(gad)
     assert "gated.ad_steps" not in gad and "gated.efficiency_batch" not in gad
-    assert "gated.classifier_steps" in config_fields("classifier", cfg, recipe="gad")
+    classifier = config_fields("classifier", cfg, recipe="gad")
+    assert "gated.classifier_steps" in classifier and "data.max_tokens" in classifier
+    assert not [f for f in classifier
+                if f.startswith(("adapters.", "train.", "optim.", "model.", "moe."))]
     assert "gated.efficiency_batch" in config_fields("evaluate", cfg, recipe="gad")
 
 
