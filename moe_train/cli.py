@@ -14,7 +14,7 @@ import sys
 
 from moe_train.errors import MACHINE_ERRNOS, MoeTrainError, PeerFailed
 from moe_train.train.preempt import Preempted
-from moe_train.eval.limits import MAX_LENPEN
+from moe_train.eval.limits import MAX_BEAM, MAX_LENPEN
 from moe_train.utils.cli_args import (OneLineParser, byte_size, float_in, int_at_least,
                                       non_negative_float)
 
@@ -66,7 +66,7 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
 def _add_decode_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint", required=True,
                    help="export dir, training checkpoint dir (uses latest) or step dir")
-    p.add_argument("--beam", type=int_at_least(1),
+    p.add_argument("--beam", type=int_at_least(1, MAX_BEAM),
                    help="beam size, 1 for greedy (default: the checkpoint's eval.beam)")
     p.add_argument("--lenpen", type=float_in(0.0, MAX_LENPEN),
                    help=f"length penalty (a number from 0 to {MAX_LENPEN:g}; default: the "

@@ -395,7 +395,7 @@ def cmd_extract(args: argparse.Namespace) -> int:
     inf = load_for_inference(args.checkpoint, "cpu")
     ext = extract(inf.model, inf.cfg, inf.manifest, args.task)
     report = extraction_report(inf.cfg, ext, inf.manifest)
-    out = write_extraction(args.out, ext, inf.manifest, inf.source / "spm.model", report)
+    out = write_extraction(args.out, ext, inf.manifest, inf.source, report)
     print(format_report(report))
     print(f"| wrote {out}")
     _json_line({"checkpoint": str(inf.source), "out": str(out), **report})

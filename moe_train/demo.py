@@ -180,7 +180,7 @@ def _extraction(workdir: Path, inf, test, cfg, rt) -> dict[str, Any]:
     ext = extract(inf.model, inf.cfg, inf.manifest, EXTRACT_TASK)
     report = extraction_report(inf.cfg, ext, inf.manifest)
     out = write_extraction(workdir / f"extracted-{EXTRACT_TASK}", ext, inf.manifest,
-                           inf.source / "spm.model", report)
+                           inf.source, report)
     sub = load_for_inference(out)
     args = (test, inf.vocab, rt, inf.cfg.eval, cfg.data.max_tokens)
     full_hyps = translate_dataset(inf.model, *args, indices=indices)

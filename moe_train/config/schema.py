@@ -18,7 +18,7 @@ from moe_train.config.qwen import QwenConfig
 from moe_train.data.prompts import DEFAULT_PROMPT, check_template
 from moe_train.config.thor import ThorConfig
 from moe_train.errors import ConfigError
-from moe_train.eval.limits import MAX_LENPEN
+from moe_train.eval.limits import MAX_BEAM, MAX_LENPEN
 
 
 ARCHS = ("seq2seq", "hf_qwen2_moe")
@@ -306,7 +306,8 @@ class EvalConfig:
 
     def __post_init__(self) -> None:
         _positive(self, "eval", "beam", "max_sentences")
-        _at_most("size", self, "eval", "beam", "max_sentences", "max_len_b")
+        _at_most("size", self, "eval", "max_sentences", "max_len_b")
+        _check(self.beam <= MAX_BEAM, "eval.beam", f"at most {MAX_BEAM}", self.beam)
         _check(0 <= self.lenpen <= MAX_LENPEN, "eval.lenpen",
                f"a number from 0 to {MAX_LENPEN} (length ** lenpen overflows beyond)",
                self.lenpen)

@@ -316,9 +316,12 @@ def format_report(report: dict[str, Any]) -> str:
 
 
 def write_extraction(out_dir: str | Path, ext: Extraction, manifest: dict[str, Any],
-                     spm_model: Path, report: dict[str, Any]) -> Path:
-    """A standalone export of the sub-network (loads without DeepSpeed), with its report."""
+                     source: Path, report: dict[str, Any]) -> Path:
+    """A standalone export of the sub-network (loads without DeepSpeed), with its report and
+    the tokenizer files of `source`, the model it was extracted from (sentencepiece's or a
+    Hugging Face tokenizer's, as its manifest says)."""
+    from moe_train.data.prepare import tokenizer_files
     from moe_train.train.export import export_inference
 
-    return export_inference(out_dir, ext.state, ext.cfg, manifest, spm_model,
-                            extra_json={EXTRACT_REPORT: report})
+    return export_inference(out_dir, ext.state, ext.cfg, manifest,
+                            tokenizer_files(source, manifest), extra_json={EXTRACT_REPORT: report})

@@ -94,7 +94,13 @@ def config_from_hf(hf: dict[str, Any], source: Path) -> ExperimentConfig:
         "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
         "intermediate_size", "shared_expert_intermediate_size", "max_position_embeddings",
         "rms_norm_eps", "tie_word_embeddings", "initializer_range", "qkv_bias") if key in hf}
-    qwen["num_key_value_heads"] = hf.get("num_key_value_heads") or qwen["num_attention_heads"]
+    if not hf.get("num_key_value_heads"):  # as transformers: the attention heads' count
+        from moe_train.config.qwen import QwenConfig
+
+        qwen["num_key_value_heads"] = qwen.get("num_attention_heads",
+                                               QwenConfig.num_attention_heads)
+    else:
+        qwen["num_key_value_heads"] = hf["num_key_value_heads"]
     qwen["rope_theta"] = float(theta)
     from moe_train.models.hf_qwen2moe import aux_coef_from_hf
 

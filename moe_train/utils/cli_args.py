@@ -28,16 +28,18 @@ def exit_bad_input(message: str) -> NoReturn:
     raise SystemExit(2)
 
 
-def int_at_least(low: int) -> Callable[[str], int]:
-    """An argparse type: an integer >= `low`."""
+def int_at_least(low: int, high: int | None = None) -> Callable[[str], int]:
+    """An argparse type: an integer >= `low` (and <= `high`)."""
     what = "a positive integer" if low == 1 else f"an integer >= {low}"
+    if high is not None:
+        what = f"an integer from {low} to {high}"
 
     def parse(text: str) -> int:
         try:
             value = int(text)
         except ValueError:
             value = None
-        if value is None or value < low:
+        if value is None or value < low or (high is not None and value > high):
             raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
         return value
 

@@ -398,6 +398,8 @@ CASES: dict[str, Case] = {
                                               ("--tgt-lang", "'fr'", "de"), stdin=ONE),
     "translate_infinite_lenpen": Case(translate("--lenpen", "inf"), ("--lenpen", "inf")),
     "translate_lenpen_above_ten": Case(translate("--lenpen", "11"), ("--lenpen", "from 0 to 10")),
+    "translate_huge_beam": Case(translate("--beam", "100000"),
+                                ("--beam", "from 1 to 1024", "100000")),
     "translate_unknown_domain": Case(translate("--domain", "cooking"), ("--domain", "cooking"),
                                      stdin=ONE),
     # evaluate

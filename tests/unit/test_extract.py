@@ -281,3 +281,24 @@ def test_an_extracted_sub_network_serves_only_its_tasks_corpora() -> None:
     cfg, model = _model(CONFIGS["token/target"][0])  # only the decoder routes by task
     sub = extract(model, cfg, manifest, "fr").cfg
     assert [c["tgt_lang"] for c in serving_manifest(sub, manifest)["corpora"]] == ["fr", "fr"]
+
+
+@pytest.mark.parametrize("kind", ["spm", "hf"])
+def test_the_extracted_export_carries_its_models_tokenizer(tmp_path: Path, kind: str) -> None:
+    """sentencepiece's model, or a Hugging Face tokenizer's two files (data.tokenizer), as the
+    source model's manifest says; extraction used to look for spm.model only."""
+    from moe_train.eval.extract import write_extraction
+
+    source = tmp_path / "model"
+    source.mkdir()
+    names = ["spm.model"] if kind == "spm" else ["tokenizer.json", "tokenizer_config.json"]
+    for name in names:
+        (source / name).write_text(f"{name} bytes")
+    manifest = {**MANIFEST, **({"spm_model": "spm.model"} if kind == "spm" else
+                               {"tokenizer": "hf"})}
+    cfg, model = _model(CONFIGS["token/target"][0])
+    ext = extract(model, cfg, manifest, "en")
+    out = write_extraction(tmp_path / "sub", ext, manifest, source,
+                           extraction_report(cfg, ext, manifest))
+    assert [(out / n).read_text() for n in names] == [f"{n} bytes" for n in names]
+    assert (out / "spm.model").exists() == (kind == "spm")

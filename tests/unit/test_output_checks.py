@@ -264,6 +264,16 @@ def test_hf_config_types_name_the_file_and_key(tmp_path, key, value, needle) -> 
     assert "\n" not in str(err.value)
 
 
+def test_hf_head_counts_default_as_transformers_does(tmp_path) -> None:
+    """No num_key_value_heads: the attention heads' count; neither: Qwen2-MoE's default 16."""
+    source = tmp_path / "config.json"
+    no_kv = {k: v for k, v in HF.items() if k != "num_key_value_heads"}
+    assert config_from_hf({**no_kv, "num_attention_heads": 4}, source).qwen.num_key_value_heads == 4
+    neither = {k: v for k, v in no_kv.items() if k != "num_attention_heads"}
+    qwen = config_from_hf(neither, source).qwen
+    assert qwen.num_attention_heads == qwen.num_key_value_heads == 16
+
+
 def test_deepspeed_validation_is_one_config_line() -> None:
     import deepspeed
     from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
