@@ -141,6 +141,13 @@ def _check_supported(hf: dict[str, Any], rope: dict[str, Any], source: Path) -> 
         raise ConfigError(f"{source}: hidden_act is {hf.get('hidden_act')!r}; expected 'silu'")
 
 
+SPECIAL_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
+HF_SPECIAL_IDS = "hf_special_ids"
+"""Manifest key of a converted model's special token ids as its config.json had them (lists
+and nulls included), which `--to-hf` writes back: ours are derived for decoding (pad and bos
+fall back to eos, a list of eos ids to its first) and would not round-trip."""
+
+
 def hf_config_dict(cfg: ExperimentConfig, manifest: dict[str, Any] | None = None
                    ) -> dict[str, Any]:
     """transformers' config.json content for our Qwen2-MoE config, with the special token ids
@@ -149,6 +156,8 @@ def hf_config_dict(cfg: ExperimentConfig, manifest: dict[str, Any] | None = None
 
     ids = {f"{name}_token_id": manifest[f"{name}_id"] for name in ("bos", "eos", "pad")
            if manifest and isinstance(manifest.get(f"{name}_id"), int)}
+    if manifest and isinstance(manifest.get(HF_SPECIAL_IDS), dict):  # converted: as they were
+        ids = {**ids, **manifest[HF_SPECIAL_IDS]}
     return {**qwen_hf_config(cfg, **ids).to_dict(), "architectures": ["Qwen2MoeForCausalLM"]}
 
 
@@ -335,7 +344,9 @@ def _manifest(cfg: ExperimentConfig, hf: dict[str, Any], model_dir: Path) -> dic
     from moe_train.data.hf_tokenizer import TOKENIZER_JSON, HFTokenizer
 
     manifest: dict[str, Any] = {"vocab_size": cfg.qwen.vocab_size, "tokenizer": "hf",
-                                "langs": [], "domains": [], "corpora": []}
+                                "langs": [], "domains": [], "corpora": [],
+                                HF_SPECIAL_IDS: {key: hf[key] for key in SPECIAL_ID_KEYS
+                                                 if key in hf}}
     if (model_dir / TOKENIZER_JSON).is_file():
         tok = HFTokenizer(model_dir)
         if len(tok) > cfg.qwen.vocab_size:
@@ -344,7 +355,9 @@ def _manifest(cfg: ExperimentConfig, hf: dict[str, Any], model_dir: Path) -> dic
                               "tokenizer")
         return {**manifest, "pad_id": tok.pad_id, "eos_id": tok.eos_id, "bos_id": tok.bos_id}
     eos = hf.get("eos_token_id")
-    eos = eos if isinstance(eos, int) else 0
+    if isinstance(eos, list) and eos and all(isinstance(i, int) for i in eos):
+        eos = eos[0]  # generation stops at any of them; ours at the first
+    eos = eos if isinstance(eos, int) and not isinstance(eos, bool) else 0
     return {**manifest, "pad_id": eos, "eos_id": eos, "bos_id": eos}
 
 

@@ -15,13 +15,13 @@ from tests.conftest import ROOT, run_cli
 transformers = pytest.importorskip("transformers")
 
 
-def _tiny_hf(path, norm_topk_prob: bool, mlp_only_layers: list[int]):
+def _tiny_hf(path, norm_topk_prob: bool, mlp_only_layers: list[int], **special_ids):
     cfg = transformers.Qwen2MoeConfig(
         vocab_size=120, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
         moe_intermediate_size=24, shared_expert_intermediate_size=40, num_experts=6,
         num_experts_per_tok=2, norm_topk_prob=norm_topk_prob, mlp_only_layers=mlp_only_layers,
-        eos_token_id=2, tie_word_embeddings=False)
+        tie_word_embeddings=False, **(special_ids or {"eos_token_id": 2}))
     torch.manual_seed(3)
     model = transformers.Qwen2MoeForCausalLM(cfg).eval()
     with torch.no_grad():  # HF zero-initialises the router: give it something to route by
@@ -33,10 +33,13 @@ def _tiny_hf(path, norm_topk_prob: bool, mlp_only_layers: list[int]):
     return model
 
 
-@pytest.mark.parametrize("norm_topk_prob,dense_layers", [(False, []), (True, [0])])
-def test_convert_round_trip(tmp_path, norm_topk_prob: bool, dense_layers: list[int]) -> None:
+@pytest.mark.parametrize("norm_topk_prob,dense_layers,special_ids", [
+    (False, [], {"eos_token_id": 2}),
+    (True, [0], {"bos_token_id": 1, "eos_token_id": [2, 3], "pad_token_id": None})])
+def test_convert_round_trip(tmp_path, norm_topk_prob: bool, dense_layers: list[int],
+                            special_ids: dict) -> None:
     hf_dir, ours_dir, back_dir = tmp_path / "hf", tmp_path / "ours", tmp_path / "back"
-    hf_model = _tiny_hf(hf_dir, norm_topk_prob, dense_layers)
+    hf_model = _tiny_hf(hf_dir, norm_topk_prob, dense_layers, **special_ids)
     proc = run_cli(["convert", "--from-hf", str(hf_dir), "--out", str(ours_dir)], cwd=tmp_path)
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
     assert summary["parameters"] == sum(p.numel() for p in hf_model.parameters())
@@ -52,7 +55,10 @@ def test_convert_round_trip(tmp_path, norm_topk_prob: bool, dense_layers: list[i
     run_cli(["convert", "--to-hf", str(ours_dir), "--out", str(back_dir)], cwd=tmp_path)
     back = transformers.Qwen2MoeForCausalLM.from_pretrained(back_dir).eval()
     written = json.loads((back_dir / "config.json").read_text())
-    assert written["eos_token_id"] == 2 and written["architectures"] == ["Qwen2MoeForCausalLM"]
+    assert written["architectures"] == ["Qwen2MoeForCausalLM"]
+    given = json.loads((hf_dir / "config.json").read_text())
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):  # as they were, lists too
+        assert written.get(key) == given.get(key), key
     original = hf_model.state_dict()
     assert set(back.state_dict()) == set(original)
     for name, t in back.state_dict().items():
