@@ -293,16 +293,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", default=None, help="default benchmarks/results/"
                     "moa_real_data_de_en[_sS][_aN]_cpu[_quick].json")
     args = ap.parse_args(argv)
-    if not Path(args.data).is_dir():
-        print(f"skipped: {args.data} not found (the OPUS multi-domain data lives in ../shared)")
-        return
-    prov = provenance(command_line(__file__, argv))
     seed_tag = "" if args.seed is None else f"_s{args.seed}"
     steps_tag = "" if args.adapter_steps is None else f"_a{args.adapter_steps}"
     suffix = "_quick" if args.quick else ""
     bench = f"moa_real_data_de_en{seed_tag}{steps_tag}_cpu{suffix}"
+    out = results_path(args.out, ROOT / "benchmarks" / "results" / f"{bench}.json")  # data or not
+    if not Path(args.data).is_dir():
+        print(f"skipped: {args.data} not found (the OPUS multi-domain data lives in ../shared)")
+        return
+    prov = provenance(command_line(__file__, argv))
     work = ROOT / "work" / f"moa-opus-de-en{seed_tag}{suffix}".replace("_", "-")
-    out = results_path(args.out, ROOT / "benchmarks" / "results" / f"{bench}.json")
     work = fresh_work(work, args.fresh)
     anchors = 2 if args.quick else args.anchors
     data = args.data

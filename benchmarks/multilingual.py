@@ -163,14 +163,14 @@ def main(argv: list[str] | None = None) -> None:
         if args.extract not in tasks:
             ap.error(f"--extract: expected one of {', '.join(tasks)} (what "
                      f"{', '.join(routed)} route by), got {args.extract!r}")
+    suffix = "_quick" if args.quick else ""
+    out = results_path(  # where the results go is checked first, data or not
+        args.out, ROOT / "benchmarks" / "results" / f"multilingual_opus_cpu{suffix}.json")
     if not Path(args.data).is_dir():
         print(f"skipped: {args.data} not found (the OPUS multi-domain data lives in ../shared)")
         return
     prov = provenance(command_line(__file__, argv))
-    suffix = "_quick" if args.quick else ""
     work = Path(args.work or ROOT / "work" / f"multilingual{suffix.replace('_', '-')}")
-    out = results_path(
-        args.out, ROOT / "benchmarks" / "results" / f"multilingual_opus_cpu{suffix}.json")
     work = fresh_work(work, args.fresh)
     prepared = work / "prepared"
     t0 = time.time()

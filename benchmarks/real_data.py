@@ -129,15 +129,15 @@ def start_record(args: argparse.Namespace, argv: list[str] | None, name: str
     """The common start of the recorded per-recipe runs (thor.py, gad.py): None (after one
     line) when `--data opus` has no data; a `--test-dir` without test files fails before any
     training; then (provenance, work dir (emptied with --fresh), results path, quick suffix)."""
+    suffix = "_quick" if args.quick else ""
+    out = results_path(  # where the results go is checked first, data or not
+        args.out, ROOT / "benchmarks" / "results" / f"{name}_{args.data}_cpu{suffix}.json")
     if args.data == "opus" and not Path(args.opus_dir).is_dir():
         print(f"skipped: {args.opus_dir} not found (the OPUS multi-domain data lives in "
               "../shared)")
         return None
     prov = provenance(command_line(str(Path(__file__).with_name(f"{name}.py")), argv))
-    suffix = "_quick" if args.quick else ""
     work = Path(args.work or ROOT / "work" / f"{name}-{args.data}{suffix.replace('_', '-')}")
-    out = results_path(
-        args.out, ROOT / "benchmarks" / "results" / f"{name}_{args.data}_cpu{suffix}.json")
     work = fresh_work(work, args.fresh)
     return prov, work, out, suffix
 
@@ -181,14 +181,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--quick", action="store_true",
                     help="tiny model, a few steps, small dev/test: checks the script")
     args = ap.parse_args(argv)
+    suffix = "_quick" if args.quick else ""
+    out = results_path(  # where the results go is checked first, data or not
+        args.out, ROOT / "benchmarks" / "results" / f"real_data_de_en_cpu{suffix}.json")
     if not Path(args.data).is_dir():
         print(f"skipped: {args.data} not found (the OPUS multi-domain data lives in ../shared)")
         return
     prov = provenance(command_line(__file__, argv))
-    suffix = "_quick" if args.quick else ""
     work = Path(args.work or ROOT / "work" / f"opus-de-en{suffix.replace('_', '-')}")
-    out = results_path(
-        args.out, ROOT / "benchmarks" / "results" / f"real_data_de_en_cpu{suffix}.json")
     work = fresh_work(work, args.fresh)
     beam = 1 if args.quick else args.beam
     paths = [f"data.prepared_dir={work / 'prepared'}", f"checkpoint.dir={work / 'checkpoints'}",
