@@ -18,7 +18,6 @@ The cases run as independent subprocesses, a few at a time, in one module fixtur
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import subprocess
@@ -32,6 +31,11 @@ from typing import Callable
 import pytest
 
 from tests.conftest import ROOT, cli_env
+from tests.integration.checkpoint_damage import (
+    dangling_latest, garbage_latest, corrupt_meta, empty_rng_states, text_world_size,
+    corrupt_weights, no_export_config, corrupt_export_manifest, manifest_without_langs,
+    huge_vocab_size, pad_id_past_vocab, integer_weights, smaller_vocab_size, tiny_positions,
+    step_dir)
 
 CONFIG = str(ROOT / "configs" / "debug-cpu.yaml")
 MOA_CONFIG = str(ROOT / "configs" / "moa-synthetic.yaml")
@@ -60,131 +64,6 @@ def trained(tiny_prepared, tmp_path_factory) -> Path:
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert (ckpt / "latest").is_file() and (ckpt / "export").is_dir()
     return ckpt
-
-
-# ------------------------------------------------------------------- checkpoint damage
-
-
-def _step(ckpt: Path) -> Path:
-    return ckpt / (ckpt / "latest").read_text().strip()
-
-
-def dangling_latest(ckpt: Path) -> dict:
-    """`latest` names a step that does not exist, and no complete step is left to fall back to
-    (with one left, resume falls back with a warning: test_checkpoint_lifecycle.py)."""
-    shutil.rmtree(_step(ckpt))
-    (ckpt / "latest").write_text("step_00000099\n")
-    return {}
-
-
-def garbage_latest(ckpt: Path) -> dict:
-    shutil.rmtree(_step(ckpt))
-    (ckpt / "latest").write_bytes(b"\x00\xff\xfe garbage \n\n../../etc\n")
-    return {}
-
-
-def corrupt_meta(ckpt: Path) -> dict:
-    (_step(ckpt) / "meta.json").write_text('{"step": 2, "config": {')
-    return {}
-
-
-def _rewrite(step: Path, name: str, write) -> None:
-    """Replace a file of a complete step and list its new size, so the step still verifies."""
-    write(step / name)
-    complete = json.loads((step / "complete.json").read_text())
-    complete["files"][name] = (step / name).stat().st_size
-    (step / "complete.json").write_text(json.dumps(complete))
-
-
-def empty_rng_states(ckpt: Path) -> dict:
-    import torch
-
-    _rewrite(_step(ckpt), "rng_rank0.pt", lambda path: torch.save({}, path))
-    return {}
-
-
-def text_world_size(ckpt: Path) -> dict:
-    def write(path: Path) -> None:
-        meta = json.loads(path.read_text())
-        meta["world_size"] = "x"
-        path.write_text(json.dumps(meta))
-
-    _rewrite(_step(ckpt), "meta.json", write)
-    return {}
-
-
-def corrupt_weights(ckpt: Path) -> dict:
-    """Truncate the export's weights file (model.safetensors, or model.pt of older exports)."""
-    weights = next(p for p in (ckpt / "export" / n for n in ("model.safetensors", "model.pt"))
-                   if p.is_file())
-    weights.write_bytes(weights.read_bytes()[:100])
-    return {"weights": str(weights)}
-
-
-def no_export_config(ckpt: Path) -> dict:
-    (ckpt / "export" / "config.json").unlink()
-    return {}
-
-
-def corrupt_export_manifest(ckpt: Path) -> dict:
-    (ckpt / "export" / "manifest.json").write_text("[1, 2")
-    return {}
-
-
-def manifest_without_langs(ckpt: Path) -> dict:
-    path = ckpt / "export" / "manifest.json"
-    manifest = json.loads(path.read_text())
-    del manifest["langs"]
-    path.write_text(json.dumps(manifest))
-    return {}
-
-
-def huge_vocab_size(ckpt: Path) -> dict:
-    """A manifest vocabulary of 10**12: refused by the weights' shapes before any memory."""
-    path = ckpt / "export" / "manifest.json"
-    manifest = json.loads(path.read_text())
-    manifest["vocab_size"] = 10**12
-    path.write_text(json.dumps(manifest))
-    return {}
-
-
-def pad_id_past_vocab(ckpt: Path) -> dict:
-    path = ckpt / "export" / "manifest.json"
-    manifest = json.loads(path.read_text())
-    manifest["pad_id"] = manifest["vocab_size"]
-    path.write_text(json.dumps(manifest))
-    return {}
-
-
-def integer_weights(ckpt: Path) -> dict:
-    """One weight stored as int64: loading would cast it into nonsense silently."""
-    from safetensors.torch import load_file, save_file
-
-    path = ckpt / "export" / "model.safetensors"
-    state = load_file(path)
-    name = next(k for k, v in state.items() if v.is_floating_point() and v.dim() == 2)
-    state[name] = state[name].long()
-    save_file(state, path)
-    return {"name": name}
-
-
-def smaller_vocab_size(ckpt: Path) -> dict:
-    """An export whose sentencepiece model is larger than its model's vocabulary (the tokenizer
-    of another preparation): translating would index past the embeddings."""
-    path = ckpt / "export" / "manifest.json"
-    manifest = json.loads(path.read_text())
-    manifest["vocab_size"] = 10
-    path.write_text(json.dumps(manifest))
-    return {}
-
-
-def tiny_positions(ckpt: Path) -> dict:
-    """An export claiming fewer positions than the test split's sentences need."""
-    path = ckpt / "export" / "config.json"
-    config = json.loads(path.read_text())
-    config["model"]["max_positions"] = 8
-    path.write_text(json.dumps(config))
-    return {}
 
 
 # ---------------------------------------------------------------------------------- table
@@ -531,7 +410,7 @@ def _run_case(case: Case, tmp: Path, prepared: Path, trained: Path) -> Outcome:
     if case.copy_ckpt or case.breaks is not None:
         ckpt = tmp / "ckpt"
         shutil.copytree(trained, ckpt)
-        values |= {"ckpt": str(ckpt), "export": str(ckpt / "export"), "step": str(_step(ckpt))}
+        values |= {"ckpt": str(ckpt), "export": str(ckpt / "export"), "step": str(step_dir(ckpt))}
         if case.breaks is not None:
             values |= case.breaks(ckpt)
     before = _snapshot(tmp)
