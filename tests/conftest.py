@@ -103,14 +103,14 @@ _LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_POR
 _LAUNCHER_PREFIXES = ("OMPI_COMM_WORLD_", "PMI_", "PMIX_")
 
 
-def _launcher_var(name: str) -> bool:
+def launcher_var(name: str) -> bool:
     """A variable by which a child process would think it is one rank of a launched job."""
     return name in _LAUNCHER_VARS or name.startswith(_LAUNCHER_PREFIXES)
 
 
 def cli_env() -> dict[str, str]:
     """Environment for running `python -m moe_train` in a subprocess (single process)."""
-    env = {k: v for k, v in os.environ.items() if not _launcher_var(k)}
+    env = {k: v for k, v in os.environ.items() if not launcher_var(k)}
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     env.setdefault("OMP_NUM_THREADS", "1")
     return env

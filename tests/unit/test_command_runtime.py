@@ -2,12 +2,14 @@
 after waiting for the peers when the work succeeded, without waiting when this rank failed (a
 peer may be inside a collective, where a barrier would hang both)."""
 
+import os
 from types import SimpleNamespace
 
 import pytest
 
 import moe_train.parallel.runtime as runtime
 from moe_train.commands import _runtime
+from tests.conftest import launcher_var
 
 
 @pytest.fixture
@@ -34,6 +36,9 @@ def test_a_failed_rank_shuts_down_without_waiting_and_keeps_its_error(launched) 
 
 
 def test_without_a_launcher_there_is_no_process_group(monkeypatch) -> None:
+    # an in-process single-rank run of another test in this worker may have left RANK & co.
+    for name in [n for n in os.environ if launcher_var(n)]:
+        monkeypatch.delenv(name)
     monkeypatch.setattr(runtime, "init_runtime", lambda: pytest.fail("no process group expected"))
     monkeypatch.setattr(runtime, "shutdown", lambda *a, **k: pytest.fail("nothing to shut down"))
     with _runtime() as rt:
