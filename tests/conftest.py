@@ -118,9 +118,11 @@ def cli_env() -> dict[str, str]:
 
 def run_cli(args: list[str], cwd: Path, timeout: float = 300, env: dict | None = None,
             check: bool = True) -> subprocess.CompletedProcess:
-    """Run `python -m moe_train ARGS`; on failure show its output."""
-    proc = subprocess.run([sys.executable, "-m", "moe_train", *args], cwd=cwd, env=env or cli_env(),
-                          capture_output=True, text=True, timeout=timeout)
+    """Run `python -m moe_train ARGS` (forked from a warm interpreter, see tests/cli_runner.py);
+    on failure show its output."""
+    from tests.cli_runner import run_moe_train
+
+    proc = run_moe_train(args, cwd, env or cli_env(), timeout=timeout, text=True)
     if check and proc.returncode != 0:
         raise AssertionError(f"moe-train {' '.join(args)} exited {proc.returncode}\n"
                              f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")

@@ -30,6 +30,7 @@ from typing import Callable
 
 import pytest
 
+from tests.cli_runner import run_moe_train
 from tests.conftest import ROOT, cli_env
 from tests.integration.checkpoint_damage import (
     dangling_latest, garbage_latest, corrupt_meta, empty_rng_states, text_world_size,
@@ -415,9 +416,8 @@ def _run_case(case: Case, tmp: Path, prepared: Path, trained: Path) -> Outcome:
             values |= case.breaks(ckpt)
     before = _snapshot(tmp)
     start = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "moe_train",
-                           *(_fill(a, values) for a in case.args)], cwd=tmp, env=cli_env(),
-                          input=case.stdin, capture_output=True, timeout=300)
+    proc = run_moe_train([_fill(a, values) for a in case.args], tmp, cli_env(),
+                         input=case.stdin, timeout=300)
     return Outcome(proc, [_fill(n, values) for n in case.needles], _snapshot(tmp) != before,
                    time.perf_counter() - start)
 
