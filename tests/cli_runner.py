@@ -3,7 +3,7 @@
 `run_moe_train` returns what `subprocess.run(..., capture_output=True)` would. The run is a real
 process with its own exit status, stdin, stdout, stderr and working directory; it saves the ~3 s
 of CPU that importing torch costs a fresh interpreter. A run whose environment differs from the
-warm interpreter's in more than the project's own MOE_TRAIN_* variables (torch and the OpenMP
+warm interpreter's in more than the project's own MOE_TRAIN_* variables and pytest's (torch and the OpenMP
 runtime read theirs when loaded) starts a fresh interpreter instead, and so does every run when
 MOE_TRAIN_TEST_FRESH_PROCESSES=1.
 """
@@ -27,8 +27,9 @@ FRESH_ENV = "MOE_TRAIN_TEST_FRESH_PROCESSES"
 
 
 def _settable(name: str) -> bool:
-    """Variables a run may set differently from the warm interpreter: ours, read at run time."""
-    return name.startswith("MOE_TRAIN_")
+    """Variables a run may set differently from the warm interpreter: ours, read at run time,
+    and pytest's (PYTEST_CURRENT_TEST names each test)."""
+    return name.startswith(("MOE_TRAIN_", "PYTEST_"))
 
 
 class _Zygote:

@@ -6,7 +6,9 @@ torch once, then forks one child per request; the child takes the request's work
 environment, stdin, stdout and stderr, runs the `moe_train` module as ``python -m moe_train``
 would, and exits through the normal interpreter shutdown (atexit handlers and stdio flushed), so
 its exit status, output and files are those of a real run. Only torch (which prints nothing and
-starts no thread when imported) is loaded before the fork; the rest the child imports itself.
+starts no thread of its own when imported) is loaded before the fork; the rest the child imports
+itself. Not torch._dynamo: it loads triton, whose leak check then prints at every child's exit
+(what the fork server loads stays frozen, see `main`).
 
 Protocol (one JSON object per line): requests on the stdin this process was started with, each
 ``{"id", "argv", "cwd", "env", "stdin", "stdout", "stderr"}`` (the last three are file paths);

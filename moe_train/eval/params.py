@@ -41,12 +41,11 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 from torch import nn
 
 from moe_train.config.schema import ExperimentConfig
 from moe_train.errors import ConfigError
-from moe_train.models.build import build_model
+from moe_train.models.build import shape_model
 from moe_train.moe.adapters import AdapterExperts
 from moe_train.moe.experts import StackedExperts
 from moe_train.moe.layer import MoELayer
@@ -221,8 +220,7 @@ def count_parameters(cfg: ExperimentConfig, vocab_size: int,
         # No data: THOR's pivot language counts as the only language (ids do not change the
         # parameter count; numbers of tasks come from the config).
         manifest = {"langs": [cfg.thor.pivot_lang]}
-    with torch.device("meta"):
-        model = build_model(cfg, {**manifest, "vocab_size": vocab_size, "pad_id": 0})
+    model = shape_model(cfg, {**manifest, "vocab_size": vocab_size, "pad_id": 0})
     report = count_model(model)
     for side in SIDES:
         router = "dense"

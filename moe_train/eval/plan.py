@@ -73,14 +73,13 @@ import re
 from dataclasses import asdict, dataclass
 from typing import Any
 
-import torch
 from torch import nn
 
 from moe_train.config.moe import _expect
 from moe_train.config.schema import ExperimentConfig
 from moe_train.errors import ConfigError
 from moe_train.eval.params import _need_num_tasks, count_model, experts_per_token, human
-from moe_train.models.build import build_model
+from moe_train.models.build import shape_model
 from moe_train.moe.experts import Experts, StackedExperts, SwiGLUExperts
 from moe_train.moe.layer import MoELayer
 
@@ -254,9 +253,7 @@ def _model_shape(cfg_json: str) -> ModelShape:
     cfg = config_from_dict(json.loads(cfg_json))
     _need_num_tasks(cfg, "plan")  # as `count_parameters` builds it: no data, task counts from cfg
     vocab = cfg.qwen.vocab_size if cfg.decoder_only else cfg.data.vocab_size
-    with torch.device("meta"):
-        model = build_model(cfg, {"langs": [cfg.thor.pivot_lang], "vocab_size": vocab,
-                                  "pad_id": 0})
+    model = shape_model(cfg, {"langs": [cfg.thor.pivot_lang], "vocab_size": vocab, "pad_id": 0})
     counts = count_model(model)
     expert_ids = {id(p) for m in model.modules() if isinstance(m, StackedExperts)
                   for p in m.parameters()}

@@ -20,6 +20,7 @@ from contextlib import contextmanager
 from dataclasses import fields
 from typing import Any, Iterator
 
+import torch
 from torch import nn
 
 from moe_train.config.moe import RouterConfig, task_count
@@ -206,6 +207,34 @@ def build_model(cfg: ExperimentConfig, manifest: dict[str, Any]) -> nn.Module:
                               pad_id=manifest["pad_id"], ffn_factory=ffn_factory,
                               adapter_factory=adapters, providers=providers,
                               cls_token=cfg.uses_thor)
+
+
+_INIT_FUNCTIONS = ("uniform_", "normal_", "trunc_normal_", "constant_", "ones_", "zeros_",
+                   "eye_", "dirac_", "xavier_uniform_", "xavier_normal_", "kaiming_uniform_",
+                   "kaiming_normal_", "orthogonal_", "sparse_")
+
+
+@contextmanager
+def skip_init() -> Iterator[None]:
+    """Modules built inside leave their parameters as allocated: for a model whose every
+    parameter is loaded next (strict) or that only gives names and shapes. The `torch.nn.init`
+    functions (which every module of ours and torch's Linear/Embedding initialise through)
+    return their tensor untouched meanwhile: no random init to overwrite, and on the meta device
+    none of the Python meta kernels whose first use imports torch._dynamo (2-3 s)."""
+    saved = {name: getattr(nn.init, name) for name in _INIT_FUNCTIONS}
+    for name in saved:
+        setattr(nn.init, name, lambda tensor, *args, **kwargs: tensor)
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(nn.init, name, fn)
+
+
+def shape_model(cfg: ExperimentConfig, manifest: dict[str, Any]) -> nn.Module:
+    """`build_model` on the meta device, uninitialised: names, shapes and counts, no memory."""
+    with torch.device("meta"), skip_init():
+        return build_model(cfg, manifest)
 
 
 def moe_layers(model: nn.Module) -> list[tuple[str, MoELayer]]:

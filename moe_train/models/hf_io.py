@@ -366,7 +366,7 @@ def _trim(state: dict[str, Tensor], cfg: ExperimentConfig, manifest: dict[str, A
           k: int | None, lines: int):
     """Trim-MoE: (state, config, {layer: kept experts}) of `convert_from_hf`."""
     from moe_train.data.hf_tokenizer import HFTokenizer
-    from moe_train.models.build import build_model
+    from moe_train.models.build import build_model, skip_init
     from moe_train.models.hf_qwen2moe import sparse_layers
     from moe_train.models.hf_trim import (calibration_lines, expert_usage, most_used,
                                           parse_experts, trim)
@@ -384,7 +384,8 @@ def _trim(state: dict[str, Tensor], cfg: ExperimentConfig, manifest: dict[str, A
         keep = {i: ids for i in sparse_layers(cfg)}
     else:
         tokens = calibration_lines(calibration, HFTokenizer(model_dir), lines)
-        model = build_model(cfg, manifest)
+        with skip_init():  # loaded next
+            model = build_model(cfg, manifest)
         model.load_state_dict(state, strict=True)
         usage = expert_usage(model, tokens, manifest["pad_id"])
         keep = {i: most_used(counts, n) for i, counts in usage.items()}
@@ -457,12 +458,11 @@ def read_qwen(checkpoint: str | Path):
 
 def check_state(cfg: ExperimentConfig, state: dict[str, Tensor], source: Path) -> None:
     """The names and shapes of the model `cfg` builds (on the meta device), else one line."""
-    from moe_train.models.build import build_model
+    from moe_train.models.build import shape_model
     from moe_train.train.export import check_weights
 
-    with torch.device("meta"):
-        model = build_model(cfg, {"vocab_size": cfg.qwen.vocab_size, "pad_id": 0})
-    check_weights(model, state, source)
+    check_weights(shape_model(cfg, {"vocab_size": cfg.qwen.vocab_size, "pad_id": 0}), state,
+                  source)
 
 
 def _numel(state: dict[str, Tensor], tied: bool = False) -> int:
@@ -476,9 +476,10 @@ def _numel(state: dict[str, Tensor], tied: bool = False) -> int:
 def load_qwen(checkpoint: str | Path, device: torch.device | str = "cpu"):
     """(model in eval mode, config, manifest) of a hf_qwen2_moe export or checkpoint; the
     weights must match the config's model exactly."""
-    from moe_train.models.build import build_model
+    from moe_train.models.build import build_model, skip_init
 
     _, cfg, manifest, state = read_qwen(checkpoint)
-    model = build_model(cfg, manifest)
+    with skip_init():  # loaded next
+        model = build_model(cfg, manifest)
     model.load_state_dict(state, strict=True)
     return model.to(device).eval(), cfg, manifest

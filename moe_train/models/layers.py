@@ -44,14 +44,18 @@ class SinusoidalPositions(nn.Module):
     def __init__(self, d_model: int, max_positions: int) -> None:
         super().__init__()
         self.max_positions = max_positions
-        half = d_model // 2
-        inv_freq_H = torch.exp(-math.log(10000.0) * torch.arange(half) / max(half - 1, 1))
-        angle_PH = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq_H[None]
+        # Computed on the CPU whatever device the module is built on (the same values
+        # everywhere; on the meta device no Python meta kernel, whose first use imports
+        # torch._dynamo), then placed there. Not persistent: a function of the config.
+        half, cpu = d_model // 2, torch.device("cpu")
+        inv_freq_H = torch.exp(-math.log(10000.0) * torch.arange(half, device=cpu)
+                               / max(half - 1, 1))
+        angle_PH = torch.arange(max_positions, dtype=torch.float32, device=cpu)[:, None] \
+            * inv_freq_H[None]
         table_PD = torch.cat([angle_PH.sin(), angle_PH.cos()], dim=1)
         if d_model % 2:
             table_PD = F.pad(table_PD, (0, 1))
-        # Not persistent: it is a function of the config, not learned state.
-        self.register_buffer("table_PD", table_PD, persistent=False)
+        self.register_buffer("table_PD", table_PD.to(torch.empty(0).device), persistent=False)
 
     def forward(self, length: int, offset: int = 0) -> Tensor:
         """Embeddings of positions offset .. offset+length-1, shape (length, D)."""

@@ -33,7 +33,7 @@ from moe_train.config.schema import ExperimentConfig
 from moe_train.data.prepare import tokenizer_files
 from moe_train.errors import CheckpointError, ConfigError
 from moe_train.eval.extract import EXTRACT_REPORT
-from moe_train.models.build import build_model
+from moe_train.models.build import shape_model
 from moe_train.train.checkpoint import consolidated_state_dict, list_tags, read_meta, verify
 from moe_train.train.export import (check_weights, export_inference, export_streamed,
                                     load_export_weights, read_parts)
@@ -202,8 +202,8 @@ def write_average(inputs: Sequence[AveragedInput], out_dir: str | Path) -> dict[
     check_same_model(inputs)
     newest = inputs[-1]  # the last given: with --last, the newest step
     state = average_weights(inputs)
-    with torch.device("meta"):  # the export's config must take these weights
-        check_weights(build_model(newest.cfg, newest.manifest), state, Path(out_dir))
+    # the export's config must take these weights
+    check_weights(shape_model(newest.cfg, newest.manifest), state, Path(out_dir))
     report = {"format": "moe_train-average-1", "count": len(inputs),
               "inputs": [{"path": str(item.path), "kind": item.kind, "step": item.step}
                          for item in inputs]}

@@ -26,7 +26,7 @@ from moe_train.data.hf_tokenizer import HFTokenizer
 from moe_train.data.prepare import open_tokenizer
 from moe_train.data.vocab import Vocab
 from moe_train.errors import CheckpointError, MoeTrainError
-from moe_train.models.build import build_model
+from moe_train.models.build import build_model, shape_model, skip_init
 from moe_train.train.checkpoint import consolidated_state_dict, latest_tag, read_meta
 from moe_train.train.init_from import check_shapes, model_shapes
 from moe_train.utils.atomic import atomic_dir
@@ -249,9 +249,9 @@ def load_for_inference(path: str | Path, device: torch.device | str = "cpu") -> 
                               f"{manifest['vocab_size']} (manifest vocab_size); expected the "
                               "tokenizer it was trained with")
     state = load_export_weights(where) if kind == "export" else consolidated_state_dict(where)
-    with torch.device("meta"):  # checked before any memory is given to it
-        check_weights(build_model(cfg, manifest), state, weights)
-    model = build_model(cfg, manifest)
+    check_weights(shape_model(cfg, manifest), state, weights)  # before any memory is given
+    with skip_init():  # every parameter is loaded next
+        model = build_model(cfg, manifest)
     model.load_state_dict(state, strict=True)
     model.to(device).eval()
     return InferenceModel(model=model, vocab=vocab, cfg=cfg, manifest=manifest, source=where)

@@ -1,0 +1,49 @@
+"""The warm-interpreter runner (tests/cli_runner.py) gives what a fresh `python -m moe_train`
+gives: exit status, stdout, stderr, files written relative to the working directory, stdin; a
+run past its timeout is killed and raises as `subprocess.run` does."""
+
+import subprocess
+import time
+
+import pytest
+
+from tests import cli_runner
+from tests.conftest import ROOT, cli_env
+
+CASES = {
+    "help": (["--help"], b""),
+    "bad stdin": (["translate", "--checkpoint", "nowhere", "--beam", "1"], b"\xff\n"),
+    "params": (["params", "--config", str(ROOT / "configs" / "debug-cpu.yaml")], b""),
+    "config error": (["train", "--config", str(ROOT / "configs" / "debug-cpu.yaml"),
+                      "moe.k=0"], b""),
+    "synth": (["synth", "--out", "corpus", "--domains", "1", "--train", "3", "--dev", "1",
+               "--test", "1"], b""),
+}
+
+
+def _run(args, cwd, stdin, fresh: bool, monkeypatch) -> tuple:
+    monkeypatch.setenv(cli_runner.FRESH_ENV, "1" if fresh else "0")
+    proc = cli_runner.run_moe_train(args, cwd, cli_env(), input=stdin, timeout=120)
+    files = sorted((str(p.relative_to(cwd)), p.read_bytes()) for p in cwd.rglob("*")
+                   if p.is_file())
+    return proc.returncode, proc.stdout, proc.stderr, files
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_a_forked_run_equals_a_fresh_one(name, tmp_path, monkeypatch):
+    args, stdin = CASES[name]
+    (tmp_path / "fresh").mkdir()
+    (tmp_path / "warm").mkdir()
+    fresh = _run(args, tmp_path / "fresh", stdin, True, monkeypatch)
+    warm = _run(args, tmp_path / "warm", stdin, False, monkeypatch)
+    assert warm == fresh
+    assert cli_runner._zygote is not None and cli_runner._zygote.serves(cli_env())
+
+
+def test_a_run_past_its_timeout_is_killed(tmp_path):
+    start = time.monotonic()
+    with pytest.raises(subprocess.TimeoutExpired):
+        cli_runner.run_moe_train(["synth", "--out", "big", "--train", "100000000"], tmp_path,
+                                 cli_env(), timeout=1.0)
+    assert time.monotonic() - start < 30
+    assert cli_runner._zygote.serves(cli_env())  # still up for the next run
