@@ -91,16 +91,19 @@ _start_lock = threading.Lock()
 
 
 def _warm(env: dict[str, str]) -> _Zygote | None:
-    """The warm interpreter (started on first use with the tests' usual CLI environment) if it
-    can serve a run with `env`."""
+    """The warm interpreter if it can serve a run with `env`. It is started on first use with
+    the tests' usual CLI environment, and again whenever that environment has changed (a test
+    that sets a variable in its own process, e.g. TRITON_INTERPRET); the old one is left to
+    end with the test process, as a run of another thread may still use it."""
     global _zygote
     if os.environ.get(FRESH_ENV) == "1":
         return None
-    with _start_lock:
-        if _zygote is None:
-            from tests.conftest import cli_env
+    from tests.conftest import cli_env
 
-            _zygote = _Zygote(cli_env())
+    with _start_lock:
+        usual = cli_env()
+        if _zygote is None or not _zygote.serves(usual):
+            _zygote = _Zygote(usual)
             atexit.register(_zygote.close)
     return _zygote if _zygote.serves(env) else None
 

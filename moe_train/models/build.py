@@ -22,6 +22,7 @@ from typing import Any, Iterator
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from moe_train.config.moe import RouterConfig, task_count
 from moe_train.config.schema import ExperimentConfig, ModelConfig
@@ -209,26 +210,29 @@ def build_model(cfg: ExperimentConfig, manifest: dict[str, Any]) -> nn.Module:
                               cls_token=cfg.uses_thor)
 
 
-_INIT_FUNCTIONS = ("uniform_", "normal_", "trunc_normal_", "constant_", "ones_", "zeros_",
-                   "eye_", "dirac_", "xavier_uniform_", "xavier_normal_", "kaiming_uniform_",
-                   "kaiming_normal_", "orthogonal_", "sparse_")
+class _SkipInit(TorchFunctionMode):
+    """Returns the tensor of every random or constant initialisation untouched."""
+
+    SKIPPED = frozenset({nn.init.uniform_, nn.init.normal_, nn.init.trunc_normal_,
+                         nn.init.constant_, nn.init.kaiming_uniform_, torch.Tensor.normal_,
+                         torch.Tensor.uniform_})
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in self.SKIPPED:
+            return args[0] if args else kwargs["tensor"]
+        return func(*args, **(kwargs or {}))
 
 
 @contextmanager
 def skip_init() -> Iterator[None]:
     """Modules built inside leave their parameters as allocated: for a model whose every
-    parameter is loaded next (strict) or that only gives names and shapes. The `torch.nn.init`
-    functions (which every module of ours and torch's Linear/Embedding initialise through)
-    return their tensor untouched meanwhile: no random init to overwrite, and on the meta device
+    parameter is loaded next (strict) or that only gives names and shapes. The random and
+    constant fills of `torch.nn.init` and of tensors are skipped (through a torch function
+    mode, not by replacing torch.nn.init's functions: transformers keeps references to them
+    when first imported, possibly inside): no random init to overwrite, and on the meta device
     none of the Python meta kernels whose first use imports torch._dynamo (2-3 s)."""
-    saved = {name: getattr(nn.init, name) for name in _INIT_FUNCTIONS}
-    for name in saved:
-        setattr(nn.init, name, lambda tensor, *args, **kwargs: tensor)
-    try:
+    with _SkipInit():
         yield
-    finally:
-        for name, fn in saved.items():
-            setattr(nn.init, name, fn)
 
 
 def shape_model(cfg: ExperimentConfig, manifest: dict[str, Any]) -> nn.Module:

@@ -47,3 +47,12 @@ def test_a_run_past_its_timeout_is_killed(tmp_path):
                                  cli_env(), timeout=1.0)
     assert time.monotonic() - start < 30
     assert cli_runner._zygote.serves(cli_env())  # still up for the next run
+
+
+def test_a_changed_usual_environment_gets_a_new_warm_interpreter(tmp_path, monkeypatch):
+    cli_runner.run_moe_train(["--help"], tmp_path, cli_env())
+    first = cli_runner._zygote
+    monkeypatch.setenv("SOME_LIBRARY_SETTING", "1")  # as a test setting TRITON_INTERPRET does
+    proc = cli_runner.run_moe_train(["--help"], tmp_path, cli_env())
+    assert proc.returncode == 0 and cli_runner._zygote is not first
+    assert cli_runner._zygote.serves(cli_env()) and not first.serves(cli_env())

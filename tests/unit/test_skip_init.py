@@ -1,7 +1,7 @@
 """`shape_model` gives `build_model`'s names and shapes on the meta device without running any
 initialisation, so that `translate`, `evaluate`, `params` and `average` do not import
 torch._dynamo (2-3 s of every start: the Python meta kernels of init ops and of the position
-table import it); `skip_init` puts torch.nn.init back whatever happens inside."""
+table import it); `skip_init` puts only what is built inside uninitialised."""
 
 import subprocess
 import sys
@@ -45,15 +45,30 @@ def test_building_on_meta_does_not_import_dynamo():
     assert proc.stdout.strip() == "False"
 
 
-def test_skip_init_leaves_parameters_alone_and_restores_init():
-    normal = nn.init.normal_
+def test_skip_init_leaves_tensors_alone_inside_only():
     with pytest.raises(KeyError), skip_init():
         weight = torch.full((3, 4), 7.0)
         assert nn.init.normal_(weight) is weight and torch.all(weight == 7.0)
         assert torch.all(nn.init.xavier_uniform_(weight) == 7.0)
+        assert torch.all(weight.uniform_() == 7.0)
         raise KeyError("inside")
-    assert nn.init.normal_ is normal
     assert not torch.all(nn.init.normal_(torch.full((3, 4), 7.0)) == 7.0)
+
+
+def test_transformers_first_imported_inside_still_initialises_later_models():
+    """transformers keeps torch.nn.init's functions from its import on: replacing them inside
+    skip_init once left every later Hugging Face model uninitialised."""
+    code = ("import sys, torch\n"
+            "from moe_train.models.build import skip_init\n"
+            "with skip_init():\n"
+            "    import transformers.initialization\n"
+            "w = torch.full((4, 4), 7.0)\n"
+            "transformers.initialization.normal_(w)\n"
+            "print(bool(torch.all(w == 7.0)))\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip().splitlines()[-1] == "False"
 
 
 def test_position_table_is_the_cpus_on_any_device():
