@@ -11,7 +11,6 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from moe_train.config import RouterConfig
 from moe_train.models.context import ForwardContext
@@ -21,6 +20,7 @@ from moe_train.moe.layer import MoELayer
 from moe_train.moe.registry import build_router
 from moe_train.parallel.expert_parallel import wire_expert_parallel
 from moe_train.parallel.runtime import ParallelRuntime, free_port
+from tests.distributed.two_ranks import spawn_ranks
 
 E, D, F, B, T = 4, 8, 16, 3, 5
 
@@ -90,7 +90,7 @@ def _worker(rank: int, port: int, router_name: str, capacity: float, skew: bool,
 @pytest.mark.parametrize("capacity, skew", [(0.0, False), (0.0, True), (1.0, True)])
 def test_ep2_equals_ep1(tmp_path, router_name, capacity, skew):
     out = str(tmp_path / "r")
-    mp.spawn(_worker, args=(free_port(), router_name, capacity, skew, out), nprocs=2, join=True)
+    spawn_ranks(_worker, (free_port(), router_name, capacity, skew, out), 2)
     for rank in range(2):
         got = torch.load(f"{out}.{rank}.pt")
         close = dict(atol=1e-5, rtol=1e-5)

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
+from tests.distributed.two_ranks import spawn_ranks
 from tests.conftest import ROOT, debug_overrides, run_cli
 
 COMMON = ["model.dropout=0.0", "optim.warmup_steps=1", "optim.lr=1e-3", "data.max_tokens=300",
@@ -161,7 +161,7 @@ def runs(tiny_prepared, tmp_path_factory) -> list[dict]:
     from moe_train.parallel.runtime import free_port
 
     work = tmp_path_factory.mktemp("nonfinite")
-    mp.spawn(_worker, args=(free_port(), str(tiny_prepared), str(work)), nprocs=2, join=True)
+    spawn_ranks(_worker, (free_port(), str(tiny_prepared), str(work)), 2)
     return [torch.load(work / f"rank{r}.pt") for r in range(2)]
 
 

@@ -7,11 +7,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-import torch.multiprocessing as mp
 from torch import nn
 
 from moe_train.parallel.runtime import free_port, shutdown
-from tests.distributed.two_ranks import init_launched_rank
+from tests.distributed.two_ranks import init_launched_rank, spawn_ranks
 
 
 def _data() -> tuple[np.ndarray, np.ndarray]:
@@ -36,7 +35,7 @@ def _worker(rank: int, port: int, world: int, out: str) -> None:
 def test_two_ranks_train_the_probe_one_rank_trains(tmp_path) -> None:
     out = str(tmp_path / "probe")
     for world in (1, 2):
-        mp.spawn(_worker, args=(free_port(), world, out), nprocs=world, join=True)
+        spawn_ranks(_worker, (free_port(), world, out), world)
     one = torch.load(f"{out}.1.0.pt", weights_only=True)
     assert one["loss"] > 0
     for rank in range(2):

@@ -20,12 +20,11 @@ import copy
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from moe_train.config import load_config
 from moe_train.models.build import build_model
 from moe_train.parallel.runtime import free_port, shutdown
-from tests.distributed.two_ranks import init_launched_rank
+from tests.distributed.two_ranks import init_launched_rank, spawn_ranks
 
 V, WORLD, E, CLIP, STEPS = 80, 2, 4, 0.5, 3
 CLOSE = dict(atol=1e-5, rtol=1e-5)
@@ -157,7 +156,7 @@ def _worker(rank: int, port: int, out: str) -> None:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> list[dict]:
     out = str(tmp_path_factory.mktemp("qwen_ep") / "r")
-    mp.spawn(_worker, args=(free_port(), out), nprocs=WORLD, join=True)
+    spawn_ranks(_worker, (free_port(), out), WORLD)
     return [torch.load(f"{out}.{rank}.pt", weights_only=True) for rank in range(WORLD)]
 
 

@@ -6,10 +6,9 @@ from the same directory (1e-5); the per-parameter export gather keeps weights on
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from moe_train.parallel.runtime import free_port, shutdown
-from tests.distributed.two_ranks import init_launched_rank
+from tests.distributed.two_ranks import init_launched_rank, spawn_ranks
 from tests.unit.test_init_from import MANIFEST, V, qwen
 
 WORLD, STEPS = 2, 3
@@ -83,7 +82,7 @@ def runs(tmp_path_factory) -> tuple[list[dict], dict]:
     hf.load_state_dict(ours_to_hf(source.state_dict(), "test"), strict=True)
     hf.save_pretrained(tmp / "hf", max_shard_size="40KB")
     out = str(tmp / "r")
-    mp.spawn(_worker, args=(free_port(), str(tmp / "hf"), out), nprocs=WORLD, join=True)
+    spawn_ranks(_worker, (free_port(), str(tmp / "hf"), out), WORLD)
     results = [torch.load(f"{out}.{rank}.pt", weights_only=True) for rank in range(WORLD)]
     return results, source.state_dict()
 

@@ -8,12 +8,11 @@ state getters (full fp32 value and Adam moments, as checkpoints store them) agre
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from moe_train.config import load_config
 from moe_train.models.build import build_model
 from moe_train.parallel.runtime import free_port, shutdown
-from tests.distributed.two_ranks import init_launched_rank
+from tests.distributed.two_ranks import init_launched_rank, spawn_ranks
 
 V, WORLD, CLIP, STEPS = 80, 2, 0.5, 3
 
@@ -92,7 +91,7 @@ def _worker(rank: int, port: int, out: str) -> None:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> list[dict]:
     out = str(tmp_path_factory.mktemp("zero3") / "r")
-    mp.spawn(_worker, args=(free_port(), out), nprocs=WORLD, join=True)
+    spawn_ranks(_worker, (free_port(), out), WORLD)
     return [torch.load(f"{out}.{rank}.pt", weights_only=True) for rank in range(WORLD)]
 
 

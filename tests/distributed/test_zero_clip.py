@@ -15,7 +15,6 @@ does the trainer's pre-step norm (`step_guard.zero_grad_norm`), which must equal
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from moe_train.config import load_config
 from moe_train.models.build import build_model
@@ -23,7 +22,7 @@ from moe_train.models.context import ForwardContext
 from moe_train.parallel.expert_parallel import (deepspeed_sees_moe_layers, moe_param_groups,
                                                 setup_expert_parallel, wire_expert_parallel)
 from moe_train.parallel.runtime import free_port, shutdown
-from tests.distributed.two_ranks import init_launched_rank
+from tests.distributed.two_ranks import init_launched_rank, spawn_ranks
 from moe_train.parallel.step_guard import zero_grad_norm
 from moe_train.train.ds_config import build_deepspeed_config
 
@@ -89,7 +88,7 @@ def _worker(rank: int, port: int, out: str) -> None:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> list[dict]:
     out = str(tmp_path_factory.mktemp("zero_clip") / "r")
-    mp.spawn(_worker, args=(free_port(), out), nprocs=WORLD, join=True)
+    spawn_ranks(_worker, (free_port(), out), WORLD)
     return [torch.load(f"{out}.{rank}.pt") for rank in range(WORLD)]
 
 
