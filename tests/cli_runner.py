@@ -41,7 +41,7 @@ class _Zygote:
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         self.ids = itertools.count()
         self.lock = threading.Lock()
-        self.waiting: dict[int, dict] = {}  # id -> {"pid", "status", "event"}
+        self.waiting: dict[int, dict] = {}  # id -> {"started", "pid", "event", "status"}
         threading.Thread(target=self._read, daemon=True).start()
 
     def serves(self, env: dict[str, str]) -> bool:
@@ -58,6 +58,11 @@ class _Zygote:
                     slot["event"].set()
                 else:
                     slot["started"].set()
+        with self.lock:  # it ended: nothing more will come for the runs still waiting
+            for slot in self.waiting.values():
+                slot.setdefault("status", None)
+                slot["started"].set()
+                slot["event"].set()
 
     def run(self, argv: list[str], cwd: Path, env: dict[str, str], stdin: bytes,
             timeout: float | None) -> tuple[int, bytes, bytes]:
@@ -71,13 +76,20 @@ class _Zygote:
                 self.proc.stdin.write((json.dumps({"id": rid, "argv": argv, "cwd": str(cwd),
                                                    "env": env, **files}) + "\n").encode())
                 self.proc.stdin.flush()
-            if not slot["event"].wait(timeout):
-                slot["started"].wait()
-                os.kill(slot["pid"], signal.SIGKILL)
-                slot["event"].wait()
-                raise subprocess.TimeoutExpired(["python", "-m", "moe_train", *argv], timeout)
-            with self.lock:
-                del self.waiting[rid]
+            try:
+                if not slot["event"].wait(timeout):
+                    slot["started"].wait()
+                    if slot.get("pid"):
+                        os.kill(slot["pid"], signal.SIGKILL)
+                    slot["event"].wait()
+                    raise subprocess.TimeoutExpired(["python", "-m", "moe_train", *argv],
+                                                    timeout)
+            finally:
+                with self.lock:
+                    del self.waiting[rid]
+            if slot["status"] is None:
+                raise RuntimeError(f"the warm interpreter {ZYGOTE} ended during a run "
+                                   f"(exit {self.proc.poll()})")
             return (slot["status"], Path(files["stdout"]).read_bytes(),
                     Path(files["stderr"]).read_bytes())
 
