@@ -21,7 +21,6 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -59,9 +58,8 @@ def train_args(prepared: Path | str, ckpt: Path | str) -> list[str]:
 def trained(tiny_prepared, tmp_path_factory) -> Path:
     """One tiny trained checkpoint directory (step_00000002, latest, export) for every case."""
     ckpt = tmp_path_factory.mktemp("bad_inputs") / "ckpt"
-    proc = subprocess.run([sys.executable, "-m", "moe_train", "train", "--config", CONFIG,
-                           *train_args(tiny_prepared, ckpt)], cwd=ckpt.parent, env=cli_env(),
-                          capture_output=True, text=True, timeout=600)
+    proc = run_moe_train(["train", "--config", CONFIG, *train_args(tiny_prepared, ckpt)],
+                         ckpt.parent, cli_env(), timeout=600, text=True)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert (ckpt / "latest").is_file() and (ckpt / "export").is_dir()
     return ckpt
@@ -462,8 +460,7 @@ def test_long_lines_truncate_translates_every_line(trained, tmp_path):
     src.write_text(f"a b\n{LONG_LINE}\nc d\n")
     args = translate("--input", str(src), "--output", str(out), "--long-lines", "truncate",
                      ckpt=str(trained / "export"))
-    proc = subprocess.run([sys.executable, "-m", "moe_train", *args], cwd=tmp_path,
-                          env=cli_env(), capture_output=True, text=True, timeout=300)
+    proc = run_moe_train(args, tmp_path, cli_env(), timeout=300, text=True)
     assert proc.returncode == 0, proc.stderr
     warnings = [line for line in proc.stderr.splitlines() if line.startswith("warning: ")]
     assert len(warnings) == 1 and f"{src}:2" in warnings[0], proc.stderr
