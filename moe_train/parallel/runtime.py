@@ -19,6 +19,7 @@ from __future__ import annotations
 import datetime
 import importlib
 import os
+import random
 import re
 import shutil
 import socket
@@ -36,8 +37,41 @@ LAUNCH_FAMILIES = {"deepspeed": "env", "torchrun": "env", "env": "env", "openmpi
                    "mpich": "mpi", "pmix": "mpi", "slurm": "slurm", "single": "single"}
 
 
-def free_port() -> int:
-    """A TCP port that is free on this host right now."""
+EPHEMERAL_RANGE_FILE = "/proc/sys/net/ipv4/ip_local_port_range"
+
+
+def _ephemeral_low(path: str = EPHEMERAL_RANGE_FILE) -> int:
+    """The lowest port the kernel hands to outgoing connections (IANA's 49152 where unknown)."""
+    try:
+        with open(path) as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 49152
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind(("", port))  # every address: the rendezvous store listens on all of them
+        except OSError:
+            return False
+    return True
+
+
+def free_port(ephemeral_low: int | None = None) -> int:
+    """A TCP port that is free on this host right now, below the kernel's ephemeral range.
+
+    A port from bind(0) lies inside that range, so any outgoing connection (another job's gloo
+    mesh, say) may be given it before the launcher's rank 0 listens on it seconds later: seen as
+    EADDRINUSE. Ports below the range are only ever taken by an explicit bind.
+    """
+    low = _ephemeral_low() if ephemeral_low is None else ephemeral_low
+    if low > 4096:
+        rng = random.SystemRandom()
+        for _ in range(64):
+            port = rng.randrange(max(1024, low - 8192), low)
+            if _bindable(port):
+                return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]

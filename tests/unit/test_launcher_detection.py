@@ -160,3 +160,24 @@ def test_srun_gpus_per_task_is_not_more_ranks_than_gpus(monkeypatch):
     with pytest.raises(Started):
         runtime.init_runtime()
     assert picked == [0]
+
+
+def test_free_port_is_below_the_ephemeral_range_and_bindable(tmp_path):
+    """Outgoing connections are given ports from the ephemeral range; a rendezvous port picked
+    there can be taken before rank 0 listens on it, so free_port picks below it."""
+    import socket
+
+    from moe_train.parallel.runtime import _ephemeral_low, free_port
+
+    low = _ephemeral_low()
+    ports = {free_port() for _ in range(20)}
+    assert len(ports) > 1 and all(1024 <= p < low for p in ports), (low, ports)
+    for port in ports:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind(("", port))
+    # no room below the range (a machine whose range starts low): bind(0)'s port instead
+    assert free_port(ephemeral_low=1024) >= 1024
+    (tmp_path / "range").write_text("32768\t60999\n")
+    assert _ephemeral_low(str(tmp_path / "range")) == 32768
+    (tmp_path / "range").write_text("garbage")
+    assert _ephemeral_low(str(tmp_path / "range")) == 49152
