@@ -339,6 +339,7 @@ def init_runtime(backend: str | None = None, timeout_s: int = 1800,
         backend = backend or "gloo"
         if tune_allocator:
             tune_cpu_allocator()
+        _skip_deepspeed_shm_allreduce()
     if not dist.is_initialized():
         # Dynamo (which the optimizers import) keeps, from its import on, references to the
         # world group if it exists then, so `shutdown` could not free it: import it first.
@@ -349,6 +350,20 @@ def init_runtime(backend: str | None = None, timeout_s: int = 1800,
                            device=device, launcher=info.family, launch_kind=info.kind)
 
 
+def _skip_deepspeed_shm_allreduce() -> None:
+    """Keep DeepSpeed's CPU backend from loading its shared-memory all-reduce op.
+
+    Only DeepSpeed's inference all-reduce uses it; training runs every collective through gloo.
+    Loading it JIT-compiles C++ at a machine's first start (about 50 s on two cores; it needs a
+    compiler, and compiles again whenever the command differs, as for another virtual
+    environment) and maps a 67 MB buffer per rank in /dev/shm. DeepSpeed consults
+    `deepspeed.ops.__compatible_ops__` (one dict for the process) before loading it."""
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__[DEEPSPEED_SHM_OP] = False
+
+
+DEEPSPEED_SHM_OP = "deepspeed_shm_comm"
 DEEPSPEED_SHM_DIR = "/dev/shm"
 
 
@@ -375,9 +390,11 @@ def shutdown(runtime: ParallelRuntime, barrier: bool = True) -> None:
       without an active exception", exit -6, once in CI) after a run that succeeded.
       DeepSpeed's own teardown drops its references, and the garbage is collected here, which
       stops those threads now.
-    - DeepSpeed never removes the shared-memory buffer: every run would otherwise leave 67 MB
-      per rank in /dev/shm, that is in RAM, until reboot. The peers' mappings stay valid after
-      the unlink (each mapped the others' at start-up)."""
+    - `init_runtime` keeps DeepSpeed's shared-memory all-reduce from loading; where it loaded
+      all the same (a DeepSpeed that does not consult its op table first), DeepSpeed never
+      removes its buffer: every run would leave 67 MB per rank in /dev/shm, that is in RAM,
+      until reboot. The peers' mappings stay valid after the unlink (each mapped the others' at
+      start-up)."""
     import gc
 
     import deepspeed.comm as ds_comm

@@ -38,7 +38,9 @@ def test_deepspeed_launcher_two_ranks(tiny_prepared, tmp_path):
     assert (ckpt / "export" / "model.safetensors").is_file()
     summary = json.loads([l for l in proc.stdout.splitlines() if l.startswith("{")][-1])
     assert summary["step"] == 12 and "dev/bleu" in summary
-    # DeepSpeed's CPU all-reduce buffers (67 MB of RAM each) are gone with the job.
+    # DeepSpeed's CPU shared-memory all-reduce (a C++ JIT build, 67 MB of RAM per rank) was
+    # never loaded, and left no buffer behind.
+    assert "shm_comm" not in out, out[-3000:]
     env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
     for rank in (0, 1):
         assert not Path(deepspeed_shm_buffer(rank, env)).exists()
