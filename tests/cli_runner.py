@@ -11,6 +11,7 @@ MOE_TRAIN_TEST_FRESH_PROCESSES=1.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import io
 import itertools
 import json
@@ -26,10 +27,13 @@ ZYGOTE = Path(__file__).with_name("zygote.py")
 FRESH_ENV = "MOE_TRAIN_TEST_FRESH_PROCESSES"
 
 
+RANK_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
 def _settable(name: str) -> bool:
-    """Variables a run may set differently from the warm interpreter: ours, read at run time,
-    and pytest's (PYTEST_CURRENT_TEST names each test)."""
-    return name.startswith(("MOE_TRAIN_", "PYTEST_"))
+    """Variables a run may set differently from the warm interpreter: ours and a launcher's
+    rank variables, read at run time, and pytest's (PYTEST_CURRENT_TEST names each test)."""
+    return name.startswith(("MOE_TRAIN_", "PYTEST_")) or name in RANK_VARS
 
 
 class _Zygote:
@@ -55,6 +59,7 @@ class _Zygote:
                 slot = self.waiting[reply["id"]]
                 slot.update(reply)
                 if "status" in reply:
+                    del self.waiting[reply["id"]]
                     slot["event"].set()
                 else:
                     slot["started"].set()
@@ -64,33 +69,41 @@ class _Zygote:
                 slot["started"].set()
                 slot["event"].set()
 
+    def start(self, argv: list[str], cwd: Path, env: dict[str, str], files: dict[str, str],
+              append: bool = False) -> dict:
+        """Fork a run; its slot: "started" and "event" (ended) Events, then "pid", "status"."""
+        with self.lock:
+            rid = next(self.ids)
+            slot = self.waiting[rid] = {"event": threading.Event(), "started": threading.Event()}
+            self.proc.stdin.write((json.dumps({"id": rid, "argv": argv, "cwd": str(cwd),
+                                               "env": env, "append": append, **files})
+                                   + "\n").encode())
+            self.proc.stdin.flush()
+        slot["started"].wait()
+        return slot
+
+    def finish(self, slot: dict, timeout: float | None) -> int | None:
+        """The run's exit status (None: still running after `timeout`)."""
+        if not slot["event"].wait(timeout):
+            return None
+        if slot["status"] is None:
+            raise RuntimeError(f"the warm interpreter {ZYGOTE} ended during a run "
+                               f"(exit {self.proc.poll()})")
+        return slot["status"]
+
     def run(self, argv: list[str], cwd: Path, env: dict[str, str], stdin: bytes,
             timeout: float | None) -> tuple[int, bytes, bytes]:
         with tempfile.TemporaryDirectory(prefix="moe-train-run-") as tmp:
             files = {name: os.path.join(tmp, name) for name in ("stdin", "stdout", "stderr")}
             Path(files["stdin"]).write_bytes(stdin)
-            with self.lock:
-                rid = next(self.ids)
-                slot = self.waiting[rid] = {"event": threading.Event(),
-                                            "started": threading.Event()}
-                self.proc.stdin.write((json.dumps({"id": rid, "argv": argv, "cwd": str(cwd),
-                                                   "env": env, **files}) + "\n").encode())
-                self.proc.stdin.flush()
-            try:
-                if not slot["event"].wait(timeout):
-                    slot["started"].wait()
-                    if slot.get("pid"):
-                        os.kill(slot["pid"], signal.SIGKILL)
-                    slot["event"].wait()
-                    raise subprocess.TimeoutExpired(["python", "-m", "moe_train", *argv],
-                                                    timeout)
-            finally:
-                with self.lock:
-                    del self.waiting[rid]
-            if slot["status"] is None:
-                raise RuntimeError(f"the warm interpreter {ZYGOTE} ended during a run "
-                                   f"(exit {self.proc.poll()})")
-            return (slot["status"], Path(files["stdout"]).read_bytes(),
+            slot = self.start(argv, cwd, env, files)
+            status = self.finish(slot, timeout)
+            if status is None:
+                if slot.get("pid"):
+                    os.kill(slot["pid"], signal.SIGKILL)
+                self.finish(slot, None)
+                raise subprocess.TimeoutExpired(["python", "-m", "moe_train", *argv], timeout)
+            return (status, Path(files["stdout"]).read_bytes(),
                     Path(files["stderr"]).read_bytes())
 
     def close(self) -> None:
@@ -135,3 +148,98 @@ def run_moe_train(args: list[str], cwd: Path | str, env: dict[str, str], *, inpu
         out, err = (io.TextIOWrapper(io.BytesIO(data)).read() for data in (out, err))
     return subprocess.CompletedProcess([sys.executable, "-m", "moe_train", *argv], status, out,
                                        err)
+
+
+class Ranks:
+    """The `nprocs` ranks of one `python -m moe_train` job on this host, started as a launcher
+    starts them (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT), each
+    forked from the warm interpreter where it can serve them, all writing to one log. As under
+    the deepspeed launcher and torchrun, a rank that fails takes the others down (SIGKILL), and
+    the job's exit status is that of the first rank to fail (0 when all succeed)."""
+
+    def __init__(self, args: list[str], cwd: Path | str, env: dict[str, str], log: Path,
+                 nprocs: int = 2) -> None:
+        from moe_train.parallel.runtime import free_port
+
+        argv = [str(a) for a in args]
+        port = str(free_port())
+        self.log = log
+        self.returncode: int | None = None
+        self._failed: int | None = None
+        self._lock = threading.Lock()
+        self._ranks: list[subprocess.Popen | dict] = []  # a fresh process, or a forked run's slot
+        log.touch()
+        for rank in range(nprocs):
+            rank_env = {**env, "RANK": str(rank), "WORLD_SIZE": str(nprocs),
+                        "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(nprocs),
+                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+            zygote = _warm(rank_env)
+            if zygote is None:
+                with open(log, "ab") as out:
+                    self._ranks.append(subprocess.Popen(
+                        [sys.executable, "-m", "moe_train", *argv], cwd=cwd, env=rank_env,
+                        stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT))
+            else:
+                self._ranks.append(zygote.start(
+                    argv, Path(cwd).resolve(), rank_env,
+                    {"stdin": os.devnull, "stdout": str(log), "stderr": str(log)},
+                    append=True))
+        self.pids = [r.get("pid") if isinstance(r, dict) else r.pid for r in self._ranks]
+        threading.Thread(target=self._watch, daemon=True).start()
+
+    def _statuses(self) -> list[int | None]:
+        """Each rank's exit status, None while it runs (-255: the warm interpreter died)."""
+        return [((-255 if r["status"] is None else r["status"]) if r["event"].is_set() else None)
+                if isinstance(r, dict) else r.poll() for r in self._ranks]
+
+    def _watch(self) -> None:
+        """Poll the ranks; on the first failure kill the rest; set `returncode` at the end."""
+        import time
+
+        while True:
+            statuses = self._statuses()
+            with self._lock:
+                failed = [s for s in statuses if s not in (None, 0)]
+                if failed and self._failed is None:
+                    self._failed = failed[0]
+                    self.send_signal(signal.SIGKILL)
+                if all(s is not None for s in statuses):
+                    self.returncode = self._failed or 0
+                    return
+            time.sleep(0.02)
+
+    def send_signal(self, sig: int, rank: int | None = None) -> None:
+        """`sig` to one rank, or to every rank still running."""
+        for i, (pid, status) in enumerate(zip(self.pids, self._statuses())):
+            if (rank is None or i == rank) and status is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, sig)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        import time
+
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.returncode is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(["moe_train ranks"], timeout)
+            time.sleep(0.02)
+        return self.returncode
+
+    def finish(self, expect_ok: bool = True, timeout: float = 500) -> str:
+        """Wait (killing every rank on a timeout) and return the log; assert a zero exit when
+        `expect_ok`."""
+        try:
+            self.wait(timeout)
+        finally:
+            self.kill()
+            self.wait(60)
+        text = self.log.read_text(errors="replace")
+        if expect_ok:
+            assert self.returncode == 0, text[-5000:]
+        return text

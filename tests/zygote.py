@@ -11,7 +11,8 @@ itself. Not torch._dynamo: it loads triton, whose leak check then prints at ever
 (what the fork server loads stays frozen, see `main`).
 
 Protocol (one JSON object per line): requests on the stdin this process was started with, each
-``{"id", "argv", "cwd", "env", "stdin", "stdout", "stderr"}`` (the last three are file paths);
+``{"id", "argv", "cwd", "env", "stdin", "stdout", "stderr"}`` (the last three are file paths;
+an optional ``"append": true`` appends to stdout and stderr instead of truncating them);
 replies on its stdout, ``{"id", "pid"}`` when the child started, then ``{"id", "status"}`` with
 the status as `subprocess` reports it (negative: killed by that signal). End of input ends it.
 """
@@ -46,9 +47,10 @@ def _child(request: dict, selector: selectors.BaseSelector) -> None:
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
+    # "append": the run shares its output files with others (the ranks of one job)
+    out = os.O_WRONLY | os.O_CREAT | (os.O_APPEND if request.get("append") else os.O_TRUNC)
     for fd, path, flags in ((0, request["stdin"], os.O_RDONLY),
-                            (1, request["stdout"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC),
-                            (2, request["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)):
+                            (1, request["stdout"], out), (2, request["stderr"], out)):
         opened = os.open(path, flags, 0o644)
         os.dup2(opened, fd)
         os.close(opened)

@@ -1,6 +1,6 @@
-"""A small MoE Transformer with ep_size=2 under `deepspeed --num_gpus 2`: it lowers its loss,
-resumes, and its checkpoint loads at EP=1 (trainer resume and standalone inference) with the same
-outputs as at EP=2."""
+"""A small MoE Transformer with ep_size=2 on two ranks: it lowers its loss, resumes, and its
+checkpoint loads at EP=1 (trainer resume and standalone inference) with the same outputs as at
+EP=2 (computed by a script under `deepspeed --num_gpus 2`)."""
 
 import json
 import re
@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.cli_runner import Ranks
 from tests.conftest import ROOT, cli_env, debug_overrides
 
 DEEPSPEED = str(Path(sys.executable).with_name("deepspeed"))
@@ -33,6 +34,11 @@ def _deepspeed(args, tmp_path):
     return out
 
 
+def _train(args: list[str], log: Path) -> str:
+    """`moe_train train ARGS` on two ranks of one job (as the deepspeed launcher starts them)."""
+    return Ranks(["train", *args], ROOT, cli_env(), log).finish(timeout=400)
+
+
 def _losses(log: str) -> list[float]:
     return [float(m.group(1)) for m in re.finditer(r"\| step +\d+ \| loss ([\d.]+)", log)]
 
@@ -42,9 +48,8 @@ def _losses(log: str) -> list[float]:
 def test_ep2_trains_resumes_and_loads_at_ep1(tiny_prepared, tmp_path):
     work = tmp_path / "w"
     common = debug_overrides(tiny_prepared, work, *MOE, "moe.ep_size=2")
-    log = _deepspeed(["--module", "moe_train", "train", "--config", CONFIG, *common,
-                      "train.max_steps=40", "checkpoint.save_every=20",
-                      "train.validate_every=20"], tmp_path)
+    log = _train(["--config", CONFIG, *common, "train.max_steps=40", "checkpoint.save_every=20",
+                  "train.validate_every=20"], tmp_path / "train.log")
     assert "world 2 (env, gloo)" in log
     from moe_train.config import load_config
     from moe_train.eval.params import count_parameters
@@ -59,9 +64,8 @@ def test_ep2_trains_resumes_and_loads_at_ep1(tiny_prepared, tmp_path):
     step40 = work / "ckpt" / "step_00000040"
     assert all((step40 / f"experts_ep{r}of2.index.json").is_file() for r in (0, 1))
 
-    log = _deepspeed(["--module", "moe_train", "train", "--config", CONFIG, "--resume", *common,
-                      "train.max_steps=50", "checkpoint.save_every=50",
-                      "train.validate_every=0"], tmp_path)
+    log = _train(["--config", CONFIG, "--resume", *common, "train.max_steps=50",
+                  "checkpoint.save_every=50", "train.validate_every=0"], tmp_path / "resume.log")
     assert "resume from step 40" in log
     assert (work / "ckpt" / "latest").read_text().strip() == "step_00000050"
 

@@ -14,8 +14,6 @@ import random
 import re
 import shutil
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -25,10 +23,9 @@ import torch
 from moe_train.parallel.expert_checkpoint import read_expert_moments
 from moe_train.train.checkpoint import (KILL_ENV, consolidated_state_dict, latest_tag,
                                        read_dense_state, read_meta)
-from tests.distributed.two_ranks import finish_launch
+from tests.cli_runner import Ranks
 from tests.conftest import ROOT, cli_env, debug_overrides, run_cli
 
-DEEPSPEED = str(Path(sys.executable).with_name("deepspeed"))
 CONFIG = str(ROOT / "configs" / "debug-cpu.yaml")
 STEPS = 8
 PHASES = ("engine_saved", "before_rename", "before_latest", "before_rotate")
@@ -36,31 +33,20 @@ COMMON = ["moe.num_experts=4", "moe.k=2", "moe.capacity_factor=0", "moe.ep_size=
           "optim.zero_stage=1", "data.max_tokens=400", "train.validate_every=0",
           "train.bleu_sentences=4", "train.log_every=1", f"train.max_steps={STEPS}"]
 
-pytestmark = pytest.mark.skipif(not Path(DEEPSPEED).exists(),
-                                reason="deepspeed launcher not installed")
 
-
-def _start(prepared: Path, work: Path, *extra: str,
-           env: dict | None = None) -> tuple[subprocess.Popen, Path]:
-    from moe_train.parallel.runtime import free_port
-
+def _start(prepared: Path, work: Path, *extra: str, env: dict | None = None) -> Ranks:
     log = work.with_name(work.name + f"-{time.monotonic_ns()}.log")
     work.mkdir(parents=True, exist_ok=True)
-    cmd = [DEEPSPEED, "--num_gpus", "2", "--master_port", str(free_port()), "--module",
-           "moe_train", "train", "--config", CONFIG,
-           *debug_overrides(prepared, work, *COMMON, *extra)]
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env={**cli_env(), **(env or {})}, stdout=out,
-                                stderr=subprocess.STDOUT, start_new_session=True)
-    return proc, log
+    return Ranks(["train", "--config", CONFIG, *debug_overrides(prepared, work, *COMMON, *extra)],
+                 ROOT, {**cli_env(), **(env or {})}, log)
 
 
-def _finish(proc: subprocess.Popen, log: Path, expect_ok: bool = True) -> str:
-    return finish_launch(proc, log, expect_ok, timeout=400)
+def _finish(ranks: Ranks, expect_ok: bool = True) -> str:
+    return ranks.finish(expect_ok, timeout=400)
 
 
 def _train(prepared: Path, work: Path, *extra: str) -> str:
-    return _finish(*_start(prepared, work, *extra))
+    return _finish(_start(prepared, work, *extra))
 
 
 @pytest.fixture(scope="module")
@@ -102,7 +88,7 @@ def test_kill_anywhere_then_resume_is_bitwise_equal(tiny_prepared, full_run, tmp
 
     # 1. inside a save, at a random phase
     phase, step = rng.choice(PHASES), rng.choice([2, 4])
-    text = _finish(*_start(tiny_prepared, work, *save, env={KILL_ENV: f"{phase}@{step}"}),
+    text = _finish(_start(tiny_prepared, work, *save, env={KILL_ENV: f"{phase}@{step}"}),
                    expect_ok=False)
     assert f"| step {step:>6} |" in text and "exported" not in text
     report.append((f"save of step {step} at {phase}", _resumable_step(ckpt)))
@@ -110,24 +96,24 @@ def test_kill_anywhere_then_resume_is_bitwise_equal(tiny_prepared, full_run, tmp
     # 2. at a random moment right after a random training step
     resumed = report[-1][1]
     step, delay = rng.randint(resumed + 1, STEPS - 1), rng.uniform(0.0, 0.3)
-    proc, log = _start(tiny_prepared, work, *save, "--resume")
+    ranks = _start(tiny_prepared, work, *save, "--resume")
     deadline = time.time() + 400
-    while proc.poll() is None and time.time() < deadline:
-        if f"| step {step:>6} |" in log.read_text(errors="replace"):
+    while ranks.poll() is None and time.time() < deadline:
+        if f"| step {step:>6} |" in ranks.log.read_text(errors="replace"):
             time.sleep(delay)
-            os.killpg(proc.pid, signal.SIGKILL)
+            ranks.kill()
             break
         time.sleep(0.02)
-    text = _finish(proc, log, expect_ok=False)
-    assert proc.returncode == -signal.SIGKILL, text[-3000:]
+    text = _finish(ranks, expect_ok=False)
+    assert ranks.returncode == -signal.SIGKILL, text[-3000:]
     report.append((f"{delay:.2f}s after step {step}", _resumable_step(ckpt)))
 
     # 3. inside a later save, at another phase
     resumed = report[-1][1]
     phase = rng.choice([p for p in PHASES if p != phase])
     step = rng.choice([s for s in range(2, STEPS + 1, 2) if s > resumed])
-    text = _finish(*_start(tiny_prepared, work, *save, "--resume",
-                           env={KILL_ENV: f"{phase}@{step}"}), expect_ok=False)
+    text = _finish(_start(tiny_prepared, work, *save, "--resume",
+                          env={KILL_ENV: f"{phase}@{step}"}), expect_ok=False)
     assert "exported" not in text, text[-3000:]
     report.append((f"save of step {step} at {phase}", _resumable_step(ckpt)))
 

@@ -3,14 +3,18 @@ every rank stops with one line (rank 0 naming the file, the other pointing at it
 rank 1 training on alone or both waiting for each other until the process-group timeout."""
 
 import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
 from moe_train.train.checkpoint import latest_tag
 from tests.conftest import ROOT, cli_env, debug_overrides
-from tests.distributed.test_kill_resume import CONFIG, DEEPSPEED
+from tests.distributed.test_kill_resume import CONFIG
 from tests.distributed.two_ranks import finish_launch
+
+DEEPSPEED = str(Path(sys.executable).with_name("deepspeed"))
 
 PATCHES = {
     "export": ("from moe_train.train import checkpointer as m\n"

@@ -56,3 +56,28 @@ def test_a_changed_usual_environment_gets_a_new_warm_interpreter(tmp_path, monke
     proc = cli_runner.run_moe_train(["--help"], tmp_path, cli_env())
     assert proc.returncode == 0 and cli_runner._zygote is not first
     assert cli_runner._zygote.serves(cli_env()) and not first.serves(cli_env())
+
+
+@pytest.mark.parametrize("fresh", [False, True])
+def test_ranks_share_one_log_and_a_failed_rank_takes_the_others_down(tmp_path, monkeypatch,
+                                                                     fresh, tiny_prepared):
+    """Two ranks of one job: each appends to the log and sees its RANK; when one dies (here
+    killed before the rendezvous), the other, left waiting there, is killed as a launcher
+    would, and the job's status is the dead rank's."""
+    import signal
+
+    monkeypatch.setenv(cli_runner.FRESH_ENV, "1" if fresh else "0")
+    config = str(ROOT / "configs" / "debug-cpu.yaml")
+    ranks = cli_runner.Ranks(["params", "--config", config], tmp_path, cli_env(),
+                             tmp_path / "params.log")
+    assert ranks.wait(120) == 0
+    assert ranks.log.read_text().count("total") == 2 * cli_runner.run_moe_train(
+        ["params", "--config", config], tmp_path, cli_env(), text=True).stdout.count("total")
+
+    ranks = cli_runner.Ranks(["train", "--config", config, f"data.prepared_dir={tiny_prepared}",
+                              f"checkpoint.dir={tmp_path / 'ckpt'}"], tmp_path, cli_env(),
+                             tmp_path / "train.log")
+    ranks.send_signal(signal.SIGKILL, rank=1)
+    assert ranks.wait(120) == -signal.SIGKILL
+    assert ranks._statuses() == [-signal.SIGKILL, -signal.SIGKILL]
+    assert not (tmp_path / "ckpt").exists()

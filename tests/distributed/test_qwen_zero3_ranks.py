@@ -1,13 +1,9 @@
-"""A tiny Qwen2-MoE trains under `deepspeed --num_gpus 2` with ZeRO-3 (two CPU gloo ranks): the
-loss falls; SIGKILLed right after a step and resumed, it ends equal to an uninterrupted run;
+"""A tiny Qwen2-MoE trains with ZeRO-3 on two CPU gloo ranks of one launched job: the loss falls; SIGKILLed right after a step and resumed, it ends equal to an uninterrupted run;
 its export converts to a directory transformers loads, with our logits."""
 
 import json
-import os
 import re
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -15,10 +11,9 @@ import pytest
 import torch
 
 from moe_train.train.checkpoint import consolidated_state_dict, latest_tag
-from tests.distributed.two_ranks import finish_launch
+from tests.cli_runner import Ranks
 from tests.conftest import ROOT, cli_env, run_cli
 
-DEEPSPEED = str(Path(sys.executable).with_name("deepspeed"))
 CONFIG = str(ROOT / "configs" / "qwen-moe-tiny-cpu.yaml")
 STEPS = 8
 COMMON = ["optim.zero_stage=3", "data.max_tokens=700", "train.validate_every=0",
@@ -26,28 +21,18 @@ COMMON = ["optim.zero_stage=3", "data.max_tokens=700", "train.validate_every=0",
           "checkpoint.save_every=2", "checkpoint.keep_last=0", "eval.beam=1",
           "optim.warmup_steps=4", "optim.lr=5e-3"]
 
-pytestmark = pytest.mark.skipif(not Path(DEEPSPEED).exists(),
-                                reason="deepspeed launcher not installed")
 
-
-def _start(data: tuple[Path, Path], work: Path, *extra: str) -> tuple[subprocess.Popen, Path]:
-    from moe_train.parallel.runtime import free_port
-
+def _start(data: tuple[Path, Path], work: Path, *extra: str) -> Ranks:
     prepared, tok = data
     log = work.with_name(work.name + f"-{time.monotonic_ns()}.log")
     work.mkdir(parents=True, exist_ok=True)
-    cmd = [DEEPSPEED, "--num_gpus", "2", "--master_port", str(free_port()), "--module",
-           "moe_train", "train", "--config", CONFIG, f"data.prepared_dir={prepared}",
-           f"data.tokenizer={tok}", f"checkpoint.dir={work / 'ckpt'}",
-           f"logging.tensorboard_dir={work / 'tb'}", *COMMON, *extra]
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=cli_env(), stdout=out,
-                                stderr=subprocess.STDOUT, start_new_session=True)
-    return proc, log
+    return Ranks(["train", "--config", CONFIG, f"data.prepared_dir={prepared}",
+                  f"data.tokenizer={tok}", f"checkpoint.dir={work / 'ckpt'}",
+                  f"logging.tensorboard_dir={work / 'tb'}", *COMMON, *extra], ROOT, cli_env(), log)
 
 
-def _finish(proc: subprocess.Popen, log: Path, expect_ok: bool = True) -> str:
-    return finish_launch(proc, log, expect_ok, timeout=500)
+def _finish(ranks: Ranks, expect_ok: bool = True) -> str:
+    return ranks.finish(expect_ok, timeout=500)
 
 
 def _losses(text: str) -> dict[int, float]:
@@ -58,7 +43,7 @@ def _losses(text: str) -> dict[int, float]:
 @pytest.fixture(scope="module")
 def full_run(qwen_prepared, tmp_path_factory) -> tuple[Path, str]:
     work = tmp_path_factory.mktemp("qwen-z3") / "full"
-    return work, _finish(*_start(qwen_prepared, work))
+    return work, _finish(_start(qwen_prepared, work))
 
 
 def test_zero3_training_loss_falls_and_export_loads_in_transformers(full_run, tmp_path):
@@ -93,17 +78,17 @@ def test_zero3_sigkill_after_a_step_then_resume_equals_uninterrupted(qwen_prepar
                                                                      tmp_path):
     full, _ = full_run
     work = tmp_path / "killed"
-    proc, log = _start(qwen_prepared, work)
+    ranks = _start(qwen_prepared, work)
     deadline = time.time() + 500
-    while proc.poll() is None and time.time() < deadline:
-        if "| step      5 |" in log.read_text(errors="replace"):
-            os.killpg(proc.pid, signal.SIGKILL)
+    while ranks.poll() is None and time.time() < deadline:
+        if "| step      5 |" in ranks.log.read_text(errors="replace"):
+            ranks.kill()
             break
         time.sleep(0.02)
-    _finish(proc, log, expect_ok=False)
-    assert proc.returncode == -signal.SIGKILL
+    _finish(ranks, expect_ok=False)
+    assert ranks.returncode == -signal.SIGKILL
     assert latest_tag(work / "ckpt") == "step_00000004"
-    text = _finish(*_start(qwen_prepared, work, "--resume"))
+    text = _finish(_start(qwen_prepared, work, "--resume"))
     assert "resume from step 4" in text
     tag = f"step_{STEPS:08d}"
     a = consolidated_state_dict(full / "ckpt" / tag)
@@ -121,8 +106,8 @@ def test_zero3_fine_tunes_from_a_hugging_face_directory(qwen_prepared, full_run,
     hf_dir = tmp_path / "hf"
     run_cli(["convert", "--to-hf", str(full / "ckpt" / "export"), "--out", str(hf_dir)],
             cwd=tmp_path)
-    tuned = _finish(*_start(qwen_prepared, tmp_path / "tuned", f"train.init_from={hf_dir}",
-                            "train.max_steps=2"))
+    tuned = _finish(_start(qwen_prepared, tmp_path / "tuned", f"train.init_from={hf_dir}",
+                           "train.max_steps=2"))
     assert re.search(r"\| init_from .*: 0\.\d\dM weights", tuned), tuned[-2000:]
     scratch, first = _losses(text), _losses(tuned)
     assert sorted(first) == [1, 2]
