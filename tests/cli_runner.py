@@ -2,10 +2,12 @@
 
 `run_moe_train` returns what `subprocess.run(..., capture_output=True)` would. The run is a real
 process with its own exit status, stdin, stdout, stderr and working directory; it saves the ~3 s
-of CPU that importing torch costs a fresh interpreter. A run whose environment differs from the
-warm interpreter's in more than the project's own MOE_TRAIN_* variables and pytest's (torch and the OpenMP
-runtime read theirs when loaded) starts a fresh interpreter instead, and so does every run when
-MOE_TRAIN_TEST_FRESH_PROCESSES=1.
+of CPU that importing torch costs a fresh interpreter. `Ranks` starts the ranks of one job the
+same way, with the variables a launcher sets (the deepspeed launcher's own two processes cost
+another ~7 s of CPU a job). A run whose environment differs from the warm interpreter's in more
+than the project's own MOE_TRAIN_* variables, a launcher's rank variables and pytest's (torch
+and the OpenMP runtime read theirs when loaded) starts a fresh interpreter instead, and so does
+every run when MOE_TRAIN_TEST_FRESH_PROCESSES=1.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 ZYGOTE = Path(__file__).with_name("zygote.py")
@@ -194,8 +197,6 @@ class Ranks:
 
     def _watch(self) -> None:
         """Poll the ranks; on the first failure kill the rest; set `returncode` at the end."""
-        import time
-
         while True:
             statuses = self._statuses()
             with self._lock:
@@ -222,8 +223,6 @@ class Ranks:
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
-        import time
-
         deadline = None if timeout is None else time.monotonic() + timeout
         while self.returncode is None:
             if deadline is not None and time.monotonic() > deadline:
