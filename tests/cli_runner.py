@@ -73,14 +73,14 @@ class _Zygote:
                 slot["event"].set()
 
     def start(self, argv: list[str], cwd: Path, env: dict[str, str], files: dict[str, str],
-              append: bool = False) -> dict:
+              append: bool = False, script: str | None = None) -> dict:
         """Fork a run; its slot: "started" and "event" (ended) Events, then "pid", "status"."""
         with self.lock:
             rid = next(self.ids)
             slot = self.waiting[rid] = {"event": threading.Event(), "started": threading.Event()}
             self.proc.stdin.write((json.dumps({"id": rid, "argv": argv, "cwd": str(cwd),
-                                               "env": env, "append": append, **files})
-                                   + "\n").encode())
+                                               "env": env, "append": append, "script": script,
+                                               **files}) + "\n").encode())
             self.proc.stdin.flush()
         slot["started"].wait()
         return slot
@@ -160,11 +160,17 @@ class Ranks:
     the deepspeed launcher and torchrun, a rank that fails takes the others down (SIGKILL), and
     the job's exit status is that of the first rank to fail (0 when all succeed)."""
 
+    KILL_AFTER_S = 1.0
+    """How long the others may go on after a rank failed: the deepspeed launcher polls its ranks
+    once a second, so a peer's own error line (printed just after) still comes out."""
+
     def __init__(self, args: list[str], cwd: Path | str, env: dict[str, str], log: Path,
-                 nprocs: int = 2) -> None:
+                 nprocs: int = 2, script: Path | None = None) -> None:
+        """`script`: each rank runs `python SCRIPT ARGS` instead of `python -m moe_train ARGS`."""
         from moe_train.parallel.runtime import free_port
 
         argv = [str(a) for a in args]
+        command = [str(script)] if script else ["-m", "moe_train"]
         port = str(free_port())
         self.log = log
         self.returncode: int | None = None
@@ -180,13 +186,13 @@ class Ranks:
             if zygote is None:
                 with open(log, "ab") as out:
                     self._ranks.append(subprocess.Popen(
-                        [sys.executable, "-m", "moe_train", *argv], cwd=cwd, env=rank_env,
+                        [sys.executable, *command, *argv], cwd=cwd, env=rank_env,
                         stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT))
             else:
                 self._ranks.append(zygote.start(
                     argv, Path(cwd).resolve(), rank_env,
                     {"stdin": os.devnull, "stdout": str(log), "stderr": str(log)},
-                    append=True))
+                    append=True, script=str(script) if script else None))
         self.pids = [r.get("pid") if isinstance(r, dict) else r.pid for r in self._ranks]
         threading.Thread(target=self._watch, daemon=True).start()
 
@@ -197,12 +203,14 @@ class Ranks:
 
     def _watch(self) -> None:
         """Poll the ranks; on the first failure kill the rest; set `returncode` at the end."""
+        failed_at = None
         while True:
             statuses = self._statuses()
             with self._lock:
                 failed = [s for s in statuses if s not in (None, 0)]
                 if failed and self._failed is None:
-                    self._failed = failed[0]
+                    self._failed, failed_at = failed[0], time.monotonic()
+                if failed_at is not None and time.monotonic() - failed_at >= self.KILL_AFTER_S:
                     self.send_signal(signal.SIGKILL)
                 if all(s is not None for s in statuses):
                     self.returncode = self._failed or 0

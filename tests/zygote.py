@@ -12,7 +12,8 @@ itself. Not torch._dynamo: it loads triton, whose leak check then prints at ever
 
 Protocol (one JSON object per line): requests on the stdin this process was started with, each
 ``{"id", "argv", "cwd", "env", "stdin", "stdout", "stderr"}`` (the last three are file paths;
-an optional ``"append": true`` appends to stdout and stderr instead of truncating them);
+an optional ``"append": true`` appends to stdout and stderr instead of truncating them, an
+optional ``"script"`` path runs that file as ``python SCRIPT ARGV`` instead of ``-m moe_train``);
 replies on its stdout, ``{"id", "pid"}`` when the child started, then ``{"id", "status"}`` with
 the status as `subprocess` reports it (negative: killed by that signal). End of input ends it.
 """
@@ -55,10 +56,15 @@ def _child(request: dict, selector: selectors.BaseSelector) -> None:
         os.dup2(opened, fd)
         os.close(opened)
     random.seed()  # a fresh interpreter seeds from the OS, not from its parent's state
-    sys.argv = ["-m", *request["argv"]]
-    sys.path.insert(0, os.getcwd())  # as `python -m` does
+    script = request.get("script")
+    sys.argv = [script or "-m", *request["argv"]]
+    # as `python SCRIPT` / `python -m` do
+    sys.path.insert(0, os.path.dirname(os.path.abspath(script)) if script else os.getcwd())
     try:
-        runpy.run_module("moe_train", run_name="__main__", alter_sys=True)
+        if script:
+            runpy.run_path(script, run_name="__main__")
+        else:
+            runpy.run_module("moe_train", run_name="__main__", alter_sys=True)
         code = 0
     except SystemExit as exc:
         code = exc.code

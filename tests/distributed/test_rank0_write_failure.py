@@ -2,19 +2,14 @@
 every rank stops with one line (rank 0 naming the file, the other pointing at it) instead of
 rank 1 training on alone or both waiting for each other until the process-group timeout."""
 
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 
 from moe_train.train.checkpoint import latest_tag
+from tests.cli_runner import Ranks
 from tests.conftest import ROOT, cli_env, debug_overrides
 from tests.distributed.test_kill_resume import CONFIG
-from tests.distributed.two_ranks import finish_launch
-
-DEEPSPEED = str(Path(sys.executable).with_name("deepspeed"))
 
 PATCHES = {
     "export": ("from moe_train.train import checkpointer as m\n"
@@ -69,24 +64,18 @@ EXTRA = {"shard": ["optim.zero_stage=1"], "script": ["optim.zero_stage=1"]}
 
 @pytest.mark.parametrize("where", ["export", "save", "deepspeed", "script", "shard"])
 def test_a_rank0_write_failure_stops_every_rank_in_one_line(tiny_prepared, tmp_path, where):
-    from moe_train.parallel.runtime import free_port
-
     script = tmp_path / "run.py"
     script.write_text("import errno, sys\n" + PATCHES[where] +
                       "from moe_train.cli import main\nsys.exit(main(sys.argv[1:]))\n")
-    log = tmp_path / "log"
-    cmd = [DEEPSPEED, "--num_gpus", "2", "--master_port", str(free_port()), str(script),
-           "train", "--config", CONFIG,
-           *debug_overrides(tiny_prepared, tmp_path, "train.max_steps=3",
-                            "checkpoint.save_every=1", "train.validate_every=0",
-                            "train.bleu_sentences=4", "data.max_tokens=400",
-                            *EXTRA.get(where, []))]
     start = time.time()
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=cli_env(), stdout=out,
-                                stderr=subprocess.STDOUT, start_new_session=True)
-    text = finish_launch(proc, log, expect_ok=False, timeout=300)
-    assert proc.returncode != 0 and time.time() - start < 250, text[-3000:]
+    ranks = Ranks(["train", "--config", CONFIG,
+                   *debug_overrides(tiny_prepared, tmp_path, "train.max_steps=3",
+                                    "checkpoint.save_every=1", "train.validate_every=0",
+                                    "train.bleu_sentences=4", "data.max_tokens=400",
+                                    *EXTRA.get(where, []))],
+                  ROOT, cli_env(), tmp_path / "log", script=script)
+    text = ranks.finish(expect_ok=False, timeout=300)
+    assert ranks.returncode != 0 and time.time() - start < 250, text[-3000:]
     assert "Traceback" not in text, text[-3000:]
     ckpt = tmp_path / "ckpt"
     if where == "export":
