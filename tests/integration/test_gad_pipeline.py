@@ -6,8 +6,6 @@ the data-parallel encoder classifier on two ranks equal to one rank."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -15,10 +13,10 @@ import pytest
 import torch
 
 from moe_train.train.export import load_export_weights
+from tests.cli_runner import Ranks
 from tests.conftest import ROOT, cli_env, run_cli
 
 CONFIG = str(ROOT / "configs" / "gad-synthetic.yaml")
-DEEPSPEED = str(Path(sys.executable).with_name("deepspeed"))
 SYSTEMS = {"MIX", "TAG", "TAG_CLF", "AD_ORACLE", "AD_CLF", "GAD"}
 SHORT = ["train.max_steps=40", "gated.tag_steps=10", "gated.ad_steps=10", "gated.gad_steps=10",
          "gated.classifier_steps=30", "moa.eval_sentences=4", "gated.efficiency_repeats=1"]
@@ -143,18 +141,14 @@ def test_bad_input_fails_in_one_line(gad_run, tmp_path):
     assert "gated.classifier: expected one of encoder, tfidf" in fails("gated.classifier=bert")
 
 
-@pytest.mark.skipif(not Path(DEEPSPEED).exists(), reason="deepspeed launcher not installed")
 def test_two_rank_encoder_classifier_equals_one_rank(gad_run, tmp_path):
-    from moe_train.parallel.runtime import free_port
-
+    """The classifier stage on two ranks of one job (test_moa_pipeline launches its stages
+    with the deepspeed launcher itself)."""
     root, _, _ = gad_run
     args = ["pipeline", "gad", "--config", CONFIG, "--stage", "classifier",
             f"data.prepared_dir={root / 'prepared'}", f"moa.workdir={tmp_path}",
             f"moa.backbone_dir={root / 'run' / 'backbone'}", *SHORT]
-    proc = subprocess.run([DEEPSPEED, "--num_gpus", "2", "--master_port", str(free_port()),
-                           "--module", "moe_train", *args], cwd=ROOT, env=cli_env(),
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
+    Ranks(args, ROOT, cli_env(), tmp_path / "classifier.log").finish(timeout=600)
     for split in ("train", "dev", "test"):
         one = np.load(root / "run" / "classifier" / f"probs_{split}.npy")
         two = np.load(tmp_path / "classifier" / f"probs_{split}.npy")
