@@ -42,9 +42,9 @@ def _settable(name: str) -> bool:
 class _Zygote:
     """One warm interpreter per test process; thread-safe."""
 
-    def __init__(self, env: dict[str, str]) -> None:
+    def __init__(self, env: dict[str, str], preload: tuple[str, ...] = ()) -> None:
         self.env = {k: v for k, v in env.items() if not _settable(k)}
-        self.proc = subprocess.Popen([sys.executable, str(ZYGOTE)], env=env,
+        self.proc = subprocess.Popen([sys.executable, str(ZYGOTE), *preload], env=env,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         self.ids = itertools.count()
         self.lock = threading.Lock()
@@ -114,33 +114,46 @@ class _Zygote:
         self.proc.wait(timeout=60)
 
 
-_zygote: _Zygote | None = None
+HEAVY_COMMANDS = ("train", "pipeline", "convert")
+"""Subcommands that import torch._dynamo, deepspeed and (Qwen, convert) transformers: they fork
+from a second warm interpreter that has imported those too."""
+HEAVY_PRELOAD = ("torch._dynamo", "deepspeed", "transformers",
+                 "transformers.models.qwen2_moe.modeling_qwen2_moe")
+
+_zygotes: dict[bool, _Zygote] = {}
 _start_lock = threading.Lock()
 
 
-def _warm(env: dict[str, str]) -> _Zygote | None:
-    """The warm interpreter if it can serve a run with `env`. It is started on first use with
-    the tests' usual CLI environment, and again whenever that environment has changed (a test
-    that sets a variable in its own process, e.g. TRITON_INTERPRET); the old one is left to
-    end with the test process, as a run of another thread may still use it."""
-    global _zygote
+def _warm(env: dict[str, str], heavy: bool = False) -> _Zygote | None:
+    """The warm interpreter (`heavy`: the one with HEAVY_PRELOAD) if it can serve a run with
+    `env`. It is started on first use with the tests' usual CLI environment, and again whenever
+    that environment has changed (a test that sets a variable in its own process, e.g.
+    TRITON_INTERPRET); the old one is left to end with the test process, as a run of another
+    thread may still use it."""
     if os.environ.get(FRESH_ENV) == "1":
         return None
     from tests.conftest import cli_env
 
     with _start_lock:
         usual = cli_env()
-        if _zygote is None or not _zygote.serves(usual):
-            _zygote = _Zygote(usual)
-            atexit.register(_zygote.close)
-    return _zygote if _zygote.serves(env) else None
+        zygote = _zygotes.get(heavy)
+        if zygote is None or not zygote.serves(usual):
+            zygote = _zygotes[heavy] = _Zygote(usual, HEAVY_PRELOAD if heavy else ())
+            atexit.register(zygote.close)
+    return zygote if zygote.serves(env) else None
+
+
+def _heavy(argv: list[str], heavy: bool | None) -> bool:
+    return heavy if heavy is not None else bool(argv) and argv[0] in HEAVY_COMMANDS
 
 
 def run_moe_train(args: list[str], cwd: Path | str, env: dict[str, str], *, input: bytes = b"",
-                  timeout: float | None = None, text: bool = False) -> subprocess.CompletedProcess:
-    """`python -m moe_train ARGS` in `cwd` with `env` and `input` on stdin, output captured."""
+                  timeout: float | None = None, text: bool = False,
+                  heavy: bool | None = None) -> subprocess.CompletedProcess:
+    """`python -m moe_train ARGS` in `cwd` with `env` and `input` on stdin, output captured.
+    `heavy`: fork from the interpreter with HEAVY_PRELOAD (default: for HEAVY_COMMANDS)."""
     argv = [str(a) for a in args]
-    zygote = _warm(env)
+    zygote = _warm(env, _heavy(argv, heavy))
     if zygote is None:
         proc = subprocess.run([sys.executable, "-m", "moe_train", *argv], cwd=cwd, env=env,
                               input=input, capture_output=True, timeout=timeout)
@@ -182,7 +195,7 @@ class Ranks:
             rank_env = {**env, "RANK": str(rank), "WORLD_SIZE": str(nprocs),
                         "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(nprocs),
                         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
-            zygote = _warm(rank_env)
+            zygote = _warm(rank_env, _heavy(argv, None))
             if zygote is None:
                 with open(log, "ab") as out:
                     self._ranks.append(subprocess.Popen(

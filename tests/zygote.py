@@ -5,10 +5,10 @@ about 3 s of CPU on a small machine: hundreds of runs, a large share of CI. This
 torch once, then forks one child per request; the child takes the request's working directory,
 environment, stdin, stdout and stderr, runs the `moe_train` module as ``python -m moe_train``
 would, and exits through the normal interpreter shutdown (atexit handlers and stdio flushed), so
-its exit status, output and files are those of a real run. Only torch (which prints nothing and
-starts no thread of its own when imported) is loaded before the fork; the rest the child imports
-itself. Not torch._dynamo: it loads triton, whose leak check then prints at every child's exit
-(what the fork server loads stays frozen, see `main`).
+its exit status, output and files are those of a real run. torch (which prints nothing and
+starts no thread of its own when imported) is loaded and frozen before the fork; the modules
+named as arguments (``python zygote.py torch._dynamo transformers``, for the runs that train or
+convert) are imported after the freeze (see `main`); the rest each child imports itself.
 
 Protocol (one JSON object per line): requests on the stdin this process was started with, each
 ``{"id", "argv", "cwd", "env", "stdin", "stdout", "stderr"}`` (the last three are file paths;
@@ -31,6 +31,7 @@ os.close(_null)
 sys.path[0:1] = []  # this file's folder; a child puts its own working directory there
 
 import gc  # noqa: E402
+import importlib  # noqa: E402
 import json  # noqa: E402
 import random  # noqa: E402
 import runpy  # noqa: E402
@@ -78,10 +79,17 @@ def _reply(message: dict) -> None:
     os.write(REPLIES, (json.dumps(message) + "\n").encode())
 
 
-def main() -> None:
+def main(preload: list[str]) -> None:
     # What is loaded now stays for good: the collector then never walks it, neither in a child's
     # collections nor at its exit (0.4 s instead of 1.1 s for a child that only exits).
     gc.freeze()
+    # The modules named on the command line are imported after the freeze: frozen, triton's
+    # objects (torch._dynamo and transformers load it) would outlive every child's final
+    # collection, and triton's leak check would print at each exit. A child then pays ~1 s
+    # more at exit to collect them, and saves 2-6 s of importing them itself.
+    for name in preload:
+        importlib.import_module(name)
+    gc.collect()
     selector = selectors.DefaultSelector()
     selector.register(REQUESTS, selectors.EVENT_READ, None)
     pending = b""
@@ -114,4 +122,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])
