@@ -38,9 +38,8 @@ for _path in (ROOT, ROOT / "benchmarks"):
     if str(_path) not in sys.path:
         sys.path.insert(0, str(_path))
 
-from real_data import QUICK_DATA, QUICK_MODEL, add_record_arguments, check_overrides, \
-    start_record, write_record  # noqa: E402
-from thor import cli, last_json  # noqa: E402
+from real_data import QUICK_DATA, QUICK_MODEL, add_record_arguments, check_overrides, cli, \
+    last_json, start_record, write_record  # noqa: E402
 from moe_train.utils.cli_args import (  # noqa: E402
     int_at_least, positive_float, script_parser)
 

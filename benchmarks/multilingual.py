@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -34,10 +33,9 @@ for _path in (ROOT, ROOT / "benchmarks"):
         sys.path.insert(0, str(_path))
 
 from real_data import (  # noqa: E402
-    DEFAULT_DATA, QUICK_DATA, QUICK_TRAIN, fresh_work, last_json, opus_test_dir,
+    DEFAULT_DATA, QUICK_DATA, QUICK_TRAIN, cli, fresh_work, last_json, opus_test_dir,
     write_record)
 
-from moe_train.utils.atomic import write_text  # noqa: E402
 from moe_train.utils.provenance import provenance  # noqa: E402
 from moe_train.utils.cli_args import (  # noqa: E402
     comma_list, command_line, int_at_least, positive_float, results_path, script_parser)
@@ -52,18 +50,6 @@ QUICK_PAIRS = ["data.pairs=[de-en,en-de,fr-en,en-fr]", "data.domains=[EMEA,KDE4]
 
 def config(variant: str) -> Path:
     return ROOT / "configs" / f"opus-m14-{variant}-cpu.yaml"
-
-
-def cli(args: list[str], log: Path) -> str:
-    """`python -m moe_train ARGS` with its output kept in `log`; exits naming a failure."""
-    proc = subprocess.run([sys.executable, "-m", "moe_train", *args], cwd=ROOT, text=True,
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    log.parent.mkdir(parents=True, exist_ok=True)
-    write_text(log, proc.stdout)
-    if proc.returncode != 0:
-        sys.stdout.write(proc.stdout[-6000:])
-        raise SystemExit(f"moe-train {args[0]} failed with status {proc.returncode} (log: {log})")
-    return proc.stdout
 
 
 def averages(pairs: dict[str, dict[str, Any]]) -> dict[str, Any]:

@@ -30,7 +30,7 @@ for _path in (ROOT, ROOT / "benchmarks"):
     if str(_path) not in sys.path:
         sys.path.insert(0, str(_path))
 
-from moe_train.utils.atomic import write_json  # noqa: E402
+from moe_train.utils.atomic import write_json, write_text  # noqa: E402
 from moe_train.utils.provenance import finish, provenance  # noqa: E402
 from moe_train.utils.cli_args import (  # noqa: E402
     command_line, existing_dir, exit_bad_input, int_at_least, non_negative_float, results_path,
@@ -152,16 +152,29 @@ def write_record(out: Path, record: dict, prov: dict,
     print(f"wrote {out}")
 
 
-def run(args: list[str]) -> str:
+def cli(args: list[str], log: Path | None = None) -> str:
+    """Run `python -m moe_train ARGS` (the benchmarks' one way to); its output (kept in `log`),
+    or exit naming the failure after showing its last lines."""
     proc = subprocess.run([sys.executable, "-m", "moe_train", *args], cwd=ROOT, text=True,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    sys.stdout.write(proc.stdout[-6000:])
+    if log is not None:
+        log.parent.mkdir(parents=True, exist_ok=True)
+        write_text(log, proc.stdout)
     if proc.returncode != 0:
-        raise SystemExit(f"moe-train {args[0]} failed with status {proc.returncode}")
+        sys.stdout.write(proc.stdout[-6000:])
+        raise SystemExit(f"moe-train {args[0]} failed with status {proc.returncode}"
+                         + (f" (log: {log})" if log else ""))
     return proc.stdout
 
 
-def last_json(text: str) -> dict:
+def run(args: list[str]) -> str:
+    """`cli`, showing the last of the output of a run that succeeded too."""
+    text = cli(args)
+    sys.stdout.write(text[-6000:])
+    return text
+
+
+def last_json(text: str) -> dict[str, Any]:
     return json.loads([line for line in text.splitlines() if line.startswith("{")][-1])
 
 

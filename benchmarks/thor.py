@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -42,10 +41,10 @@ for _path in (ROOT, ROOT / "benchmarks"):
     if str(_path) not in sys.path:
         sys.path.insert(0, str(_path))
 
-from real_data import QUICK_DATA, QUICK_MODEL, add_record_arguments, check_overrides, \
-    start_record, write_record  # noqa: E402
+from real_data import QUICK_DATA, QUICK_MODEL, add_record_arguments, check_overrides, cli, \
+    last_json, start_record, write_record  # noqa: E402
 
-from moe_train.utils.atomic import write_json, write_text  # noqa: E402
+from moe_train.utils.atomic import write_json  # noqa: E402
 from moe_train.utils.cli_args import (  # noqa: E402
     comma_list, exit_bad_input, int_at_least, positive_float, script_parser)
 
@@ -115,24 +114,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                      variant_overrides(args, v, Path("prepared"), Path(v)))
                     for v in args.variants)
     return args
-
-
-def cli(args: list[str], log: Path | None = None) -> str:
-    """Run `python -m moe_train ARGS`; its output (kept in `log`), or exit naming the failure."""
-    proc = subprocess.run([sys.executable, "-m", "moe_train", *args], cwd=ROOT, text=True,
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    if log is not None:
-        log.parent.mkdir(parents=True, exist_ok=True)
-        write_text(log, proc.stdout)
-    if proc.returncode != 0:
-        sys.stdout.write(proc.stdout[-6000:])
-        raise SystemExit(f"moe-train {args[0]} failed with status {proc.returncode}"
-                         + (f" (log: {log})" if log else ""))
-    return proc.stdout
-
-
-def last_json(text: str) -> dict[str, Any]:
-    return json.loads([line for line in text.splitlines() if line.startswith("{")][-1])
 
 
 def prepare_data(args: argparse.Namespace, config: str, prepared: Path) -> dict[str, Any]:
