@@ -13,6 +13,20 @@ ROOT = Path(__file__).resolve().parents[1]
 SHARED_DATA = ROOT.parent / "shared" / "data" / "opus-multidomain"
 
 
+def _own_port_range() -> None:
+    """Each test worker picks rendezvous ports from its own range (MOE_TRAIN_PORT_RANGE, read by
+    `free_port`; the CLI runs inherit it): jobs of two workers then never pick the same port in
+    the seconds between the pick and rank 0's listen (seen once as EADDRINUSE)."""
+    from moe_train.parallel.runtime import PORT_RANGE_ENV
+
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:]
+    lo = 20000 + 2000 * ((int(worker) if worker.isdigit() else 0) % 6)
+    os.environ.setdefault(PORT_RANGE_ENV, f"{lo}-{lo + 1999}")
+
+
+_own_port_range()
+
+
 @pytest.fixture(scope="session", autouse=True)
 def no_leaked_shm_buffers():
     """Ranks killed on purpose (kill/resume tests) cannot unlink DeepSpeed's CPU all-reduce

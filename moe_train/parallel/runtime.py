@@ -58,20 +58,44 @@ def _bindable(port: int) -> bool:
     return True
 
 
+PORT_RANGE_ENV = "MOE_TRAIN_PORT_RANGE"
+
+
+def port_range(env: Mapping[str, str] = os.environ) -> tuple[int, int] | None:
+    """The ports [lo, hi] rendezvous ports are picked from when MOE_TRAIN_PORT_RANGE="LO-HI"
+    is set (a firewall's open range; jobs started side by side given disjoint ones never pick
+    the same port), else None."""
+    text = env.get(PORT_RANGE_ENV, "").strip()
+    if not text:
+        return None
+    lo, sep, hi = text.partition("-")
+    if sep and lo.strip().isdigit() and hi.strip().isdigit() and \
+            1024 <= int(lo) <= int(hi) <= 65535:
+        return int(lo), int(hi)
+    raise ConfigError(f"{PORT_RANGE_ENV}={text!r}: expected LO-HI, two port numbers with "
+                      f"1024 <= LO <= HI <= 65535")
+
+
 def free_port(ephemeral_low: int | None = None) -> int:
-    """A TCP port that is free on this host right now, below the kernel's ephemeral range.
+    """A TCP port that is free on this host right now: from MOE_TRAIN_PORT_RANGE when set,
+    else below the kernel's ephemeral range.
 
     A port from bind(0) lies inside that range, so any outgoing connection (another job's gloo
     mesh, say) may be given it before the launcher's rank 0 listens on it seconds later: seen as
     EADDRINUSE. Ports below the range are only ever taken by an explicit bind.
     """
     low = _ephemeral_low() if ephemeral_low is None else ephemeral_low
-    if low > 4096:
+    chosen = port_range()
+    span = chosen or ((max(1024, low - 8192), low - 1) if low > 4096 else None)
+    if span is not None:
         rng = random.SystemRandom()
         for _ in range(64):
-            port = rng.randrange(max(1024, low - 8192), low)
+            port = rng.randint(*span)
             if _bindable(port):
                 return port
+    if chosen is not None:
+        raise ConfigError(f"{PORT_RANGE_ENV}={chosen[0]}-{chosen[1]}: no free port found there "
+                          f"(64 tries); expected a range with ports nothing else holds")
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]

@@ -162,12 +162,30 @@ def test_srun_gpus_per_task_is_not_more_ranks_than_gpus(monkeypatch):
     assert picked == [0]
 
 
-def test_free_port_is_below_the_ephemeral_range_and_bindable(tmp_path):
+def test_free_port_is_below_the_ephemeral_range_and_bindable(tmp_path, monkeypatch):
     """Outgoing connections are given ports from the ephemeral range; a rendezvous port picked
-    there can be taken before rank 0 listens on it, so free_port picks below it."""
+    there can be taken before rank 0 listens on it, so free_port picks below it, or from
+    MOE_TRAIN_PORT_RANGE when set."""
     import socket
 
-    from moe_train.parallel.runtime import _ephemeral_low, free_port
+    from moe_train.parallel.runtime import PORT_RANGE_ENV, _ephemeral_low, free_port
+
+    monkeypatch.setenv(PORT_RANGE_ENV, "40100-40103")
+    assert {free_port() for _ in range(40)} <= {40100, 40101, 40102, 40103}
+    for bad in ("40100", "9-20", "50000-40000", "a-b", "1024-70000"):
+        monkeypatch.setenv(PORT_RANGE_ENV, bad)
+        with pytest.raises(ConfigError, match=f"{PORT_RANGE_ENV}=.*expected LO-HI"):
+            free_port()
+    held = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    held.bind(("", 0))
+    try:  # a range whose one port is taken: an error, not a port outside it
+        busy = held.getsockname()[1]
+        monkeypatch.setenv(PORT_RANGE_ENV, f"{busy}-{busy}")
+        with pytest.raises(ConfigError, match="no free port found there"):
+            free_port()
+    finally:
+        held.close()
+    monkeypatch.delenv(PORT_RANGE_ENV)
 
     low = _ephemeral_low()
     ports = {free_port() for _ in range(20)}
