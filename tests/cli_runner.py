@@ -188,7 +188,7 @@ class Ranks:
         self.log = log
         self.returncode: int | None = None
         self._failed: int | None = None
-        self._lock = threading.Lock()
+        self._ended = threading.Event()
         self._ranks: list[subprocess.Popen | dict] = []  # a fresh process, or a forked run's slot
         log.touch()
         for rank in range(nprocs):
@@ -219,15 +219,15 @@ class Ranks:
         failed_at = None
         while True:
             statuses = self._statuses()
-            with self._lock:
-                failed = [s for s in statuses if s not in (None, 0)]
-                if failed and self._failed is None:
-                    self._failed, failed_at = failed[0], time.monotonic()
-                if failed_at is not None and time.monotonic() - failed_at >= self.KILL_AFTER_S:
-                    self.send_signal(signal.SIGKILL)
-                if all(s is not None for s in statuses):
-                    self.returncode = self._failed or 0
-                    return
+            failed = [s for s in statuses if s not in (None, 0)]
+            if failed and self._failed is None:
+                self._failed, failed_at = failed[0], time.monotonic()
+            if failed_at is not None and time.monotonic() - failed_at >= self.KILL_AFTER_S:
+                self.send_signal(signal.SIGKILL)
+            if all(s is not None for s in statuses):
+                self.returncode = self._failed or 0
+                self._ended.set()
+                return
             time.sleep(0.02)
 
     def send_signal(self, sig: int, rank: int | None = None) -> None:
@@ -244,11 +244,8 @@ class Ranks:
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while self.returncode is None:
-            if deadline is not None and time.monotonic() > deadline:
-                raise subprocess.TimeoutExpired(["moe_train ranks"], timeout)
-            time.sleep(0.02)
+        if not self._ended.wait(timeout):
+            raise subprocess.TimeoutExpired(["moe_train ranks"], timeout)
         return self.returncode
 
     def finish(self, expect_ok: bool = True, timeout: float = 500) -> str:
