@@ -51,6 +51,9 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "mer
 _SPARSE = re.compile(r"model\.layers\.(\d+)\.mlp\.(gate\.weight|experts\..+|shared_expert\..+|"
                      r"shared_expert_gate\.weight)$")
 _LEGACY = re.compile(r"experts\.(\d+)\.(gate|up|down)_proj\.weight$")
+_DERIVED = re.compile(r"model\.(layers\.\d+\.self_attn\.)?rotary_emb\.inv_freq$")
+"""Rotary frequencies some older files hold: a buffer computed from the config, which
+transformers ignores on load; so do we."""
 
 
 # ------------------------------------------------------------------------------------ config
@@ -198,6 +201,8 @@ def hf_to_ours(src: TensorSource, cfg: ExperimentConfig, source: Path | str) -> 
         return (E, D, rows), lambda: src.get(name)[:, part].transpose(1, 2).contiguous()
 
     for name, shape in src.shapes.items():
+        if _DERIVED.match(name):
+            continue
         m = _SPARSE.match(name)
         if m is None:
             plan[PREFIX + name] = same(name)
@@ -232,10 +237,22 @@ def hf_to_ours(src: TensorSource, cfg: ExperimentConfig, source: Path | str) -> 
         shape = (len(names), *reversed(src.shapes[names[0]]))
         plan[f"{PREFIX}model.layers.{layer}.mlp.moe.experts.{ours_name[proj]}"] = (
             shape, lambda names=names: torch.stack([src.get(k).t() for k in names]).contiguous())
-    if cfg.qwen.tie_word_embeddings and PREFIX + "lm_head.weight" not in plan and \
-            PREFIX + "model.embed_tokens.weight" in plan:  # missing: named by the shape check
-        plan[PREFIX + "lm_head.weight"] = plan[PREFIX + "model.embed_tokens.weight"]
+    lm_head, embed = PREFIX + "lm_head.weight", PREFIX + "model.embed_tokens.weight"
+    if cfg.qwen.tie_word_embeddings and embed in plan:  # missing: named by the shape check
+        plan[lm_head] = plan[embed] if lm_head not in plan else (
+            plan[lm_head][0], lambda: _tied_head(src, source))
     return TensorSource.from_plan(plan, source)
+
+
+def _tied_head(src: TensorSource, source: Path | str) -> Tensor:
+    """The lm_head of a tied model whose file holds one too: refused unless it is the
+    embedding (transformers 4 would use the embedding, transformers 5 the file's head)."""
+    head, embedding = src.get("lm_head.weight"), src.get("model.embed_tokens.weight")
+    if not torch.equal(head, embedding):
+        raise CheckpointError(f"{source}: lm_head.weight differs from model.embed_tokens.weight "
+                              "but tie_word_embeddings is true; expected equal tensors, or "
+                              "tie_word_embeddings false to keep both")
+    return head
 
 
 def ours_to_hf(state: dict[str, Tensor], source: Path | str,

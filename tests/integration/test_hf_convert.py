@@ -275,3 +275,42 @@ def test_to_hf_refuses_a_router_transformers_lacks_and_tied_counts_once(tmp_path
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "moe.decoder_router is 'switch'; expected 'topk'" in proc.stderr
     assert not (tmp_path / "back").exists()
+
+
+def test_from_hf_skips_rotary_buffers_and_refuses_a_tied_head_that_differs(tmp_path) -> None:
+    """Older files hold `rotary_emb.inv_freq` buffers (computed from the config; transformers
+    ignores them) and tied models may store their head too: equal to the embedding it converts
+    to transformers' logits; different, transformers' versions disagree on which wins, so it
+    is refused in one line."""
+    from safetensors.torch import load_file, save_file
+
+    hf_dir = tmp_path / "hf"
+    cfg = transformers.Qwen2MoeConfig(
+        vocab_size=120, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        moe_intermediate_size=24, shared_expert_intermediate_size=40, num_experts=4,
+        num_experts_per_tok=2, eos_token_id=2, tie_word_embeddings=True)
+    torch.manual_seed(5)
+    model = transformers.Qwen2MoeForCausalLM(cfg).eval()
+    model.save_pretrained(hf_dir)
+    weights = load_file(hf_dir / "model.safetensors")
+    assert "lm_head.weight" not in weights
+    for i in range(2):
+        weights[f"model.layers.{i}.self_attn.rotary_emb.inv_freq"] = torch.ones(4)
+    weights["lm_head.weight"] = weights["model.embed_tokens.weight"].clone()
+    save_file(weights, hf_dir / "model.safetensors", metadata={"format": "pt"})
+    run_cli(["convert", "--from-hf", str(hf_dir), "--out", str(tmp_path / "ours")], cwd=tmp_path)
+    ours, _, _ = load_qwen(tmp_path / "ours")
+    ids_BT = torch.randint(3, 120, (2, 9), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids_BT).logits_BTV, model(input_ids=ids_BT).logits,
+                                   atol=1e-5, rtol=1e-5)
+
+    weights["lm_head.weight"] = weights["lm_head.weight"] + 1.0
+    save_file(weights, hf_dir / "model.safetensors", metadata={"format": "pt"})
+    proc = run_cli(["convert", "--from-hf", str(hf_dir), "--out", str(tmp_path / "x")],
+                   cwd=tmp_path, check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+    assert "lm_head.weight differs from model.embed_tokens.weight" in proc.stderr
+    assert not (tmp_path / "x").exists()
