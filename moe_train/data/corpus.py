@@ -183,7 +183,9 @@ def plain_corpus(src: str | os.PathLike, tgt: str | os.PathLike, domain: str = "
 
 def _decode_lines(data: bytes, name: str | Path) -> list[str]:
     """UTF-8 bytes -> lines (a final newline ends the last line; ``\\r\\n`` is one newline);
-    invalid UTF-8 is a DataError naming ``name:line`` and the column."""
+    invalid UTF-8 is a DataError naming ``name:line`` and the column. A carriage return alone
+    inside a line is whitespace, but a file whose lines end in one is refused: it would read as
+    one line."""
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as err:
@@ -193,6 +195,10 @@ def _decode_lines(data: bytes, name: str | Path) -> list[str]:
         raise DataError(f"{name}:{line_no}: not valid UTF-8 (byte 0x{data[err.start]:02x} at "
                         f"column {column})") from None
     text = text.removeprefix("\ufeff")  # a UTF-8 byte-order mark is not part of line 1
+    lone_cr = text.count("\r") - text.count("\r\n") - text.endswith("\r")  # not a final one
+    if lone_cr > (newlines := text.count("\n")):  # else read as one line (or a few)
+        raise DataError(f"{name}: lines end in a lone carriage return ({lone_cr}, against "
+                        f"{newlines} newlines: old Mac line endings); expected LF or CRLF")
     raw = text.split("\n")
     if raw and raw[-1] == "":
         raw.pop()  # the final newline ends the last line; it does not start a new one

@@ -203,3 +203,22 @@ def test_raw_text_input_from_a_pipe(tmp_path: Path) -> None:
         read_text_input(tmp_path)
     with pytest.raises(DataError, match="nope: file not found"):
         read_text_input(tmp_path / "nope")
+
+
+@pytest.mark.parametrize("text,lone", [("a\rb\rc\r", 2), ("a\rb", 1), ("a\rb\rc\n", 2)])
+def test_lone_carriage_return_line_endings_are_refused(tmp_path: Path, text: str,
+                                                       lone: int) -> None:
+    """Old Mac line endings would read as one line holding the whole file (or a count
+    mismatch naming the wrong cause): refused, file named."""
+    files = _pair(tmp_path, text, "x\ny\nz\n")
+    assert _error(files, max_chars=1000) == (
+        f"{files.src}: lines end in a lone carriage return ({lone}, against "
+        f"{text.count(chr(10))} newlines: old Mac line endings); expected LF or CRLF")
+
+
+@pytest.mark.parametrize("text,want", [("one\r", ["one"]), ("a b\rc\nd\n", ["a b c", "d"]),
+                                       ("a\r\nb\r\n", ["a", "b"])])
+def test_a_final_or_stray_carriage_return_is_whitespace(tmp_path: Path, text: str,
+                                                        want: list[str]) -> None:
+    files = _pair(tmp_path, text, "\n".join("x" * len(want)) + "\n")
+    assert read_pairs(files, max_chars=100)[0] == want
