@@ -256,7 +256,7 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--micro-batch", type=int_at_least(1),
                    help="sequences per GPU (default: data.max_tokens // seq-len)")
     p.add_argument("--seq-len", type=int_at_least(1), help="tokens per sequence (default: "
-                   "data.max_len)")
+                   "data.max_len, at most the model's positions)")
     p.add_argument("--target-len", type=int_at_least(1), help="decoder-only: target tokens of "
                    "each sequence, the only ones the LM head and the loss see (default: half of "
                    "seq-len)")

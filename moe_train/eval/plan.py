@@ -438,12 +438,13 @@ def inputs_from_args(args: Any, cfg: ExperimentConfig) -> PlanInputs:
     """PlanInputs from argparse attributes (nodes, gpus_per_node, gpu_mem, zero, ep,
     micro_batch, seq_len, activation_checkpointing; precision optional). One left None takes
     the config's value: optim.zero_stage, moe.ep_size, optim.precision, and the data section's
-    token budget (seq_len data.max_len, micro_batch data.max_tokens // seq_len)."""
+    token budget (seq_len data.max_len, at most the model's positions; micro_batch
+    data.max_tokens // seq_len)."""
     def get(name: str, default: Any) -> Any:
         value = getattr(args, name, None)
         return default if value is None else value
 
-    seq_len = get("seq_len", cfg.data.max_len)
+    seq_len = get("seq_len", min(cfg.data.max_len, model_shape(cfg).max_positions))
     nodes, gpus, ep = get("nodes", 1), get("gpus_per_node", 8), get("ep", cfg.moe.ep_size)
     world = nodes * gpus if isinstance(nodes, int) and isinstance(gpus, int) else 0
     if getattr(args, "ep", None) is None and world >= 1 and world % ep:

@@ -200,6 +200,14 @@ def test_plan_from_args_defaults_come_from_the_config() -> None:
     assert (r["zero_stage"], r["ep"], r["seq_len"]) == (2, 1, 128)
     assert r["micro_batch"] == 4096 // 128 and r["precision"] == "bf16"
     assert r["config"].endswith("qwen-moe-tiny-cpu.yaml")
+    # a model with fewer positions than data.max_len (a small converted one): its positions
+    r = plan_from_args(_args(CONFIGS / "qwen-moe-tiny-cpu.yaml",
+                             overrides=["qwen.max_position_embeddings=64", "data.max_len=256",
+                                        "data.max_tokens=4096"]))
+    assert (r["seq_len"], r["micro_batch"]) == (64, 4096 // 64)
+    with pytest.raises(ConfigError, match=r"^--seq-len: expected at most the model's 64 "):
+        plan_from_args(_args(CONFIGS / "qwen-moe-tiny-cpu.yaml", seq_len=65,
+                             overrides=["qwen.max_position_embeddings=64"]))
     with pytest.raises(ConfigError, match=r"^--ep: expected a divisor of the world size \(8\), "
                                           r"got 64 \(the config's moe.ep_size\)"):
         plan_from_args(_args(CONFIGS / "moe128-big.yaml"))
