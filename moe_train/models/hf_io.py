@@ -34,7 +34,7 @@ from torch import Tensor
 from moe_train.config.loader import config_from_dict
 from moe_train.config.moe import MAX_LAYERS
 from moe_train.config.schema import ExperimentConfig
-from moe_train.errors import CheckpointError, ConfigError, MoeTrainError
+from moe_train.errors import CheckpointError, ConfigError, DataError, MoeTrainError
 from moe_train.utils.atomic import atomic_dir
 from moe_train.utils.safe_load import read_json_object, require_file, save_tensors
 from moe_train.utils.tensor_source import Shape, TensorSource, safetensors_source
@@ -382,7 +382,7 @@ def _trim(state: dict[str, Tensor], cfg: ExperimentConfig, manifest: dict[str, A
           model_dir: Path, n: int, experts: str | None, calibration: str | Path | None,
           k: int | None, lines: int):
     """Trim-MoE: (state, config, {layer: kept experts}) of `convert_from_hf`."""
-    from moe_train.data.hf_tokenizer import HFTokenizer
+    from moe_train.data.hf_tokenizer import TOKENIZER_JSON, HFTokenizer
     from moe_train.models.build import build_model, skip_init
     from moe_train.models.hf_qwen2moe import sparse_layers
     from moe_train.models.hf_trim import (calibration_lines, expert_usage, most_used,
@@ -400,6 +400,9 @@ def _trim(state: dict[str, Tensor], cfg: ExperimentConfig, manifest: dict[str, A
             raise ConfigError(f"--experts: expected {n} indices (--trim {n}), got {len(ids)}")
         keep = {i: ids for i in sparse_layers(cfg)}
     else:
+        if not (model_dir / TOKENIZER_JSON).is_file():
+            raise DataError(f"{model_dir / TOKENIZER_JSON}: missing; --calibration text is "
+                            "tokenized with the model's own tokenizer (or pass --experts)")
         tokens = calibration_lines(calibration, HFTokenizer(model_dir), lines)
         with skip_init():  # loaded next
             model = build_model(cfg, manifest)

@@ -305,6 +305,12 @@ def test_from_hf_skips_rotary_buffers_and_refuses_a_tied_head_that_differs(tmp_p
     with torch.no_grad():
         torch.testing.assert_close(ours(ids_BT).logits_BTV, model(input_ids=ids_BT).logits,
                                    atol=1e-5, rtol=1e-5)
+    # no tokenizer.json to count expert use with: the error names the option that needs it
+    (tmp_path / "calib.txt").write_text("some text\n")
+    proc = run_cli(["convert", "--from-hf", str(hf_dir), "--out", str(tmp_path / "x"), "--trim",
+                    "2", "--calibration", str(tmp_path / "calib.txt")], cwd=tmp_path, check=False)
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert "tokenizer.json: missing; --calibration" in proc.stderr
 
     weights["lm_head.weight"] = weights["lm_head.weight"] + 1.0
     save_file(weights, hf_dir / "model.safetensors", metadata={"format": "pt"})
