@@ -246,6 +246,6 @@ def _efficiency(ctx: StageContext, test: Any, idx: np.ndarray, ad: InferenceMode
     systems = {"AD_ORACLE": lambda ids: decode(ad, test, ids), "AD_CLF": ad_clf,
                "GAD": lambda ids: decode(gad, test, ids)}
     table = efficiency_table(systems, by_domain, np.asarray(test.tgt_lengths),
-                             g.efficiency_repeats)
+                             g.efficiency_repeats, warmup=idx[:g.efficiency_batch])
     return table | {"batch": g.efficiency_batch, "search": "greedy", "classifier": clf.kind,
                     "tokens": "reference subword tokens"}

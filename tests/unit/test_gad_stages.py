@@ -142,6 +142,13 @@ def test_efficiency_table_keeps_each_fastest_round_and_sums_domains(monkeypatch)
     assert calls[:3] == ["AD_ORACLE"] * 2 + ["AD_CLF"]  # round 0 starts with AD_ORACLE
     assert calls[6:8] == ["AD_CLF"] * 2  # round 1 rotates the order
 
+    # one round: the untimed warm-up batch takes the first call's cost off AD_ORACLE
+    calls.clear()
+    out = gad_efficiency.efficiency_table({n: system(n) for n in cost}, by_domain, tokens, 1,
+                                          warmup=np.array([0]))
+    assert calls[:3] == ["AD_ORACLE", "AD_CLF", "GAD"] and len(calls) == 3 + 3 * 2
+    assert out["systems"]["AD_ORACLE"]["seconds"] == 3.0
+
 
 def test_frozen_check_reports_a_changed_frozen_parameter():
     model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
