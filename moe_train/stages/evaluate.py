@@ -84,12 +84,13 @@ def _uses_domain_labels(inf: InferenceModel) -> bool:
     return a.enabled and a.router == "task" and a.task_source == "domain"
 
 
-def sentence_routers(model: torch.nn.Module) -> list[SharedRouter]:
+def sentence_routers(model: torch.nn.Module, encoder: bool = True) -> list[SharedRouter]:
     """The model's sentence-level routers (gate or learned; one per stack side, shared by its
     layers): its adapters' (MoA, the adapter baselines) and its MoE FFN layers' (Switch-SL /
-    SGMoE-SL trained as FFN-expert MoE models), decoder side first."""
+    SGMoE-SL trained as FFN-expert MoE models), decoder side first (`encoder` False: only
+    those)."""
     found: dict[int, SharedRouter] = {}
-    for layer in [*model.decoder_layers, *model.encoder_layers]:
+    for layer in [*model.decoder_layers, *(model.encoder_layers if encoder else [])]:
         for slot in (layer.adapter, layer.ffn):
             moe = slot.moe if isinstance(slot, AdapterSlot) else slot
             router = getattr(moe, "router", None)
@@ -100,16 +101,30 @@ def sentence_routers(model: torch.nn.Module) -> list[SharedRouter]:
 
 @torch.no_grad()
 def sentence_router_labels(inf: InferenceModel, features_ND: np.ndarray) -> np.ndarray | None:
-    """Top-1 expert per sentence of the model's first sentence-level router (decoder side
-    first; see `sentence_routers`) given the mean-pooled encoder states (its own input);
-    None when it has none."""
-    routers = sentence_routers(inf.model)
+    """Top-1 expert per sentence of the model's decoder-side sentence-level router given its
+    input, the model's own mean-pooled encoder states (`learned_routing`); None when it has
+    none. (An encoder-side one decides from the pooled source embeddings: not scored.)"""
+    routers = sentence_routers(inf.model, encoder=False)
     if not routers:
         return None
     router = routers[0].inner.eval()
     x_ND = torch.from_numpy(features_ND)
     rctx = RoutingContext.from_batch(len(x_ND), 1, sentence_repr_BD=x_ND, side="decoder")
     return router.route(x_ND, rctx).expert_ids_TK[:, 0].numpy()
+
+
+def learned_routing(routed: InferenceModel, backbone: InferenceModel, features_ND: np.ndarray,
+                    encode: Callable[[torch.nn.Module], np.ndarray]
+                    ) -> tuple[str, np.ndarray] | None:
+    """(name, top-1 expert per sentence) of the routed model's own sentence router, or None.
+    Its input is the routed model's pooled encoder output: the backbone's `features_ND` when
+    the routed model is the backbone, else `encode(routed.model)` (adapters on the encoder, or
+    an encoder trained further, change it)."""
+    if not sentence_routers(routed.model, encoder=False):
+        return None
+    own_ND = features_ND if routed is backbone else encode(routed.model)
+    return (f"router_{sentence_routers(routed.model, encoder=False)[0].name}",
+            sentence_router_labels(routed, own_ND))
 
 
 @contextmanager
@@ -256,17 +271,19 @@ def run(ctx: StageContext) -> dict[str, Any]:
         result["extra_parameters"] = result["adapters"]["parameters"] - \
             result["backbone"]["parameters"]
 
-    features_ND = encode_sentences(backbone.model, test, idx, ctx, cfg.data.max_tokens)
+    def encode(model: torch.nn.Module) -> np.ndarray:
+        return encode_sentences(model, test, idx, ctx, cfg.data.max_tokens)
+
+    features_ND = encode(backbone.model)
     true_N = test.domain_ids[idx]
     assignments: dict[str, np.ndarray] = {}
     if "cluster" in stages:
         assignments["clusterer"] = load_cluster(ctx, STAGE)[0].predict(features_ND)
     if gate is not None:
         assignments["distilled_gate"] = gate_labels(gate, features_ND)
-    routed = models.get("adapters", backbone)
-    learned = sentence_router_labels(routed, features_ND)
+    learned = learned_routing(models.get("adapters", backbone), backbone, features_ND, encode)
     if learned is not None:
-        assignments[f"router_{sentence_routers(routed.model)[0].name}"] = learned
+        assignments[learned[0]] = learned[1]
     routing: dict[str, Any] = {}
     for name, labels_N in assignments.items():
         report = cluster_report(labels_N, true_N, domains, max(int(labels_N.max()) + 1, 1))

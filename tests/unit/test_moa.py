@@ -352,3 +352,40 @@ def test_evaluation_finds_the_sentence_router_of_adapters_and_of_ffn_experts(kin
     plain = build_model(_moa_cfg("adapters.num_experts=1"), MANIFEST)
     assert sentence_routers(plain) == []
     assert sentence_router_labels(SimpleNamespace(model=plain, cfg=cfg), x_ND.numpy()) is None
+
+    # its input is the routed model's own pooled encoder output: the backbone's features only
+    # when it is the backbone (encoder adapters, or a further-trained encoder, change it)
+    from moe_train.stages.evaluate import learned_routing
+
+    encoded = []
+
+    def encode(m):
+        encoded.append(m)
+        return -x_ND.numpy()
+
+    backbone = SimpleNamespace(model=plain, cfg=cfg)
+    name, own = learned_routing(inf, backbone, x_ND.numpy(), encode)
+    assert name == "router_sentence" and encoded == [model]
+    assert own.tolist()[3:] == [2, 2, 2] and 2 not in own.tolist()[:3]
+    name, same = learned_routing(inf, inf, x_ND.numpy(), encode)
+    assert len(encoded) == 1 and same.tolist() == labels.tolist()
+    assert learned_routing(backbone, backbone, x_ND.numpy(), encode) is None
+
+
+def test_an_encoder_side_sentence_router_is_swapped_but_not_scored() -> None:
+    """Its input is the pooled source embeddings, not the encoder output the routing table
+    reads: random routing swaps it; the table leaves it out rather than score it on another
+    input."""
+    from types import SimpleNamespace
+
+    from moe_train.stages.evaluate import random_routing, sentence_router_labels, \
+        sentence_routers
+
+    cfg = _moa_cfg("moe.num_experts=4", "moe.layers=all", "moe.encoder_router=sentence",
+                   "moe.decoder_router=dense", "moe.k=1")
+    model = build_model(cfg, MANIFEST).eval()
+    inf = SimpleNamespace(model=model, cfg=cfg)
+    assert len(sentence_routers(model)) == 1 and sentence_routers(model, encoder=False) == []
+    assert sentence_router_labels(inf, torch.zeros(3, 16).numpy()) is None
+    with random_routing(inf) as swapped:
+        assert swapped
