@@ -109,8 +109,11 @@ class DataConfig:
     max_tokens: int = 4096
     """Token budget of one micro-batch on one rank (source or target, whichever is longer, padded)."""
     max_len: int = 256
-    """Training pairs with a side longer than this many subword tokens are skipped (dev/test
-    pairs are kept up to 1000 tokens so that scores cover the whole held-out set)."""
+    """Training pairs with a side longer than this many subword tokens are skipped."""
+    eval_max_len: int = 1000
+    """Dev/test pairs with a side longer than this many subword tokens are skipped: long, so
+    that scores cover (nearly) the whole held-out set, but at most the positions of the model
+    that validates on them (training checks)."""
     max_chars: int = 2048
     """Lines longer than this many characters are rejected during validation."""
     temperature: float = 1.0
@@ -142,8 +145,9 @@ class DataConfig:
             _check(len(parts) == 2 and all(parts), f"data.pairs[{i}]", "src-tgt such as de-en",
                    pair)
         _positive(self, "data", "vocab_size", "spm_max_sentences", "max_tokens", "max_len",
-                  "max_chars", "temperature")
-        _at_most("size", self, "data", "vocab_size", "max_tokens", "max_len", "max_chars")
+                  "eval_max_len", "max_chars", "temperature")
+        _at_most("size", self, "data", "vocab_size", "max_tokens", "max_len", "eval_max_len",
+                 "max_chars")
         _choice(self, "data", "spm_model_type", ("unigram", "bpe"))
         _check(self.max_tokens > self.max_len, "data.max_tokens",
                f"at least data.max_len + 1 ({self.max_len + 1}: a longest sentence with its "

@@ -83,10 +83,12 @@ def check_fits_model(prepared_dir: str | os.PathLike, max_positions: int,
         for side, lengths, eos in sides:
             longest = int(lengths.max()) + eos if len(lengths) else 0
             if longest > max_positions:
+                limit = "data.max_len" if split == "train" else "data.eval_max_len"
                 raise ConfigError(
                     f"{field}: expected at least {longest}, got {max_positions} "
                     f"(the {split} split of {prepared_dir} has {side} sentences of "
-                    f"{longest - eos} tokens" + (" plus end-of-sentence)" if eos else ")"))
+                    f"{longest - eos} tokens" + (" plus end-of-sentence" if eos else "") +
+                    f"; prepare limits each side with {limit})")
 
 
 def check_prompt_template(prepared_dir: str | os.PathLike, template: str) -> None:
@@ -267,11 +269,6 @@ def _nmt_nfkc() -> Any:
     return spm.SentencePieceNormalizer(rule_name="nmt_nfkc")
 
 
-EVAL_MAX_LEN = 1000
-"""Dev/test pairs are kept up to this many tokens (below the default max_positions), so that
-scores cover (nearly) the whole held-out set; data.max_len filters training pairs only."""
-
-
 def _encode_split(vocab: Vocab, src: list[str], tgt: list[str], prefix: list[int],
                   max_len: int) -> tuple[list[list[int]], list[list[int]], list[int], int, int]:
     """Encode a corpus split, each source after the tag ids `prefix`; keep pairs whose sides are
@@ -378,7 +375,7 @@ def prepare(corpora: list[CorpusFiles], out_dir: str | os.PathLike, data_cfg: Da
                 prefix = [] if data_cfg.tokenizer else vocab.source_prefix(
                     files.domain if data_cfg.domain_tags else None,
                     files.tgt_lang if data_cfg.lang_tags else None)
-                limit = data_cfg.max_len if split == "train" else EVAL_MAX_LEN
+                limit = data_cfg.max_len if split == "train" else data_cfg.eval_max_len
                 prompts = src if not data_cfg.prompt_template else [
                     format_prompt(data_cfg.prompt_template, line, files.src_lang,
                                   files.tgt_lang) for line in src]

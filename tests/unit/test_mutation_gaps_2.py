@@ -95,6 +95,19 @@ def test_data_max_len_drops_long_training_pairs_only(tmp_path: Path) -> None:
     assert (dev["sentences"], dev["skipped_too_long"]) == (5, [0])
     dev_data = ShardedDataset(tmp_path / "out", "dev")
     assert dev_data.src_lengths.max() > 30 and dev_data.tgt_lengths.max() > 30
+    # a model of 31 positions trains on these pairs but cannot validate on the long dev one:
+    # the refusal names the dev split and data.eval_max_len, which filters it
+    from moe_train.data.prepare import check_fits_model
+
+    with pytest.raises(ConfigError, match=r"\(the dev split of .* has source sentences of "
+                                          r"\d+ tokens plus end-of-sentence; prepare limits "
+                                          r"each side with data.eval_max_len\)$"):
+        check_fits_model(tmp_path / "out", 31)
+    manifest = prepare(corpora, tmp_path / "out2", _cfg(max_len=30, eval_max_len=30,
+                                                        dev_per_domain=0, test_per_domain=0))
+    assert (manifest["splits"]["dev"]["sentences"],
+            manifest["splits"]["dev"]["skipped_too_long"]) == (4, [1])
+    check_fits_model(tmp_path / "out2", 31)
 
 
 @pytest.mark.parametrize("decoder_only", [False, True], ids=["encoder_decoder", "decoder_only"])
@@ -117,13 +130,14 @@ def test_max_positions_must_hold_the_longest_row_exactly(tmp_path: Path, decoder
     assert (train.src_lengths.max(), train.tgt_lengths.max()) == (24, 23)
     assert (train.src_lengths + train.tgt_lengths).max() == 47
     assert max(dev.src_lengths.max(), dev.tgt_lengths.max()) < 24
-    need, what = ((47, "prompt + target sentences of 47 tokens)") if decoder_only else
-                  (25, "source sentences of 24 tokens plus end-of-sentence)"))
+    need, what = ((47, "prompt + target sentences of 47 tokens") if decoder_only else
+                  (25, "source sentences of 24 tokens plus end-of-sentence"))
     check_fits_model(out, need)
     with pytest.raises(ConfigError) as exc:
         check_fits_model(out, need - 1)
     assert str(exc.value) == (f"model.max_positions: expected at least {need}, got {need - 1} "
-                              f"(the train split of {out} has {what}")
+                              f"(the train split of {out} has {what}; prepare limits each "
+                              "side with data.max_len)")
 
 
 # ------------------------------------------------------------------------------ corpus
