@@ -122,6 +122,12 @@ class HFTokenizer:
     def piece(self, token_id: int) -> str:
         return self._tok.id_to_token(int(token_id)) or ""
 
+    def special_tokens(self) -> list[str]:
+        """The texts of its special added tokens (``<|endoftext|>``, ``<|im_start|>``): the
+        tokenizer reads them as those tokens wherever they appear in a text."""
+        return sorted(t.content for t in self._tok.get_added_tokens_decoder().values()
+                      if t.special and t.content)
+
     def files(self) -> list[Path]:
         """The files `prepare` copies beside the shards."""
         return [self.path, self.directory / TOKENIZER_CONFIG]

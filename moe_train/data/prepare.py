@@ -241,17 +241,20 @@ def _drop_held_out_sources(texts: dict[str, dict[str, Pairs]], langs: dict[str, 
     return dropped
 
 
-def _check_no_tags(files: CorpusFiles, pairs: Pairs, tags: list[str]) -> None:
-    """No sentence holds a tag piece of this vocabulary (``<2de>``, ``<dom:law>``): sentencepiece
-    matches its user-defined pieces inside any text, so such a sentence would carry a control tag
-    the model reads as its target language or domain."""
+def _check_no_tags(files: CorpusFiles, pairs: Pairs, tags: list[str], kept_for: str) -> None:
+    """No sentence holds a control piece of this vocabulary: a tag (``<2de>``, ``<dom:law>``) of
+    sentencepiece, which matches its user-defined pieces inside any text, or a special token
+    (``<|endoftext|>``) of a Hugging Face tokenizer, which does the same. Such a sentence would
+    carry a control token (a target language, a domain, an end of text) the model obeys."""
     found = re.compile("|".join(map(re.escape, tags))) if tags else None
+    if found is None:
+        return
     for path, lines in zip((files.src, files.tgt), pairs):
         for line_no, line in enumerate(lines, start=1):
-            hit = found.search(line) if found is not None and "<" in line else None
+            hit = found.search(line)
             if hit:
                 raise DataError(f"{path}:{line_no}: holds {hit.group()!r}, which this vocabulary "
-                                "keeps for a tag (target language / domain); remove or reword it")
+                                f"keeps for {kept_for}; remove or reword it")
 
 
 def _norm(sentence: str) -> str:
@@ -313,16 +316,19 @@ def prepare(corpora: list[CorpusFiles], out_dir: str | os.PathLike, data_cfg: Da
     names = list(groups)
     train_files = {name: by_split["train"] for name, by_split in groups.items()}
 
-    tags = [] if data_cfg.tokenizer else [
-        *map(lang_tag, sorted({c.tgt_lang for c in train_files.values()})),
-        *map(domain_tag, sorted({c.domain for c in train_files.values()}))]
+    if data_cfg.tokenizer:
+        tags, kept_for = HFTokenizer(data_cfg.tokenizer).special_tokens(), "a special token"
+    else:
+        tags = [*map(lang_tag, sorted({c.tgt_lang for c in train_files.values()})),
+                *map(domain_tag, sorted({c.domain for c in train_files.values()}))]
+        kept_for = "a tag (target language / domain)"
     texts: dict[str, dict[str, Pairs]] = {}
     carved: dict[str, list[str]] = {}
     for name, by_split in groups.items():
         texts[name] = {split: read_pairs(files, data_cfg.max_chars)
                        for split, files in by_split.items()}
         for split, files in by_split.items():
-            _check_no_tags(files, texts[name][split], tags)
+            _check_no_tags(files, texts[name][split], tags, kept_for)
         carved[name] = _carve(train_files[name], texts[name], data_cfg, seed)
     dropped = _drop_held_out_sources(texts, {n: (f.src_lang, f.tgt_lang)
                                              for n, f in train_files.items()})

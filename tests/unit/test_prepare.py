@@ -562,3 +562,27 @@ def test_a_sentence_holding_a_tag_piece_is_refused_by_file_and_line(tmp_path: Pa
             prepare([law], tmp_path / "out", _cfg(dev_per_domain=3, test_per_domain=3))
         assert not (tmp_path / "out").exists()
         lines[line_no - 1] = "fine again"
+
+
+
+def test_a_sentence_holding_a_special_token_of_the_hf_tokenizer_is_refused(tmp_path: Path
+                                                                           ) -> None:
+    """A Hugging Face tokenizer reads its special tokens inside any text too: a corpus line
+    holding `<|endoftext|>` would train an end of text in mid-sentence."""
+    from moe_train.data.hf_tokenizer import HFTokenizer, train_bpe_tokenizer
+
+    law = _corpus(tmp_path / "data", "law", 30, seed=3)
+    tok = train_bpe_tokenizer(law.src.read_text().splitlines(), tmp_path / "tok", 200)
+    assert HFTokenizer(tok).special_tokens() == ["<|endoftext|>"]
+    cfg = _cfg(dev_per_domain=3, test_per_domain=3, tokenizer=str(tok))
+    lines = law.src.read_text().splitlines()
+    lines[5] = "a <2en> and <dom:law> are plain text here"
+    law.src.write_text("\n".join(lines) + "\n")
+    prepare([law], tmp_path / "ok", cfg)
+    lines[8] = "ends <|endoftext|> early"
+    law.src.write_text("\n".join(lines) + "\n")
+    with pytest.raises(DataError, match=rf"^{re.escape(str(law.src))}:9: holds "
+                                        r"'<\|endoftext\|>', which this vocabulary keeps for a "
+                                        r"special token; remove or reword it$"):
+        prepare([law], tmp_path / "out", cfg)
+    assert not (tmp_path / "out").exists()
