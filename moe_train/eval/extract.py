@@ -247,7 +247,7 @@ def extract(model: torch.nn.Module, cfg: ExperimentConfig, manifest: dict[str, A
     kept: dict[str, list[int]] = {}
     for name, layer in moe_layers(model):
         side = name.split("_layers.")[0]
-        if side not in sides:
+        if side not in sides or not name.endswith(".ffn"):  # adapters stay whole
             continue
         router = layer.router
         assert isinstance(router, TaskRouter), f"{name}: a task-routed side without TaskRouter"

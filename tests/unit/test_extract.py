@@ -44,6 +44,17 @@ CONFIGS = {  # name -> (overrides, task to extract)
         ["moe.encoder_router=task", "moe.decoder_router=task", "moe.encoder_task_source=domain",
          "moe.decoder_task_source=domain", "moe.assignment=[[5, 1], [2, 7], [0, 3]]",
          "moe.assignment_weights=[[0.7, 0.3], [0.5, 0.5], [0.2, 0.8]]"], "law"),
+    # adapters (kept whole) beside task-routed FFN experts: MoA's gate, or one per domain
+    "token/target + MoA adapters": (["moe.encoder_router=topk", "moe.decoder_router=task",
+                                     "moe.decoder_task_source=tgt_lang", "adapters.num_experts=4",
+                                     "adapters.dim=4", "adapters.router=gumbel", "adapters.k=2"],
+                                    "en"),
+    "target/target + domain adapters": (
+        ["moe.encoder_router=task", "moe.encoder_task_source=tgt_lang", "moe.decoder_router=task",
+         "moe.decoder_task_source=tgt_lang", "adapters.num_experts=3", "adapters.dim=4",
+         "adapters.router=task", "adapters.task_source=domain", "adapters.num_tasks=3",
+         "adapters.k=1",
+         "adapters.sides=both"], "fr"),
 }
 
 
@@ -53,7 +64,7 @@ def _model(overrides: list[str]):
     model = build_model(cfg, MANIFEST)
     with torch.no_grad():  # spread the gates so tasks pick different experts
         for name, p in model.named_parameters():
-            if "router" in name or "expert" in name:
+            if "router" in name or "expert" in name or ".adapter." in name:
                 p.normal_(0.0, 0.5)
     return cfg, model.eval()
 
@@ -107,7 +118,7 @@ def test_extracted_sub_network_decodes_identically(name: str, one_thread) -> Non
     k = cfg.moe.k
     for (lname, full_layer), (sname, sub_layer) in zip(moe_layers(model), moe_layers(sub)):
         assert lname == sname
-        task_routed = full_layer.router.name == "task"
+        task_routed = full_layer.router.name == "task" and lname.endswith(".ffn")
         assert sub_layer.experts.num_experts == (k if task_routed else
                                                  full_layer.experts.num_experts)
         # every token of the sub-network uses all k experts of a task-routed layer: no sort
