@@ -346,15 +346,18 @@ class ExperimentConfig:
         check_deepspeed_entries(self.deepspeed, "deepspeed.")
         _check(self.adapters.router in ROUTER_NAMES, "adapters.router",
                f"one of {', '.join(ROUTER_NAMES)}", self.adapters.router)
-        if self.uses_thor:
-            thor, moe = self.thor, self.moe
+        thor, moe = self.thor, self.moe
+        for side in ("encoder", "decoder") if self.uses_thor else ():
+            if moe.router_name(side) != "thor":
+                continue
+            experts = moe.side_experts(side)  # each side's own count, where it has one
             if thor.candidate_sets:
-                _check(thor.num_candidates <= moe.num_experts, "thor.num_candidates",
-                       f"at most moe.num_experts ({moe.num_experts})", thor.num_candidates)
-            space = thor.num_candidates if thor.candidate_sets else moe.num_experts
+                _check(thor.num_candidates <= experts, "thor.num_candidates",
+                       f"at most the {side}'s experts ({experts})", thor.num_candidates)
+            space = thor.num_candidates if thor.candidate_sets else experts
             if thor.token_routing == "topk":
                 _check(moe.k <= space, "moe.k", f"at most {space} (the experts THOR's token "
-                       "router chooses from)", moe.k)
+                       f"router chooses from on the {side} side)", moe.k)
         if self.adapters.enabled:
             _check(self.adapters.num_experts % self.moe.ep_size == 0, "adapters.num_experts",
                    f"a multiple of moe.ep_size ({self.moe.ep_size})", self.adapters.num_experts)

@@ -356,7 +356,7 @@ CASES: dict[str, Case] = {
                                            "thor.num_tasks=0"], ("thor.num_tasks",)),
     "params_thor_candidates_over_experts": Case(
         ["params", "--config", THOR_CONFIG, "thor.num_candidates=9"],
-        ("thor.num_candidates", "at most moe.num_experts (8)")),
+        ("thor.num_candidates", "at most the encoder's experts (8)")),
     "params_thor_bad_task_repr": Case(
         ["params", "--config", THOR_CONFIG, "thor.task_repr=soft"],
         ("thor.task_repr", "mixed, argmax, gold, infuse")),

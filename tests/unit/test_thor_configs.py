@@ -78,3 +78,22 @@ def test_cpu_configs(name: str, tasks: int) -> None:
     assert (cfg.thor.alpha, cfg.thor.beta, cfg.thor.gamma, cfg.thor.delta) == \
         (1e-2, 1e-2, 1e-2, 1e-4)
     assert cfg.optim.zero_stage == 0 and cfg.optim.precision == "fp32"
+
+
+def test_candidate_sets_and_k_are_checked_against_each_sides_own_experts() -> None:
+    """A side with fewer experts (moe.decoder_num_experts) would cap |S^t| at all of them,
+    silently switching the task-guided restriction off there: refused, naming the side."""
+    from moe_train.errors import ConfigError
+
+    path = CONFIGS / "thor-synthetic-cpu.yaml"  # 8 experts, |S^t| = 4
+    load_config(path, ["moe.decoder_num_experts=4"])  # |S^t| = 4 of 4 is the user's choice
+    with pytest.raises(ConfigError, match=r"thor.num_candidates: expected at most the "
+                                          r"decoder's experts \(3\), got 4$"):
+        load_config(path, ["moe.decoder_num_experts=3"])
+    with pytest.raises(ConfigError, match=r"thor.num_candidates: expected at most the "
+                                          r"encoder's experts \(8\), got 9$"):
+        load_config(path, ["thor.num_candidates=9"])
+    with pytest.raises(ConfigError, match=r"moe.k: expected at most 2 \(the experts THOR's "
+                                          r"token router chooses from on the decoder side\)"):
+        load_config(path, ["moe.decoder_num_experts=2", "thor.hierarchy=false",
+                           "thor.token_routing=topk", "moe.k=3", "moe.encoder_num_experts=4"])
