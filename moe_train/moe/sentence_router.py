@@ -70,7 +70,9 @@ class SentenceRouter(Router):
         empty_B = _sentence_pad_mask(rctx)
         cv2 = self.cfg.balance_loss == "cv2" and self.cfg.aux_loss_coef > 0
         aux = _gate_losses(self.cfg, probs_BE, ids_BK, clean_BE, empty_B, balance=not cv2)
-        if cv2:  # G(x) = softmax over the kept top k of the noisy logits: the weights here
+        if cv2:  # G(x): the weights here, softmax over the kept top k of the noisy logits for
+            # k > 1; for k = 1 the raw top-1 probability (Shazeer's G would be a constant 1,
+            # leaving the importance loss no gradient)
             gates_BE = torch.zeros_like(probs_BE).scatter(1, ids_BK, weights_BK)
             importance, load = losses.importance_load_losses(gates_BE, clean_BE, logits_BE,
                                                              std_BE, self.k, empty_B)
