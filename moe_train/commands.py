@@ -310,7 +310,8 @@ def _translate_raw(inf, args: argparse.Namespace, source: str, lines: list[str],
         prefix = _source_prefix(inf, args)
     return translate_lines(inf.model, inf.vocab, lines, ecfg, device, prefix,
                            labels=_raw_text_labels(inf, args), source=source,
-                           long_lines=args.long_lines, warn=_warn)
+                           long_lines=args.long_lines, warn=_warn,
+                           prompts=inf.cfg.decoder_only)
 
 
 def cmd_translate(args: argparse.Namespace) -> int:

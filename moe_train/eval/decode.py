@@ -140,17 +140,20 @@ def positions_field(model: torch.nn.Module) -> str:
 def encode_lines(vocab: Vocab, lines: Sequence[str], limit: int | None, source: str = "input",
                  prefix_ids: Sequence[int] = (), long_lines: str = "error",
                  warn: Callable[[str], None] | None = None,
-                 field: str = "model.max_positions") -> list[list[int]]:
+                 field: str = "model.max_positions", prompts: bool = False) -> list[list[int]]:
     """Encode raw lines (spaces collapsed as in prepared data, `collapse_spaces`; after the tag
     ids `prefix_ids`, end-of-sentence not included) and check them against `limit`
-    (model.max_positions) before anything is translated.
+    (model.max_positions) before anything is translated. `prompts`: the lines are a
+    decoder-only model's filled prompts, encoded as they are (their sources were collapsed
+    before filling, as `prepare` does; the template's own newlines stay).
 
     A line that does not fit is a DataError naming ``source:line`` and the limit, unless
     `long_lines` is ``truncate``: then its tokens are cut to fit and `warn` hears about it.
     """
     if long_lines not in LONG_LINES:
         raise ValueError(f"long_lines: expected one of {', '.join(LONG_LINES)}, got {long_lines!r}")
-    encoded = vocab.encode_batch([collapse_spaces(line) for line in lines])
+    encoded = vocab.encode_batch(list(lines) if prompts else
+                                 [collapse_spaces(line) for line in lines])
     if prefix_ids:
         encoded = [[*prefix_ids, *ids] for ids in encoded]
     if limit is None:
@@ -191,15 +194,17 @@ def translate_lines(model: torch.nn.Module, vocab: Vocab, lines: Sequence[str],
                     ecfg: EvalConfig, device: torch.device, prefix_ids: Sequence[int] = (),
                     beam: int | None = None, labels: RawTextLabels | None = None,
                     source: str = "input", long_lines: str = "error",
-                    warn: Callable[[str], None] | None = None) -> list[str]:
+                    warn: Callable[[str], None] | None = None,
+                    prompts: bool = False) -> list[str]:
     """Translate raw text lines (single process), longest first for tight batches.
 
     `labels` gives every line the same language / domain ids, which task routers (by language
     pair, target language or domain) need. Every line is encoded and checked against the
-    model's positions before the first is translated (see `encode_lines`)."""
+    model's positions before the first is translated (see `encode_lines`; `prompts`: the
+    lines are filled prompts)."""
     model.eval()
     encoded = encode_lines(vocab, lines, max_source_tokens(model), source, prefix_ids,
-                           long_lines, warn, positions_field(model))
+                           long_lines, warn, positions_field(model), prompts=prompts)
     # a blank line translates to a blank line (the model never saw an empty source), and so
     # does one the tokenizer keeps nothing of (a zero-width space, a stray BOM)
     order = sorted((i for i, line in enumerate(lines)

@@ -230,3 +230,45 @@ def test_aux_loss_coefficient_means_what_transformers_means() -> None:
         balance = float(ours(ids_BT).aux_losses["load_balance"])
         hf_out = hf(input_ids=ids_BT, output_router_logits=True)
     assert balance == pytest.approx(coef_hf * float(hf_out.aux_loss), rel=1e-5)
+
+
+def test_raw_text_reaches_the_model_as_the_prompt_ids_prepare_stored(qwen_prepared,
+                                                                     monkeypatch) -> None:
+    """`translate` / `evaluate --src` give a decoder-only model exactly the ids its prepared
+    data holds for the same sentence: the source's whitespace collapsed, then the template
+    filled and encoded as is (its newlines kept; collapsing the filled prompt turned them into
+    spaces, a prompt the model never trained on)."""
+    import argparse
+    import dataclasses
+    import types
+
+    from moe_train import commands
+    from moe_train.config import load_config
+    from moe_train.data.prepare import load_vocab
+    from moe_train.data.shards import ShardedDataset
+    from moe_train.eval import decode
+    from tests.conftest import ROOT
+
+    prepared, tok = qwen_prepared
+    test = ShardedDataset(prepared, "test")
+    template = test.manifest["data_config"]["prompt_template"]
+    assert "\n" in template
+    corpus = test.manifest["corpora"][0]
+    cfg = load_config(ROOT / "configs" / "qwen-moe-tiny-cpu.yaml",
+                      [f"data.prepared_dir={prepared}", f"data.tokenizer={tok}"])
+    inf = types.SimpleNamespace(cfg=cfg, manifest=test.manifest, vocab=load_vocab(prepared),
+                                model=build_model(cfg, test.manifest))
+    fed, real = [], decode.encode_lines
+
+    def spy(*args, **kwargs):
+        fed.append(real(*args, **kwargs))
+        return fed[-1]
+
+    monkeypatch.setattr(decode, "encode_lines", spy)
+    args = argparse.Namespace(src_lang=corpus["src_lang"], tgt_lang=corpus["tgt_lang"],
+                              domain=None, long_lines="error")
+    lines = [test.raw_src(i) for i in range(2)]
+    lines[1] = "  " + lines[1].replace(" ", " \t ", 1) + " "  # as prepare, spaces collapse
+    ecfg = dataclasses.replace(cfg.eval, beam=1, max_len_a=0.0, max_len_b=2)
+    commands._translate_raw(inf, args, "input", lines, ecfg, torch.device("cpu"))
+    assert fed == [[test.src(i).tolist() for i in range(2)]]
