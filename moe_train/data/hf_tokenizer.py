@@ -55,7 +55,9 @@ class HFTokenizer:
         config = read_json_object(self.directory / TOKENIZER_CONFIG,
                                   "the tokenizer's special tokens (tokenizer_config.json)",
                                   DataError)
-        self._size = self._tok.get_vocab_size(with_added_tokens=True)
+        # rows the ids need: one past the largest (a count would land on a real id where the
+        # tokenizer leaves a gap, and a pad placed there could be eos)
+        self._size = max(self._tok.get_vocab(with_added_tokens=True).values(), default=-1) + 1
         eos = _token(config, "eos_token")
         self._eos = self._id(eos, "eos_token")
         pad = _token(config, "pad_token")

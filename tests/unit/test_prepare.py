@@ -586,3 +586,24 @@ def test_a_sentence_holding_a_special_token_of_the_hf_tokenizer_is_refused(tmp_p
                                         r"special token; remove or reword it$"):
         prepare([law], tmp_path / "out", cfg)
     assert not (tmp_path / "out").exists()
+
+def test_the_hf_pad_row_is_past_the_largest_id_not_the_count(tmp_path: Path) -> None:
+    """With pad_token = eos_token, pad gets its own row past the tokenizer's ids; where the ids
+    leave a gap, the count of tokens is a real id (here eos): pad must be one past the largest."""
+    import json
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from moe_train.data.hf_tokenizer import HFTokenizer
+
+    vocab = {c: i for i, c in enumerate("abcdefgh")}  # ids 0..7; 8 unused; eos 9
+    vocab["<|endoftext|>"] = 9
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="a"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.add_special_tokens(["<|endoftext|>"])
+    tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+        {"eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>"}))
+    hf = HFTokenizer(tmp_path)
+    assert hf._tok.get_vocab_size(with_added_tokens=True) == 9  # the count is eos's id
+    assert (hf.eos_id, hf.pad_id, hf.size) == (9, 10, 11)
