@@ -40,9 +40,17 @@ class AdapterConfig(RouterConfig):
     """Where adapters go: decoder (MoA: after every decoder layer) or both (ADPT)."""
     router: str = "single"
     """Adapter router (moe_train.moe.registry.ROUTERS): single, gumbel, sentence, task, ..."""
+    dropout: float = 0.0
+    """Dropout on the adapters' combined output before the residual add (Gated Adapters'
+    reference code uses the model's dropout, 0.3); 0: none, as MoA and the recorded runs."""
+    activation_dropout: float = 0.0
+    """Dropout after each adapter's ReLU (the reference code's activation dropout)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        for name in ("dropout", "activation_dropout"):
+            _expect(0.0 <= getattr(self, name) < 1.0, f"adapters.{name}",
+                    "a probability in [0, 1)", getattr(self, name))
         _expect(self.num_experts >= 0, "adapters.num_experts", "a non-negative integer",
                 self.num_experts)
         _expect(self.dim >= 1, "adapters.dim", "a positive integer", self.dim)

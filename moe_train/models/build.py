@@ -122,19 +122,21 @@ def adapter_factory(cfg: ExperimentConfig):
     def factory(side: str, layer_idx: int, mcfg: ModelConfig) -> nn.Module | None:
         if not acfg.on_side(side):
             return None
-        experts = AdapterExperts(acfg.num_experts, mcfg.d_model, acfg.dim)
+        experts = AdapterExperts(acfg.num_experts, mcfg.d_model, acfg.dim,
+                                 activation_dropout=acfg.activation_dropout)
         if acfg.router == "gated":
             with named_fields(ADAPTER_FIELDS):
                 router = build_router("gated", mcfg.d_model, acfg.num_experts,
                                       acfg.router_config(), gated=cfg.gated)
             return AdapterSlot(MoELayer(router, DenseDispatcher(acfg.num_experts), experts,
-                                        dropout=0.0))
+                                        dropout=acfg.dropout))
         if side not in shared:
             with named_fields(ADAPTER_FIELDS):
                 shared[side] = build_shared_router(acfg.router, mcfg.d_model, acfg.num_experts,
                                                    acfg.router_config())
         dispatcher = LocalDispatcher(acfg.num_experts, acfg.capacity_factor)
-        return AdapterSlot(MoELayer(shared[side], dispatcher, experts, dropout=0.0))
+        return AdapterSlot(MoELayer(shared[side], dispatcher, experts,
+                                    dropout=acfg.dropout))
 
     return factory
 

@@ -27,15 +27,18 @@ class AdapterExperts(StackedExperts):
     Each adapter has its own LayerNorm affine parameters, a D x R down and an R x D up
     projection with biases. The residual is added by `AdapterSlot` after the combine, so a
     router's combine weight scales the adapter's contribution, never the residual stream.
+    `activation_dropout` drops units after the ReLU in training.
     """
 
     no_weight_decay = ("ln_weight_ED", "ln_bias_ED", "b_down_ER", "b_up_ED")
 
     def __init__(self, num_experts: int, d_model: int, adapter_dim: int = 128, *,
-                 eps: float = 1e-5, backend: str = "auto") -> None:
+                 eps: float = 1e-5, backend: str = "auto",
+                 activation_dropout: float = 0.0) -> None:
         super().__init__()
         self.num_experts = num_experts
         self.eps = eps
+        self.activation_dropout = activation_dropout
         self.backend = backend
         self.ln_weight_ED = nn.Parameter(torch.empty(num_experts, d_model))
         self.ln_bias_ED = nn.Parameter(torch.empty(num_experts, d_model))
@@ -68,6 +71,7 @@ class AdapterExperts(StackedExperts):
             + self.ln_bias_ED.index_select(0, expert_N)
         h_NR = F.relu(grouped_gemm(z_ND, self.w_down_EDR, counts_E, self.b_down_ER,
                                    backend=self.backend))
+        h_NR = F.dropout(h_NR, self.activation_dropout, self.training)
         return grouped_gemm(h_NR, self.w_up_ERD, counts_E, self.b_up_ED, backend=self.backend)
 
     def all_experts(self, x_TD: Tensor) -> Tensor:
@@ -76,6 +80,7 @@ class AdapterExperts(StackedExperts):
         z_TD = F.layer_norm(x_TD, x_TD.shape[-1:], eps=self.eps)
         z_ETD = torch.addcmul(self.ln_bias_ED[:, None], z_TD[None], self.ln_weight_ED[:, None])
         h_ETR = torch.baddbmm(self.b_down_ER[:, None], z_ETD, self.w_down_EDR).relu_()
+        h_ETR = F.dropout(h_ETR, self.activation_dropout, self.training)
         return torch.baddbmm(self.b_up_ED[:, None], h_ETR, self.w_up_ERD)
 
 

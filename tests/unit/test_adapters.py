@@ -79,3 +79,43 @@ def test_fresh_adapter_experts_are_finite_and_default_dim_is_128():
     y = m(torch.randn(5, 16), torch.tensor([2, 3]))
     assert y.shape == (5, 16) and torch.all(y == 0)  # a fresh adapter adds nothing
     assert m.w_down_EDR.abs().max() > 0
+
+
+def test_adapter_dropout_after_the_relu_and_on_the_combined_output():
+    """adapters.activation_dropout drops hidden units after each adapter's ReLU (grouped and
+    all-experts paths alike, scaled by 1/(1-p)); adapters.dropout drops the combined output
+    before the residual. Both only in training; 0 (the default) changes nothing."""
+    import pytest
+
+    from moe_train.config import load_config
+    from moe_train.errors import ConfigError
+    from moe_train.models.build import build_model
+    from moe_train.moe.adapters import AdapterSlot
+
+    torch.manual_seed(0)
+    m = AdapterExperts(2, 8, 64, backend="torch", activation_dropout=0.5).double()
+    _randomize_(m, 3)
+    x, counts = torch.randn(6, 8, dtype=torch.float64), torch.tensor([2, 4])
+    m.eval()
+    clean, clean_all = m(x, counts), m.all_experts(x)
+    m.train()
+    for run in (lambda: m(x, counts), lambda: m.all_experts(x)):
+        a, b = run(), run()
+        assert not torch.equal(a, b)  # a new mask each call
+    # many masks average to the clean output (inverted dropout keeps the expectation)
+    torch.manual_seed(1)
+    mean = torch.stack([m(x, counts) for _ in range(4000)]).mean(0)
+    torch.testing.assert_close(mean, clean, atol=0.05, rtol=0.05)
+    torch.testing.assert_close(m.eval().all_experts(x), clean_all)
+
+    cfg = load_config(None, ["adapters.num_experts=2", "adapters.router=gumbel", "adapters.k=1",
+                             "adapters.dropout=0.3", "adapters.activation_dropout=0.2"])
+    model = build_model(cfg, {"vocab_size": 40, "pad_id": 0, "langs": ["de", "en"],
+                              "domains": ["a", "b"]})
+    slots = [mod for mod in model.modules() if isinstance(mod, AdapterSlot)]
+    assert slots and all(s.moe.dropout == 0.3 and s.moe.experts.activation_dropout == 0.2
+                         for s in slots)
+    for name in ("dropout", "activation_dropout"):
+        with pytest.raises(ConfigError, match=rf"adapters.{name}: expected a probability in "
+                                              r"\[0, 1\), got 1.0"):
+            load_config(None, [f"adapters.{name}=1.0"])
