@@ -51,6 +51,9 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "mer
 _SPARSE = re.compile(r"model\.layers\.(\d+)\.mlp\.(gate\.weight|experts\..+|shared_expert\..+|"
                      r"shared_expert_gate\.weight)$")
 _LEGACY = re.compile(r"experts\.(\d+)\.(gate|up|down)_proj\.weight$")
+HF_MAX_POSITIONS = 32768
+"""transformers' Qwen2MoeConfig default max_position_embeddings (ours, Qwen1.5-MoE's, is 8192):
+what a config.json without the key means."""
 _DERIVED = re.compile(r"model\.(layers\.\d+\.self_attn\.)?rotary_emb\.inv_freq$")
 """Rotary frequencies some older files hold: a buffer computed from the config, which
 transformers ignores on load; so do we."""
@@ -97,6 +100,7 @@ def config_from_hf(hf: dict[str, Any], source: Path) -> ExperimentConfig:
         "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
         "intermediate_size", "shared_expert_intermediate_size", "max_position_embeddings",
         "rms_norm_eps", "tie_word_embeddings", "initializer_range", "qkv_bias") if key in hf}
+    qwen.setdefault("max_position_embeddings", HF_MAX_POSITIONS)
     if not hf.get("num_key_value_heads"):  # as transformers: the attention heads' count
         from moe_train.config.qwen import QwenConfig
 

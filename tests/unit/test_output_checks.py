@@ -272,6 +272,10 @@ def test_hf_head_counts_default_as_transformers_does(tmp_path) -> None:
     neither = {k: v for k, v in no_kv.items() if k != "num_attention_heads"}
     qwen = config_from_hf(neither, source).qwen
     assert qwen.num_attention_heads == qwen.num_key_value_heads == 16
+    # no max_position_embeddings: transformers' 32768, not our Qwen1.5-MoE default (8192)
+    no_positions = {k: v for k, v in HF.items() if k != "max_position_embeddings"}
+    assert config_from_hf(no_positions, source).qwen.max_position_embeddings == 32768
+    assert config_from_hf(HF, source).qwen.max_position_embeddings == 32
 
 
 def test_deepspeed_validation_is_one_config_line() -> None:
