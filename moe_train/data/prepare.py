@@ -1,8 +1,9 @@
 """The `prepare` step: validated text corpora -> sentencepiece model + binarized shards.
 
 Steps: read and validate every corpus; carve dev/test from train where a corpus has no such files;
-drop every train pair whose source is a dev/test source of any corpus in the same source language
-(``train_dropped_overlap``), so held-out text is never trained on; train one joint sentencepiece
+drop every train pair holding a dev/test source of any corpus, on either side in the same language
+(``train_dropped_overlap``), so no held-out source is ever trained on (a reference may still be a
+training target of another source: a common phrase, not the pair); train one joint sentencepiece
 model on the train text of both sides, with every ``<2xx>`` target-language tag and every
 ``<dom:NAME>`` domain tag as a user-defined symbol whether or not they are used (so tagged and
 untagged preparations of the same corpora share the model byte for byte); encode (optionally
