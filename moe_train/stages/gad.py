@@ -36,7 +36,8 @@ from moe_train.train.trainer import Trainer
 from moe_train.utils.safe_load import require_file
 
 UPSAMPLE_TEMPERATURE = 1e6
-"""data.temperature that draws every corpus equally often (each up-sampled to the largest)."""
+"""data.temperature that draws every corpus equally often: the proportions of 004's up-sampling
+to the largest (an epoch keeps the total size, so a larger corpus is sub-sampled in each)."""
 
 
 def export_dir(ctx: StageContext, stage: str) -> Path:
