@@ -88,8 +88,14 @@ def _init_adapters(model: nn.Module, backbone: dict[str, torch.Tensor], pre_inje
     return copied
 
 
+DECODER_PARTS = ("decoder_layers.", "decoder_norm.", "tgt_embed_tokens.", "output_proj.")
+"""What Unf-D trains besides the adapters: the decoder (000 Sec. 4.3, theta = the decoder and
+the adapters), except a table it shares with the encoder (tied embeddings: the encoder feeds
+the gate and stays as it was)."""
+
+
 def freeze_base(model: nn.Module, cfg: ExperimentConfig) -> None:
-    """Train only the adapters, learned routers and (Unf-D) the decoder layers."""
+    """Train only the adapters, learned routers and (Unf-D) the decoder."""
     model.requires_grad_(False)
     for module in model.modules():
         if isinstance(module, AdapterSlot):
@@ -97,10 +103,12 @@ def freeze_base(model: nn.Module, cfg: ExperimentConfig) -> None:
             if cfg.adapters.router in LEARNED_ROUTERS:
                 module.moe.router.requires_grad_(True)
     if cfg.moa.unfreeze_decoder:
-        for layer in model.decoder_layers:
-            for name, p in layer.named_parameters():
-                if not name.startswith("adapter."):
-                    p.requires_grad_(True)
+        encoder = {id(p) for name, p in model.named_parameters(remove_duplicate=False)
+                   if not name.startswith(DECODER_PARTS)}
+        for name, p in model.named_parameters():
+            if name.startswith(DECODER_PARTS) and ".adapter." not in name and \
+                    id(p) not in encoder:
+                p.requires_grad_(True)
 
 
 def make_init(ctx: StageContext, cfg: ExperimentConfig):

@@ -196,7 +196,15 @@ def test_k_adapters_start_equal_to_the_pre_injected_one_and_freezing() -> None:
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     assert any(".adapter.moe.router." in n for n in trainable)  # learned SL gate trains
     assert any(n.startswith("decoder_layers.0.self_attn") for n in trainable)  # Unf-D
-    assert not any(n.startswith("encoder") or "embed" in n for n in trainable)
+    assert {"decoder_norm.weight", "decoder_norm.bias"} <= trainable  # the whole decoder
+    assert not any(n.startswith("encoder") or "embed" in n for n in trainable)  # tied: shared
+    untied = _moa_cfg("adapters.num_experts=4", "adapters.router=sentence", "adapters.k=1",
+                      "moa.unfreeze_decoder=true", "model.tie_embeddings=false")
+    model = build_model(untied, MANIFEST)
+    _freeze(model, untied)
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert {"tgt_embed_tokens.weight", "output_proj.weight"} <= trainable
+    assert not any(n.startswith("encoder") or n.startswith("embed_tokens") for n in trainable)
 
 
 def test_adapter_config_errors_are_one_line() -> None:
