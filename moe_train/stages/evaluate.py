@@ -3,8 +3,9 @@
 - Per-domain BLEU and chrF (sacreBLEU) of the backbone and of the adapter model on the first
   ``moa.eval_sentences`` test sentences of each domain, beam ``moa.eval_beam``.
 - RND (seed 001): the same sentences mixed with their domain labels withheld. Label-free models
-  never read the labels, so RND is their overall score; a model routed by domain label (ADPT's
-  oracle routing) is decoded again with the labels shuffled.
+  never read the labels, so RND is their overall score; a model that reads them (ADPT's oracle
+  routing, FFN experts or THOR routed by the gold domain, a domain tag in the source:
+  `uses_domain_labels`) is decoded again with the labels (and tags) shuffled.
 - Routing on the test sentences, as a sentence x domain table (CSV + heatmap PNG, seed 001
   Figures 4-5) with PUR (Eq. 11) and NMI: the clusterer (its fitted PCA + clusterer applied to
   the test features), the distilled gate (top-1), and the routed model's own sentence router
@@ -37,10 +38,11 @@ import numpy as np
 import torch
 
 from moe_train.config.moe import RouterConfig
-from moe_train.config.schema import EvalConfig
+from moe_train.config.schema import EvalConfig, ExperimentConfig
 from moe_train.data.shards import MANIFEST, ShardedDataset, nonempty_split
 from moe_train.data.views import Relabeled
 from moe_train.eval.evaluate import evaluate_dataset
+from moe_train.eval.extract import task_sources
 from moe_train.eval.routing_stats import plot_heatmap, table_csv
 from moe_train.moe.adapters import AdapterSlot
 from moe_train.moe.moa_router import MoAGate, RandomSentenceRouter, SharedRouter
@@ -79,9 +81,18 @@ SENTENCE_ROUTED = ("gumbel", "sentence")
 """Adapter routers that decide from the sentence representation (a gate or a learned one)."""
 
 
-def _uses_domain_labels(inf: InferenceModel) -> bool:
-    a = inf.cfg.adapters
-    return a.enabled and a.router == "task" and a.task_source == "domain"
+def uses_domain_labels(cfg: ExperimentConfig, data_manifest: dict[str, Any]) -> bool:
+    """Whether a model reads the domain label when it translates, so that RND (seed 001)
+    withholds it: adapters or MoE layers routed by domain, THOR routing by the gold domain, or
+    a ``<dom:NAME>`` tag in its source text (DC-Tag)."""
+    a = cfg.adapters
+    if a.enabled and a.router == "task" and a.task_source == "domain":
+        return True
+    if "domain" in task_sources(cfg).values():
+        return True
+    if cfg.uses_thor and cfg.thor.task_source == "domain" and cfg.thor.task_repr == "gold":
+        return True
+    return bool(data_manifest.get("domain_tags"))
 
 
 def sentence_routers(model: torch.nn.Module, encoder: bool = True) -> list[SharedRouter]:
@@ -238,7 +249,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
         entry = _scores(metrics)
         entry["hypotheses"] = [hyps[int(i)] for i in idx]
         entry["rnd"] = entry["all"]
-        if _uses_domain_labels(inf):
+        if uses_domain_labels(inf.cfg, test.manifest):
             shuffled = test.domain_ids.copy()
             shuffled[idx] = np.random.default_rng(moa.seed).permutation(shuffled[idx])
             rnd, _ = evaluate_dataset(inf.model, Relabeled(test, shuffled), inf.vocab,

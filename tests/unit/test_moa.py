@@ -397,3 +397,24 @@ def test_an_encoder_side_sentence_router_is_swapped_but_not_scored() -> None:
     assert sentence_router_labels(inf, torch.zeros(3, 16).numpy()) is None
     with random_routing(inf) as swapped:
         assert swapped
+
+
+def test_rnd_withholds_the_domain_from_every_model_that_reads_it() -> None:
+    """RND (seed 001 Table 2) shuffles the labels of any model that reads them when it
+    translates: domain-routed adapters or FFN experts, THOR on the gold domain, or a domain tag
+    in the source (DC-Tag); label-free models are scored once."""
+    from moe_train.stages.evaluate import uses_domain_labels
+
+    untagged, tagged = {"domain_tags": False}, {"domain_tags": True}
+    reads = [_moa_cfg("adapters.num_experts=3", "adapters.router=task",
+                      "adapters.task_source=domain", "adapters.k=1"),
+             _moa_cfg("moe.num_experts=4", "moe.layers=all", "moe.encoder_router=dense",
+                      "moe.decoder_router=task", "moe.decoder_task_source=domain")]
+    for cfg in reads:
+        assert uses_domain_labels(cfg, untagged)
+    label_free = _moa_cfg("adapters.num_experts=4", "adapters.router=gumbel", "adapters.k=2")
+    assert not uses_domain_labels(label_free, untagged)
+    assert uses_domain_labels(label_free, tagged)  # its source says the domain
+    thor = ROOT / "configs" / "thor-synthetic-cpu.yaml"  # routes by the predicted domain
+    assert not uses_domain_labels(load_config(thor), untagged)
+    assert uses_domain_labels(load_config(thor, ["thor.task_repr=gold"]), untagged)
