@@ -361,7 +361,8 @@ def memory_flat_in_E(rows: list[dict[str, Any]]) -> dict[str, Any]:
     None where a k was measured at fewer than two expert counts (nothing to compare)."""
     ratios = {}
     for k in sorted({r["k"] for r in rows}):
-        mem = [r["impls"]["ours"].get("peak_minus_grad_bytes") for r in rows if r["k"] == k]
+        mem = [r["impls"]["ours"].get("peak_minus_grad_bytes")  # smallest E first
+               for r in sorted(rows, key=lambda r: r["experts"]) if r["k"] == k]
         if len(mem) < 2 or None in mem or mem[0] <= 0:
             return {"ours_peak_minus_grad_flat_in_E": None}
         ratios[f"k{k}"] = round(max(mem) / mem[0], 3)

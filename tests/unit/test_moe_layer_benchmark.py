@@ -16,6 +16,8 @@ def test_flat_in_E_compares_expert_counts() -> None:
                     "ours_peak_minus_grad_max_over_smallest_E": {"k1": 1.2}}
     grows = bench.memory_flat_in_E([_row(8, 2, 100), _row(128, 2, 200)])
     assert grows["ours_peak_minus_grad_flat_in_E"] is False
+    # `--experts 128 8`: the rows come in the order given; the verdict still compares to E=8
+    assert bench.memory_flat_in_E([_row(128, 2, 200), _row(8, 2, 100)]) == grows
 
 
 def test_flat_in_E_is_null_for_one_expert_count() -> None:
