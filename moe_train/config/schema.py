@@ -394,6 +394,11 @@ class ExperimentConfig:
         _check(not self.adapters.enabled, "adapters.num_experts",
                "0 with model.arch hf_qwen2_moe (adapters are an encoder-decoder feature)",
                self.adapters.num_experts)
+        data = self.data  # one row: a prompt and a target of up to data.max_len tokens each
+        _check(data.max_tokens >= 2 * data.max_len, "data.max_tokens",
+               f"at least 2 x data.max_len ({2 * data.max_len}) with model.arch hf_qwen2_moe (a "
+               "row holds a prompt and a target of up to data.max_len tokens each)",
+               data.max_tokens)
         if not self.data.prompt_template:
             self.data.prompt_template = DEFAULT_PROMPT
 

@@ -153,6 +153,11 @@ def test_config_errors_name_the_field() -> None:
         load_config(None, ["model.arch=llama"])
     with pytest.raises(ConfigError, match="qwen.vocab_size"):
         build_model(tiny(), {"vocab_size": V + 1, "pad_id": 0})
+    # a row holds a prompt and a target of up to data.max_len each: the budget must hold one
+    tiny("data.max_len=100", "data.max_tokens=200")
+    with pytest.raises(ConfigError, match=r"data.max_tokens: expected at least 2 x "
+                                          r"data.max_len \(200\) with model.arch hf_qwen2_moe"):
+        tiny("data.max_len=100", "data.max_tokens=199")
 
 
 @pytest.mark.parametrize("arch", ["hf_qwen2_moe", "seq2seq"])
