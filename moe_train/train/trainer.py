@@ -522,8 +522,9 @@ class Trainer:
                 bleu_due = (bool(tc.bleu_every) and self.step % tc.bleu_every == 0) or (
                     tc.patience > 0 and tc.early_stop_metric == "bleu")
                 last_values = self._validate(with_bleu=bleu_due)
-                plateau = self._note_validation(last_values)
+                # before a new best's checkpoint is written: its meta records this validation
                 validated_at = self.validated_step = self.step
+                plateau = self._note_validation(last_values)
             out_of_time = tc.max_minutes and (time.time() - start) / 60 >= tc.max_minutes
             out_of_time, signum = self._agree(stops, bool(out_of_time))
             # the last step is saved after the run's final validation, so that its checkpoint
@@ -558,10 +559,10 @@ class Trainer:
         before = not done_here and self.validated_step == self.step
         final = self._validate(with_bleu=True, have=last_values if done_here else None,
                                to_tensorboard=not before)
+        self.validated_step = self.step  # before a new best's checkpoint of this step is written
         if not done_here and not before:  # off the schedule (time limit, max_steps): best only
             self._note_validation(final, scheduled=bool(tc.validate_every)
                                   and self.step % tc.validate_every == 0)
-        self.validated_step = self.step
         path = self.save()
         source = self.checkpoints.restore_best(path)
         if source != path:

@@ -163,3 +163,29 @@ def test_a_resume_at_a_step_never_validated_validates_and_notes_it(tiny_prepared
     acc = EventAccumulator(str(tmp_path / "tb"))
     acc.Reload()
     assert [e.step for e in acc.Scalars("dev/loss")] == [4, 6]
+
+
+def test_a_final_best_checkpoint_records_its_validation(tiny_prepared, tmp_path):
+    """The last validation sets a new best: its checkpoint (written for the best as soon as
+    it is noted) records that validation, so a run killed before its end record resumes with
+    that validation's values, neither counting it twice for patience nor writing its events
+    twice."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    overrides = debug_overrides(tiny_prepared, tmp_path, "train.max_steps=4",
+                                "train.validate_every=2", "train.patience=3",
+                                "train.early_stop_metric=loss", "train.min_delta=0",
+                                "checkpoint.save_every=2", "train.bleu_sentences=4",
+                                "data.max_tokens=400")
+    first = json.loads(run_cli(["train", "--config", CONFIG, *overrides],
+                               cwd=ROOT).stdout.strip().splitlines()[-1])
+    meta = read_meta(tmp_path / "ckpt" / "step_00000004")
+    assert first["early_stop"]["best_step"] == 4  # the loss still falls at step 4
+    assert meta["validated_step"] == 4 and meta["early_stop"]["bad"] == 0
+    (tmp_path / "ckpt" / "ended.json").unlink()  # killed after the final save
+    again = run_cli(["train", "--config", CONFIG, "--resume", *overrides], cwd=ROOT)
+    assert json.loads(again.stdout.strip().splitlines()[-1])["dev/loss"] == first["dev/loss"]
+    assert read_meta(tmp_path / "ckpt" / "step_00000004")["early_stop"]["bad"] == 0
+    acc = EventAccumulator(str(tmp_path / "tb"))
+    acc.Reload()
+    assert [e.step for e in acc.Scalars("dev/loss")] == [2, 4]
