@@ -277,8 +277,8 @@ def _add_routing_stats(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prepared", help="prepared data dir (default: the one the model trained on)")
     p.add_argument("--split", default="dev", help="prepared split (default dev)")
     p.add_argument("--out", required=True, help="output directory")
-    p.add_argument("--max-batches", type=int_at_least(0),
-                   help="at most this many batches per rank")
+    p.add_argument("--max-batches", type=int_at_least(1),
+                   help="at most this many batches per rank (default: the whole split)")
 
 
 def _rerun_stale(p: argparse.ArgumentParser) -> None:

@@ -340,9 +340,10 @@ def cmd_translate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _prepared_split(inf, prepared_arg: str | None, split: str):
+def _prepared_split(inf, prepared_arg: str | None, split: str, raw_text: bool = True):
     """The prepared split to score, checked against the model (`check_model_data`: its
-    tokenizer, its domain and language lists)."""
+    tokenizer, its domain and language lists). `raw_text`: the command also takes sentences
+    as --src / --ref (evaluate), which an extracted sub-network's refusal then suggests."""
     from moe_train.data.prepare import check_model_data
     from moe_train.data.shards import nonempty_split
 
@@ -359,8 +360,9 @@ def _prepared_split(inf, prepared_arg: str | None, split: str):
         if other:
             raise DataError(f"{prepared}: its {split} split holds {', '.join(other)}, which "
                             f"{inf.source} does not serve: it is a sub-network extracted with "
-                            f"--task {inf.cfg.moe.extracted_task}; evaluate the full model, or "
-                            "give this task's sentences with --src / --ref")
+                            f"--task {inf.cfg.moe.extracted_task}; use the full model"
+                            + (", or give this task's sentences with --src / --ref"
+                               if raw_text else ", or data prepared from this task's corpora"))
     return dataset
 
 
@@ -463,7 +465,7 @@ def cmd_routing_stats(args: argparse.Namespace) -> int:
     check_out_dir(args.out)
     with _runtime() as rt:
         inf = load_for_inference(args.checkpoint, rt.device)
-        dataset = _prepared_split(inf, args.prepared, args.split)
+        dataset = _prepared_split(inf, args.prepared, args.split, raw_text=False)
         stats = collect_routing_stats(inf.model, dataset, inf.manifest, rt, inf.cfg.data.max_tokens,
                                       max_batches=args.max_batches)
     if rt.is_main:

@@ -398,6 +398,12 @@ def prepare(corpora: list[CorpusFiles], out_dir: str | os.PathLike, data_cfg: Da
                 stats["tgt_tokens"] += sum(map(len, tgt_ids))
                 stats["skipped_too_long"].append(too_long)
                 stats["skipped_empty"].append(empty)
+            if split == "train" and not stats["sentences"]:  # `train` would refuse it later
+                raise DataError(
+                    f"{out_dir}: no training pair is left ({sum(stats['skipped_too_long'])} "
+                    f"longer than data.max_len={data_cfg.max_len} tokens, "
+                    f"{sum(stats['skipped_empty'])} with no tokens); expected some (raise "
+                    "data.max_len)")
             stats["sha256"] = digest_tree(split_dir)  # resume compares the training split's
             splits[split] = stats
 

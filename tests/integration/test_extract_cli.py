@@ -89,3 +89,10 @@ def test_extracted_direction_translates_like_the_full_model(trained):
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "its test split holds" in lines[0] and "law.de-en" in lines[0]
     assert "law.en-fr" not in lines[0] and "--task en-fr" in lines[0]
+    assert lines[0].endswith("or give this task's sentences with --src / --ref")
+    # routing-stats has no --src / --ref: its refusal points at data of the task instead
+    proc = run_cli(["routing-stats", "--checkpoint", str(sub), "--prepared", str(prepared),
+                    "--split", "test", "--out", str(work / "rs")], cwd=work, check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.strip().endswith("or data prepared from this task's corpora")
+    assert "--src" not in proc.stderr and not (work / "rs").exists()

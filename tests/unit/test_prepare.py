@@ -607,3 +607,13 @@ def test_the_hf_pad_row_is_past_the_largest_id_not_the_count(tmp_path: Path) -> 
     hf = HFTokenizer(tmp_path)
     assert hf._tok.get_vocab_size(with_added_tokens=True) == 9  # the count is eos's id
     assert (hf.eos_id, hf.pad_id, hf.size) == (9, 10, 11)
+
+
+def test_a_data_max_len_that_skips_every_training_pair_is_refused(tmp_path: Path) -> None:
+    """Nothing left to train on is an error of `prepare` (naming the limit), not a directory
+    that `train` refuses later; nothing is written."""
+    law = _corpus(tmp_path / "data", "law", 30, seed=3)
+    with pytest.raises(DataError, match=r"no training pair is left \(\d+ longer than "
+                                        r"data.max_len=2 tokens, 0 with no tokens\)"):
+        prepare([law], tmp_path / "out", _cfg(max_len=2, dev_per_domain=3, test_per_domain=3))
+    assert not (tmp_path / "out").exists()
