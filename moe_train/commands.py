@@ -497,6 +497,10 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
 
     inputs = {"--src": args.src, "--ref": args.ref, "--checkpoint": args.checkpoint,
               "--prepared": args.prepared}
+    for flag, path in (("--hyps", args.hyps), ("--json", args.json)):
+        if path == "-":  # not a file named "-", nor mixed into the scores printed there
+            raise ConfigError(f"{flag}: expected a file path, got '-' (standard output "
+                              "holds evaluate's scores)")
     outputs = {flag: check_out_file(path, flag, inputs)
                for flag, path in (("--hyps", args.hyps), ("--json", args.json)) if path}
     files = [p.resolve() for p in outputs.values() if not write_target(p)[1]]  # not /dev/null

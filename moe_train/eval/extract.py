@@ -198,8 +198,9 @@ def _task_id(task: str, source: str, manifest: dict[str, Any]) -> int:
     if task in langs:
         return langs.index(task)
     what = "target" if source == "tgt_lang" else "source"
+    known = list(_trained_tasks(source, manifest).values()) or langs  # the ones it serves
     raise ConfigError(f"--task: this model routes by {what} language; expected a language "
-                      f"({', '.join(langs) or 'none'}) or a pair xx-yy, got {task!r}")
+                      f"({', '.join(known) or 'none'}) or a pair xx-yy, got {task!r}")
 
 
 def extracted_config(cfg: ExperimentConfig, task: str, num_tasks: dict[str, int]

@@ -234,6 +234,9 @@ def test_only_tasks_the_model_trained_on_are_extracted() -> None:
                                  ("fr", "src_lang", "en")):
         with pytest.raises(ConfigError, match=f"never trained on '{task}' .* serves {serves}$"):
             resolve_task(task, source, TRAINED)
+    # a name it does not know lists what it serves, not every language of its data
+    with pytest.raises(ConfigError, match=r"expected a language \(de, fr\) or a pair"):
+        resolve_task("xx", "tgt_lang", TRAINED)
 
 
 def test_sides_routing_by_different_sources_take_one_task_each() -> None:

@@ -337,3 +337,12 @@ def test_an_override_under_a_bad_field_is_named(item: str, field: str) -> None:
     with pytest.raises(ConfigError) as info:
         load_config(CONFIG, [item])
     assert str(info.value).startswith(f"override {item}: {field}: ")
+
+
+@pytest.mark.parametrize("flag", ["--hyps", "--json"])
+def test_evaluate_outputs_are_files_not_standard_output(capsys, tmp_path, flag) -> None:
+    """`-` would have made a file named "-" (elsewhere it means a standard stream), and
+    standard output already holds the scores."""
+    _fails_cleanly(capsys, ["evaluate", "--checkpoint", str(tmp_path / "ck"), flag, "-"],
+                   f"{flag}: expected a file path, got '-'")
+    assert not (Path.cwd() / "-").exists()
