@@ -39,8 +39,17 @@ def _runtime():
     shutdown(rt)
 
 
+SYNTH_FLAGS = {"num_domains": "--domains", "target_langs": "--langs",
+               "train_per_domain": "--train", "dev_per_domain": "--dev",
+               "test_per_domain": "--test", "shared_rate": "--shared-rate",
+               "ambiguous": "--ambiguous", "ambiguous_rate": "--ambiguous-rate",
+               "cue_rate": "--cue-rate", "shared_words": "--shared-words"}
+"""The generator's settings as `synth` spells them: its errors name the flag."""
+
+
 def cmd_synth(args: argparse.Namespace) -> int:
     import dataclasses
+    import re
 
     from moe_train.data.synthetic import PRESETS
     from moe_train.data.synthetic_dir import write_synthetic
@@ -49,11 +58,15 @@ def cmd_synth(args: argparse.Namespace) -> int:
     given = {name: getattr(args, name) for name in ("shared_rate", "ambiguous", "ambiguous_rate",
                                                     "cue_rate", "shared_words")
              if getattr(args, name) is not None}
-    options = dataclasses.replace(PRESETS[args.preset], **given)
-    info = write_synthetic(args.out, overwrite=args.overwrite, num_domains=args.domains,
-                           target_langs=langs, train_per_domain=args.train,
-                           dev_per_domain=args.dev, test_per_domain=args.test, seed=args.seed,
-                           options=options, report=True)
+    try:
+        options = dataclasses.replace(PRESETS[args.preset], **given)
+        info = write_synthetic(args.out, overwrite=args.overwrite, num_domains=args.domains,
+                               target_langs=langs, train_per_domain=args.train,
+                               dev_per_domain=args.dev, test_per_domain=args.test,
+                               seed=args.seed, options=options, report=True)
+    except ConfigError as exc:
+        raise ConfigError(re.sub(r"^synthetic (\w+)", lambda m: SYNTH_FLAGS.get(
+            m.group(1), m.group(0)), str(exc))) from None
     for dom in info["domains"]:
         sizes = dom["sizes"]
         print(f"| {dom['name']:<10} train {sizes['train']:>6} | dev {sizes['dev']:>5} | "

@@ -256,21 +256,23 @@ def test_params_and_plan_with_absurd_sizes_fail_at_once(capsys) -> None:
 # ----------------------------------------------- item 11: a failed synth creates nothing
 
 
-@pytest.mark.parametrize("langs,needle", [("xx", "target_langs"), ("", "target_langs"),
-                                          ("de", "num_domains")])
+@pytest.mark.parametrize("langs,needle", [("xx", "--langs"), ("", "--langs"),
+                                          ("de", "--domains")])
 def test_failed_synth_leaves_no_parent_directories(tmp_path: Path, capsys, langs: str,
                                                    needle: str) -> None:
-    extra = ["--domains", "9"] if needle == "num_domains" else []
-    _fails_cleanly(capsys, ["synth", "--out", str(tmp_path / "new" / "deep" / "c"),
-                            "--langs", langs, *extra], f"synthetic {needle}")
+    """Nothing is made, and the error names the flag (not the generator's field)."""
+    extra = ["--domains", "9"] if needle == "--domains" else []
+    line = _fails_cleanly(capsys, ["synth", "--out", str(tmp_path / "new" / "deep" / "c"),
+                                   "--langs", langs, *extra], f"error: {needle}: expected")
+    assert "synthetic" not in line
     assert list(tmp_path.iterdir()) == []
 
 
 def test_synth_shared_words_reach_the_corpus_and_are_bounded(tmp_path: Path, capsys) -> None:
     _fails_cleanly(capsys, ["synth", "--out", str(tmp_path / "c"), "--shared-words", "200"],
-                   "synthetic shared_words: expected 0..96 words", "200")
+                   "--shared-words: expected 0..96 words", "200")
     _fails_cleanly(capsys, ["synth", "--out", str(tmp_path / "c"), "--shared-words", "8",
-                            "--ambiguous", "40"], "synthetic ambiguous: expected 0..32", "40")
+                            "--ambiguous", "40"], "--ambiguous: expected 0..32", "40")
     assert list(tmp_path.iterdir()) == []
     assert main(["synth", "--out", str(tmp_path / "c"), "--domains", "2", "--train", "20",
                  "--dev", "0", "--test", "10", "--preset", "domain-matters", "--shared-words",
