@@ -103,7 +103,7 @@ def _add_evaluate(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("evaluate", help="BLEU/chrF per domain; ends with one JSON line")
     _add_decode_args(p)
     p.add_argument("--prepared", help="prepared data dir (default: the one the model trained on)")
-    p.add_argument("--split", default="test", help="prepared split to score (default test)")
+    p.add_argument("--split", help="prepared split to score (default test)")
     p.add_argument("--src", help="raw source file (instead of a prepared split)")
     p.add_argument("--ref", help="raw reference file (with --src)")
     p.add_argument("--tgt-lang", help="target language for --src (multilingual models)")

@@ -492,12 +492,31 @@ def cmd_routing_stats(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_evaluate_inputs(args: argparse.Namespace) -> None:
+    """Raw text (--src with --ref) or a prepared split, and no option of the other: it would be
+    ignored (a prepared split has its sentences' own labels). Fills the default --split."""
+    raw = {"--src-lang": args.src_lang, "--tgt-lang": args.tgt_lang, "--domain": args.domain}
+    prepared = {"--prepared": args.prepared, "--split": args.split}
+    if args.src or args.ref:
+        if not (args.src and args.ref):
+            raise ConfigError("evaluate: --src and --ref go together")
+        given = [flag for flag, value in prepared.items() if value is not None]
+        if given:
+            raise ConfigError(f"evaluate: {' / '.join(given)} name a prepared split; not with "
+                              "--src / --ref")
+    else:
+        given = [flag for flag, value in raw.items() if value is not None]
+        if given:
+            raise ConfigError(f"evaluate: {' / '.join(given)} label raw text (--src / --ref); "
+                              "a prepared split has its sentences' own")
+    args.split = args.split or "test"
+
+
 def cmd_evaluate(args: argparse.Namespace) -> int:
     from moe_train.data.corpus import STDIN, read_text_input
 
+    _check_evaluate_inputs(args)
     if args.src or args.ref:  # raw text is checked before the model loads
-        if not (args.src and args.ref):
-            raise ConfigError("evaluate: --src and --ref go together")
         if str(args.src) == str(args.ref) == STDIN:
             raise ConfigError("evaluate: --src and --ref cannot both be standard input (-)")
         (source, src), (_, refs) = read_text_input(args.src), read_text_input(args.ref)

@@ -348,3 +348,15 @@ def test_evaluate_outputs_are_files_not_standard_output(capsys, tmp_path, flag) 
     _fails_cleanly(capsys, ["evaluate", "--checkpoint", str(tmp_path / "ck"), flag, "-"],
                    f"{flag}: expected a file path, got '-'")
     assert not (Path.cwd() / "-").exists()
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--src", "s.txt", "--ref", "r.txt", "--split", "dev"], "evaluate: --split name a prepared"),
+    (["--src", "s.txt", "--ref", "r.txt", "--prepared", "p"], "evaluate: --prepared name a"),
+    (["--tgt-lang", "fr"], "evaluate: --tgt-lang label raw text (--src / --ref)"),
+    (["--split", "dev", "--domain", "law", "--src-lang", "en"],
+     "evaluate: --src-lang / --domain label raw text")])
+def test_evaluate_refuses_options_it_would_ignore(capsys, tmp_path, args, needle) -> None:
+    """Scoring raw text, a prepared split's options would be ignored; scoring a prepared split,
+    the raw-text labels would be (it scored every language and domain): refused, named."""
+    _fails_cleanly(capsys, ["evaluate", "--checkpoint", str(tmp_path / "ck"), *args], needle)
