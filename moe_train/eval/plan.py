@@ -406,8 +406,11 @@ def format_plan(report: dict[str, Any]) -> str:
                  f"{'on' if ckpt else 'off'}")
     lines.append(f"model: {human(r['dense_params'] + r['expert_params'])} parameters "
                  f"({human(r['dense_params'])} dense, {human(r['expert_params'])} in experts); "
-                 f"per GPU {human(r['held_params'])} held (dense + 1/{ep} of the experts), "
-                 f"ZeRO shard {human(r['shard_params'])}")
+                 f"per GPU {human(r['held_params'])} (dense + 1/{ep} of the experts)"
+                 + {0: ", not sharded (ZeRO-0)",
+                    3: f", of which ZeRO-3 keeps a {human(r['shard_params'])} shard (and "
+                       "gathers one block at a time)"}.get(
+                     zero, f", ZeRO-{zero} shard {human(r['shard_params'])}"))
     block = f" + gathered block {human(r['gathered_block'])}" if r["gathered_block"] else ""
     t = {key: value / GIB for key, value in r["activation_terms"].items()}
     act = (f"layer inputs {t['layers']:.2f} + max(loss {t['loss']:.2f}, one layer "

@@ -13,7 +13,7 @@ import pytest
 
 from moe_train.config import load_config
 from moe_train.errors import ConfigError
-from moe_train.eval.params import count_parameters
+from moe_train.eval.params import count_parameters, human
 from moe_train.eval.plan import (
     GIB,
     KERNELS,
@@ -247,6 +247,13 @@ def test_format_plan_table() -> None:
     assert ("does NOT fit" in text) == (not r["fits"])
     assert format_plan({**r, "fits": True}).count("fits:") == 1
     assert json.loads(json.dumps(r)) == r  # the CLI can print it as a JSON line
+    # the model line says what each stage shards: nothing at ZeRO-0, a shard kept at ZeRO-3
+    assert "ZeRO-1 shard" in text
+    zero0 = format_plan(plan_from_args(_args(CONFIGS / "moe128-big.yaml", ep=8, zero=0,
+                                             precision="fp32")))
+    assert "not sharded (ZeRO-0)" in zero0 and "shard " not in zero0.split("\n")[2]
+    zero3 = plan_from_args(_args(CONFIGS / "qwen1.5-moe-a2.7b.yaml", ep=1, zero=3))
+    assert f"of which ZeRO-3 keeps a {human(zero3['shard_params'])} shard" in format_plan(zero3)
 
 
 def test_plan_refuses_layouts_training_refuses_and_reads_checkpointing_from_the_config() -> None:
