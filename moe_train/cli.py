@@ -318,13 +318,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _drop_stdout() -> None:
-    """Point standard output at the null device: no second error when Python flushes it at
-    exit (the reader left, or the device is full)."""
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, sys.stdout.fileno())
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = _strip_launcher_args(sys.argv[1:] if argv is None else list(argv))
     parser = build_parser()
@@ -348,15 +341,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"stopped: {exc}", file=sys.stderr)
         return exc.exit_status
     except BrokenPipeError:  # the reader of our output left (`... | head`): stop quietly
-        _drop_stdout()
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # no second error when Python flushes at exit
         return 128 + signal.SIGPIPE
     except OSError as exc:  # the machine, not the input: a full disk, a read-only mount
-        if exc.errno not in MACHINE_ERRNOS:
+        if exc.filename is None or exc.errno not in MACHINE_ERRNOS:
             raise
-        if exc.filename is None:  # a stream without a name: standard output (`> /dev/full`)
-            _drop_stdout()
-            print(f"error: cannot write the output: {exc.strerror}", file=sys.stderr)
-            return 1
         print(f"error: {exc.filename}: {exc.strerror}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -354,24 +354,6 @@ def test_a_write_that_fails_names_the_output_and_leaves_nothing(tmp_path) -> Non
         assert (err.value.errno, err.value.filename) == (errno.ENOSPC, "/dev/full")
 
 
-@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
-def test_standard_output_on_a_full_device_is_one_error_line() -> None:
-    """`moe-train params ... > /dev/full`: exit 1 and one line, not a traceback (the write
-    error names no file) nor a second error when Python flushes standard output at exit."""
-    import subprocess
-    import sys
-
-    from tests.conftest import ROOT, cli_env
-
-    with open("/dev/full", "w") as full:
-        proc = subprocess.run([sys.executable, "-m", "moe_train", "params", "--config",
-                               str(ROOT / "configs" / "debug-cpu.yaml")], stdout=full,
-                              stderr=subprocess.PIPE, text=True, env=cli_env(), timeout=120)
-    lines = [line for line in proc.stderr.splitlines() if "WARNING" not in line]
-    assert proc.returncode == 1, proc.stderr
-    assert lines == ["error: cannot write the output: No space left on device"], proc.stderr
-
-
 def test_a_full_disk_inside_a_directory_being_written_names_the_output(tmp_path,
                                                                        monkeypatch) -> None:
     """In `atomic_dir` an error about a file of the temporary directory names that file under
