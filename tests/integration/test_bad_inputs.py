@@ -346,7 +346,7 @@ CASES: dict[str, Case] = {
     "routing_stats_missing_checkpoint": Case(routing(ckpt="{tmp}/nowhere"), ("{tmp}/nowhere",)),
     "routing_stats_missing_prepared": Case(routing("--prepared", "{tmp}/prep"), ("{tmp}/prep",)),
     "routing_stats_zero_max_batches": Case(routing("--max-batches", "0"),
-                                           ("--max-batches", "integer >= 1", "0")),
+                                           ("--max-batches", "a positive integer", "'0'")),
     # params
     "params_missing_config": Case(["params", "--config", "{tmp}/nope.yaml"],
                                   ("nope.yaml", "not found")),
