@@ -130,9 +130,9 @@ CASES: dict[str, Case] = {
                                                     "en-de sub-network", "routes by domain")),
     # synth
     "synth_unknown_language": Case(["synth", "--out", "{tmp}/c", "--langs", "de,xx"],
-                                   ("target_langs", "de, fr, es, cs, ja", "xx")),
+                                   ("--langs", "de, fr, es, cs, ja", "xx")),
     "synth_too_many_domains": Case(["synth", "--out", "{tmp}/c", "--domains", "9"],
-                                   ("num_domains", "1..7", "9")),
+                                   ("--domains", "1..7", "9")),
     "synth_negative_split": Case(["synth", "--out", "{tmp}/c", "--dev", "-1"],
                                  ("--dev", "integer >= 0", "-1")),
     "synth_out_is_not_a_corpus": Case(["synth", "--out", "{tmp}/c", "--overwrite"],
