@@ -17,6 +17,7 @@ from moe_train.train.preempt import Preempted
 from moe_train.eval.limits import MAX_BEAM, MAX_LENPEN
 from moe_train.utils.cli_args import (OneLineParser, byte_size, float_in, int_at_least,
                                       non_negative_float)
+from moe_train.utils.std_streams import named_stdout
 
 _LOCAL_RANK_RE = re.compile(r"^--local[_-]rank(=\d+)?$")
 
@@ -330,7 +331,8 @@ def main(argv: list[str] | None = None) -> int:
     from moe_train import commands
 
     try:
-        return getattr(commands, f"cmd_{args.command.replace('-', '_')}")(args)
+        with named_stdout():  # a full device is the machine's one-line error, like a file's
+            return getattr(commands, f"cmd_{args.command.replace('-', '_')}")(args)
     except MoeTrainError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -333,6 +333,8 @@ def cmd_translate(args: argparse.Namespace) -> int:
     from moe_train.utils.atomic import check_out_file, lines_text, write_text
 
     source, lines = read_text_input(args.input)  # before the model: bad input fails fast
+    if args.output == "-" and sys.stdout is None:  # `moe-train translate ... >&-`
+        raise DataError("--output -: standard output is closed (give --output FILE)")
     if args.output != "-":
         check_out_file(args.output, "--output", {"--input": args.input,
                                                  "--checkpoint": args.checkpoint})

@@ -215,6 +215,9 @@ def read_text_input(path: str | os.PathLike) -> tuple[str, list[str]]:
     the name errors use for it. Lines are kept as they are (a blank line stays a line); the input
     must be UTF-8 and hold at least one line."""
     if str(path) == STDIN:
+        if sys.stdin is None:  # `moe-train translate <&-`
+            raise DataError(f"{STDIN_NAME}: standard input is closed (expected one sentence per "
+                            "line, or a file name instead of -)")
         name, data = STDIN_NAME, sys.stdin.buffer.read()
     else:
         name, data = str(path), _read_input_bytes(Path(path))

@@ -8,6 +8,7 @@ from __future__ import annotations
 import errno
 import os
 import stat
+import sys
 import threading
 from pathlib import Path
 
@@ -414,6 +415,45 @@ def test_the_cli_reports_a_failed_write_in_one_line(tmp_path, monkeypatch, capsy
         with pytest.raises(OSError) as err:
             main(["synth", "--out", str(tmp_path / "c")])
         assert err.value is bug
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
+def test_standard_output_on_a_full_device_is_one_line(tmp_path, monkeypatch, capsys) -> None:
+    """`moe-train params ... > /dev/full`: the write fails without a file name, which the rule
+    above leaves a traceback; standard output names itself, so it is the machine's one line (also
+    when the output sat in the buffer until the command ended, and through `.buffer`)."""
+    import io
+
+    from moe_train import commands
+    from moe_train.cli import main
+
+    for write in (lambda: print("table"), lambda: sys.stdout.buffer.write(b"x" * (1 << 20))):
+        monkeypatch.setattr(commands, "cmd_synth", lambda args, write=write: write() and 0)
+        full = io.TextIOWrapper(open("/dev/full", "wb"))
+        monkeypatch.setattr(sys, "stdout", full)
+        assert main(["synth", "--out", str(tmp_path / "c")]) == 1
+        assert sys.stdout is full  # put back
+        monkeypatch.undo()
+        assert capsys.readouterr().err == "error: <stdout>: No space left on device\n"
+
+
+def test_closed_standard_streams_are_one_line(monkeypatch, capsys) -> None:
+    """`translate <&-` and `translate >&-`: Python's sys.stdin / sys.stdout are None."""
+    from moe_train.cli import main
+
+    monkeypatch.setattr(sys, "stdin", None)
+    assert main(["translate", "--checkpoint", "ck"]) == 2
+    assert capsys.readouterr().err.startswith("error: <stdin>: standard input is closed")
+    monkeypatch.setattr(sys, "stdin", io_with("a sentence\n"))
+    monkeypatch.setattr(sys, "stdout", None)
+    assert main(["translate", "--checkpoint", "ck"]) == 2
+    assert capsys.readouterr().err == ("error: --output -: standard output is closed "
+                                       "(give --output FILE)\n")
+
+
+def io_with(text: str):
+    import io
+    return io.TextIOWrapper(io.BytesIO(text.encode()))
 
 
 def _raise_enospc(*args, dir=None, prefix="", suffix="", **kwargs):
