@@ -171,10 +171,12 @@ def read_yaml(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
 
 
 def _read_one(path: Path) -> tuple[dict[str, Any], Path | None]:
-    """One YAML file's own mapping (without its ``extends``) and the file it extends."""
-    if not path.is_file():
-        raise ConfigError(f"{path}: " + ("a directory; expected a YAML config file"
-                                          if path.is_dir() else "config file not found"))
+    """One YAML file's own mapping (without its ``extends``) and the file it extends. A pipe
+    (`--config <(...)`) or a device reads like a file."""
+    if not path.exists():
+        raise ConfigError(f"{path}: config file not found")
+    if path.is_dir():
+        raise ConfigError(f"{path}: a directory; expected a YAML config file")
     try:
         data = yaml.load(path.read_text(encoding="utf-8"), Loader=_StrictLoader) or {}
     except yaml.YAMLError as exc:

@@ -1,6 +1,8 @@
 """Config loading and validation: errors name the field (and file/line) and what is allowed."""
 
+import os
 import re
+import threading
 from pathlib import Path
 
 import pytest
@@ -88,6 +90,18 @@ def test_yaml_errors_name_file_and_line(tmp_path):
         load_config(tmp_path / "missing.yaml")
     with pytest.raises(ConfigError, match=r": a directory; expected a YAML config file$"):
         load_config(tmp_path)
+
+
+def test_a_config_may_come_through_a_pipe(tmp_path):
+    """`--config <(...)` is a FIFO and /dev/null a device: read like files, not "not found"."""
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    writer = threading.Thread(target=lambda: fifo.write_text("model:\n  d_model: 96\n"),
+                              daemon=True)  # blocks until read: must not hold up exit
+    writer.start()
+    assert load_config(fifo).model.d_model == 96
+    writer.join()
+    assert load_config(os.devnull) == load_config(None)
 
 
 @pytest.mark.parametrize("entry, field_", [
