@@ -50,6 +50,7 @@ from moe_train.parallel.optim_state import (adam_step, dense_params, has_unfused
                                              load_dense_state, param_aliases,
                                              save_param_state)
 from moe_train.parallel.runtime import ParallelRuntime
+from moe_train.train.ds_load import weights_only_loads
 from moe_train.utils.atomic import atomic_path, write_errors_naming, write_json
 from moe_train.utils.safe_load import load_torch
 from moe_train.utils.tensor_source import TensorSource
@@ -126,6 +127,9 @@ def verify(tag_dir: str | Path) -> str | None:
         return f"no {COMPLETE} (the save did not finish)"
     except (OSError, ValueError, KeyError, TypeError):
         return f"{COMPLETE} is unreadable"
+    if not isinstance(listed, dict) or not all(
+            isinstance(size, int) and not isinstance(size, bool) for size in listed.values()):
+        return f"{COMPLETE} is unreadable (its 'files' must map file names to sizes)"
     present = _files(tag_dir)
     for name, size in listed.items():
         if name not in present:
@@ -134,8 +138,8 @@ def verify(tag_dir: str | Path) -> str | None:
             return f"{name} has {present[name]} bytes, {size} were written"
     try:
         read_meta(tag_dir)
-    except CheckpointError:
-        return "meta.json is unreadable"
+    except CheckpointError as exc:  # "<tag_dir>/meta.json: why" -> "meta.json: why"
+        return str(exc).removeprefix(f"{tag_dir}{os.sep}")
     return None
 
 
@@ -430,10 +434,12 @@ def load_checkpoint(engine: Any, rt: ParallelRuntime, ckpt_dir: str | Path,
                               "an integer; expected the metadata a save writes") from None
     same_world = old_world == rt.world_size
     portable = is_zero_partitioned(engine.optimizer) and not (same_world and old_ep == rt.ep_size)
-    path, _ = engine.load_checkpoint(str(ckpt_dir), tag=tag, load_optimizer_states=not portable,
-                                     load_lr_scheduler_states=not portable,
-                                     load_module_only=portable,
-                                     load_module_strict=load_extra is None)
+    with weights_only_loads(engine):  # DeepSpeed itself would unpickle its files
+        path, _ = engine.load_checkpoint(str(ckpt_dir), tag=tag,
+                                         load_optimizer_states=not portable,
+                                         load_lr_scheduler_states=not portable,
+                                         load_module_only=portable,
+                                         load_module_strict=load_extra is None)
     if path is None:
         raise CheckpointError(f"{tag_dir}: DeepSpeed could not load this checkpoint")
     if portable:
@@ -446,6 +452,8 @@ def load_checkpoint(engine: Any, rt: ParallelRuntime, ckpt_dir: str | Path,
     if same_world and rng_file.is_file():
         state = load_torch(rng_file, "RNG states")
         try:
+            if not isinstance(state, dict):
+                raise TypeError(f"a {type(state).__name__}")
             set_rng_state(state)
         except (KeyError, TypeError, ValueError, RuntimeError, AttributeError) as exc:
             raise CheckpointError(f"{rng_file}: not the RNG states a checkpoint holds "
@@ -502,6 +510,12 @@ def read_meta(tag_dir: str | Path) -> dict[str, Any]:
                               "the JSON a moe_train checkpoint writes") from None
     if not isinstance(meta, dict) or "config" not in meta or "step" not in meta:
         raise CheckpointError(f"{path}: expected a JSON object with 'step' and 'config'")
+    step, config = meta["step"], meta["config"]
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise CheckpointError(f"{path}: 'step' is {step!r}; expected a step number")
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{path}: 'config' is {type(config).__name__}; expected the "
+                              "run's config as a JSON object")
     return meta
 
 

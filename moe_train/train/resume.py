@@ -10,6 +10,7 @@ manifest are compared with it (`check_resume_data`).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -118,3 +119,55 @@ def check_resume_data(tag_dir: Path, manifest: dict[str, Any], tokenizer_files: 
     if differ:
         raise CheckpointError(f"{tag_dir}: data.prepared_dir holds other prepared data than the "
                               f"checkpoint trained on: {'; '.join(differ)}")
+
+
+@dataclass(frozen=True)
+class ResumeState:
+    """What a resumed run continues from a checkpoint's meta.json (the trainer's
+    `_checkpoint_meta`), each field checked in `resume_state`."""
+
+    step: int
+    tokens_seen: int
+    data_state: dict[str, Any]
+    """The batch iterator's `state_dict()`: position (epoch, step) and data-order identity."""
+    early_stop: dict[str, Any]
+    """Early stopping's `state_dict()` and the best checkpoint's tag ({} when absent)."""
+    nonfinite_total: int
+    nonfinite_in_a_row: int
+    validated_step: int
+    """The last step whose validation early stopping has seen (-1: none)."""
+
+
+def _field(meta: dict[str, Any], key: str, kinds: tuple[type, ...], expected: str,
+           where: str, default: Any = None) -> Any:
+    value = meta.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, kinds):
+        raise CheckpointError(f"{where}: '{key}' is {value!r}; expected {expected}, as a "
+                              "checkpoint's save writes it")
+    return value
+
+
+def resume_state(meta: dict[str, Any], where: Path) -> ResumeState:
+    """The resume fields of `meta` (meta.json at `where`), checked: a damaged file is one line
+    naming the field, before any weights are loaded."""
+    number, integer, null = (int, float), (int,), type(None)
+    data = _field(meta, "data_state", (dict,), "the data order's state", str(where))
+    for key in ("epoch", "step_in_epoch"):
+        _field(data, key, integer, "an integer", f"{where}: data_state")
+    early = _field(meta, "early_stop", (dict, null), "early stopping's state", str(where)) or {}
+    for key, kinds, expected, default in (
+            ("best", (*number, null), "a number or null", None),
+            ("bar", (*number, null), "a number or null", None),
+            ("best_step", integer, "an integer", 0), ("bad", integer, "an integer", 0),
+            ("best_values", (dict, null), "a mapping", None),
+            ("best_tag", (str, null), "a step tag", None)):
+        _field(early, key, kinds, expected, f"{where}: early_stop", default)
+    nonfinite = _field(meta, "nonfinite", (dict, null), "the skipped-step counts",
+                       str(where)) or {}
+    total, in_a_row = (_field(nonfinite, key, integer, "an integer", f"{where}: nonfinite", 0)
+                       for key in ("total", "in_a_row"))
+    return ResumeState(
+        step=_field(meta, "step", integer, "an integer", str(where)),
+        tokens_seen=_field(meta, "tokens_seen", integer, "an integer", str(where), 0),
+        data_state=data, early_stop=early, nonfinite_total=total, nonfinite_in_a_row=in_a_row,
+        validated_step=_field(meta, "validated_step", integer, "an integer", str(where), -1))

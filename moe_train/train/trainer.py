@@ -40,7 +40,7 @@ from moe_train.parallel.expert_parallel import (check_moe_against_data,
                                                 deepspeed_sees_moe_layers, moe_param_groups,
                                                 setup_expert_parallel, wire_expert_parallel)
 from moe_train.parallel.runtime import ParallelRuntime
-from moe_train.train.checkpoint import latest_tag
+from moe_train.train.checkpoint import latest_tag, read_meta
 from moe_train.train.checkpointer import ENDED, Checkpointer
 from moe_train.train.ds_config import build_deepspeed_config, deepspeed_config_errors
 from moe_train.train.init_from import build_start_model
@@ -49,6 +49,7 @@ from moe_train.train.hooks import TrainerHooks, accumulate, add_ratios, hooks_fo
 from moe_train.train.loss import label_smoothed_nll
 from moe_train.train.monitor import Monitor, peak_memory_mb
 from moe_train.train.preempt import STOP_SIGNALS, Preempted, StopSignals
+from moe_train.train.resume import resume_state
 from moe_train.train.schedule import inverse_sqrt_scheduler
 
 
@@ -157,15 +158,15 @@ class Trainer:
         if tag is None:
             self.checkpoints.forget_end()
         else:  # strict: the config must match (train/resume.py)
-            meta = self.checkpoints.load(tag)
-            self.step = meta["step"]
-            self.tokens_seen = meta.get("tokens_seen", 0)
-            self.batches.load_state_dict(meta["data_state"])
-            early_state = meta.get("early_stop") or {}
-            self.early.load_state_dict(early_state)
-            self.checkpoints.adopt_best(early_state.get("best_tag"))
-            self._resume_nonfinite(meta.get("nonfinite") or {})
-            self.validated_step = int(meta.get("validated_step", -1))
+            meta_path = self.checkpoints.dir / tag / "meta.json"
+            state = resume_state(read_meta(meta_path.parent), meta_path)
+            self.checkpoints.load(tag)
+            self.step, self.tokens_seen = state.step, state.tokens_seen
+            self.batches.load_state_dict(state.data_state)
+            self.early.load_state_dict(state.early_stop)
+            self.checkpoints.adopt_best(state.early_stop.get("best_tag"))
+            self._resume_nonfinite(state.nonfinite_total, state.nonfinite_in_a_row)
+            self.validated_step = state.validated_step
         self.monitor = Monitor(rt, cfg.logging.tensorboard_dir, cfg.train.max_steps, self.step,
                                cfg.train.progress_bar)
         # the whole model: each rank holds 1/ep_size of the experts
@@ -252,12 +253,11 @@ class Trainer:
             return {"loss": 0.0, "nll": 0.0, "tokens": 0.0, "nonfinite": 1.0}
         return {"loss": loss_tot, "nll": nll_tot, "tokens": float(ntok), "nonfinite": 0.0}
 
-    def _resume_nonfinite(self, state: dict[str, int]) -> None:
+    def _resume_nonfinite(self, total: int, in_a_row: int) -> None:
         """Continue the skipped-step counts of the checkpoint: a run saved in the middle of a
         streak of non-finite steps (skipped steps leave the parameters finite, so they are
         saved) gets no fresh allowance of `optim.max_nonfinite_steps` by being resumed."""
-        self.nonfinite_steps = int(state.get("total", 0))
-        self.nonfinite_in_a_row = int(state.get("in_a_row", 0))
+        self.nonfinite_steps, self.nonfinite_in_a_row = total, in_a_row
         if self.nonfinite_in_a_row:
             self._log_main(f"| resume: {self.nonfinite_in_a_row} non-finite steps in a row so "
                            f"far (optim.max_nonfinite_steps {self.cfg.optim.max_nonfinite_steps})")

@@ -73,9 +73,11 @@ def read_json_object(path: str | os.PathLike, what: str = "JSON object",
 
 # ---------------------------------------------------------------------------------- tensors
 def load_torch(path: str | os.PathLike, what: str = "torch file",
-               safe_globals: Iterable[Any] = (), mmap: bool = False) -> Any:
-    """``torch.load(path, map_location="cpu", weights_only=True)``, with `safe_globals` (extra
-    classes/functions the file may reference) allowed; bad files are one-line CheckpointErrors.
+               safe_globals: Iterable[Any] = (), mmap: bool = False,
+               map_location: Any = "cpu") -> Any:
+    """``torch.load(path, map_location=map_location, weights_only=True)``, with `safe_globals`
+    (extra classes/functions the file may reference) allowed; bad files are one-line
+    CheckpointErrors.
     `mmap`: tensors are mapped from the file and read when used (what a caller takes of a
     large file, e.g. the weights beside the optimizer state, is all it reads; a file in
     torch's legacy format, which cannot be mapped, is read whole)."""
@@ -86,7 +88,7 @@ def load_torch(path: str | os.PathLike, what: str = "torch file",
         mmap = zipfile.is_zipfile(path)
     try:
         with torch.serialization.safe_globals(list(safe_globals)):
-            return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+            return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
     except Exception as exc:  # noqa: BLE001  (torch.load raises many types on bad data)
         text = str(exc)
         refused = re.search(r"(Unsupported global: GLOBAL \S+|unsupported GLOBAL \S+)", text)

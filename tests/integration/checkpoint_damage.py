@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 
@@ -47,13 +48,68 @@ def empty_rng_states(ckpt: Path) -> dict:
     return {}
 
 
-def text_world_size(ckpt: Path) -> dict:
+def tensor_rng_states(ckpt: Path) -> dict:
+    """A tensor where the dict of generator states belongs (an IndexError inside)."""
+    import torch
+
+    _rewrite(step_dir(ckpt), "rng_rank0.pt", lambda path: torch.save(torch.zeros(3), path))
+    return {}
+
+
+def _edit_meta(ckpt: Path, edit: Callable[[dict], None]) -> dict:
     def write(path: Path) -> None:
         meta = json.loads(path.read_text())
-        meta["world_size"] = "x"
+        edit(meta)
         path.write_text(json.dumps(meta))
 
     _rewrite(step_dir(ckpt), "meta.json", write)
+    return {}
+
+
+def text_world_size(ckpt: Path) -> dict:
+    return _edit_meta(ckpt, lambda meta: meta.update(world_size="x"))
+
+
+def text_step(ckpt: Path) -> dict:
+    return _edit_meta(ckpt, lambda meta: meta.update(step="2"))
+
+
+def no_data_state(ckpt: Path) -> dict:
+    return _edit_meta(ckpt, lambda meta: meta.pop("data_state"))
+
+
+def list_early_stop(ckpt: Path) -> dict:
+    return _edit_meta(ckpt, lambda meta: meta.update(early_stop=[1]))
+
+
+def listed_files_not_a_mapping(ckpt: Path) -> dict:
+    """complete.json's `files` a list: the step does not verify (no older one to fall back to)."""
+    step = step_dir(ckpt)
+    complete = json.loads((step / "complete.json").read_text())
+    complete["files"] = sorted(complete["files"])
+    (step / "complete.json").write_text(json.dumps(complete))
+    return {}
+
+
+class _RunsCode:
+    """Pickled as a call of os.getpid: harmless, but code a weights-only load must refuse."""
+
+    def __reduce__(self):
+        import os
+
+        return (os.getpid, ())
+
+
+def pickled_code_in_model_states(ckpt: Path) -> dict:
+    """DeepSpeed's model states file holding a call: DeepSpeed's own loader unpickles it."""
+    import torch
+
+    def write(path: Path) -> None:
+        states = torch.load(path, weights_only=True)
+        states["extra"] = _RunsCode()
+        torch.save(states, path)
+
+    _rewrite(step_dir(ckpt), "mp_rank_00_model_states.pt", write)
     return {}
 
 

@@ -33,6 +33,8 @@ from tests.cli_runner import run_moe_train
 from tests.conftest import ROOT, cli_env
 from tests.integration.checkpoint_damage import (
     dangling_latest, garbage_latest, corrupt_meta, empty_rng_states, text_world_size,
+    tensor_rng_states, text_step, no_data_state, list_early_stop, listed_files_not_a_mapping,
+    pickled_code_in_model_states,
     corrupt_weights, no_export_config, corrupt_export_manifest, manifest_without_langs,
     huge_vocab_size, pad_id_past_vocab, integer_weights, smaller_vocab_size, tiny_positions,
     step_dir)
@@ -216,6 +218,20 @@ CASES: dict[str, Case] = {
     "train_resume_text_world_size": Case(resume(), ("{step}", "world_size"),
                                          breaks=text_world_size),
     "train_resume_corrupt_meta": Case(resume(), ("{ckpt}", "meta.json"), breaks=corrupt_meta),
+    "train_resume_tensor_rng_states": Case(resume(), ("{step}/rng_rank0.pt", "RNG states"),
+                                           breaks=tensor_rng_states),
+    "train_resume_text_step": Case(resume(), ("{ckpt}/latest", "meta.json: 'step' is '2'",
+                                              "expected a step number"), breaks=text_step),
+    "train_resume_no_data_state": Case(resume(), ("{step}/meta.json", "'data_state' is None"),
+                                       breaks=no_data_state),
+    "train_resume_list_early_stop": Case(resume(), ("{step}/meta.json", "'early_stop' is [1]"),
+                                         breaks=list_early_stop),
+    "train_resume_listed_files_not_a_mapping": Case(
+        resume(), ("{ckpt}/latest", "complete.json is unreadable", "map file names to sizes"),
+        breaks=listed_files_not_a_mapping),
+    "train_resume_pickled_code": Case(
+        resume(), ("{step}/mp_rank_00_model_states.pt", "refused by weights-only loading",
+                   "posix.getpid"), breaks=pickled_code_in_model_states),
     "train_init_from_missing": Case(train("train.init_from={tmp}/none"),
                                     ("train.init_from", "{tmp}/none", "not found")),
     "train_init_from_other_shape": Case(train("train.init_from={model}", "model.ffn_dim=48"),

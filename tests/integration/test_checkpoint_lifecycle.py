@@ -7,6 +7,7 @@ A fake engine stands in for DeepSpeed (it writes one model-states file); a crash
 import errno
 import json
 import random
+import re
 
 import numpy as np
 import pytest
@@ -205,6 +206,12 @@ def test_corrupt_meta_and_model_states_are_checkpoint_errors(tmp_path):
     d = tmp_path / "ckpt"
     tag_dir = _save(d, 1)
     assert set(ckpt.consolidated_state_dict(tag_dir)) == {"weight", "bias"}  # weights_only
+    for meta, why in (({"step": "1", "config": {}}, "'step' is '1'; expected a step number"),
+                      ({"step": True, "config": {}}, "'step' is True"),
+                      ({"step": 1, "config": "x"}, "'config' is str; expected the run's")):
+        (tag_dir / "meta.json").write_text(json.dumps(meta))
+        with pytest.raises(CheckpointError, match=re.escape(f"meta.json: {why}")):
+            ckpt.read_meta(tag_dir)
     (tag_dir / "meta.json").write_bytes(b"\x00\xff")
     with pytest.raises(CheckpointError, match="meta.json: unreadable"):
         ckpt.read_meta(tag_dir)
