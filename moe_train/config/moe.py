@@ -89,6 +89,11 @@ class RouterConfig:
     renormalize: bool = True
     """topk router: renormalise the k weights to sum 1; False keeps the raw softmax
     probabilities (Qwen's ``norm_topk_prob: false``, e.g. Qwen1.5-MoE-A2.7B)."""
+    second_expert_sampling: bool = True
+    """gshard router, training only: a token goes to its second expert with probability
+    min(1, 2 g2), g2 its renormalised second weight (GShard's random routing, Sec. 2.2), so a
+    small second weight frees the expert's capacity and compute; false: always (plain top-2).
+    Evaluation is deterministic top-2 either way."""
     capacity_factor: float = 0.0
     """Expert capacity as a multiple of the even share T*K/E, read by the dispatcher;
     0 means dropless (no token is ever dropped)."""

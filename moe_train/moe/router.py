@@ -25,6 +25,8 @@ E experts, K expert slots per token, N tasks.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import Tensor
 
@@ -84,13 +86,31 @@ class SwitchRouter(TopKRouter):
 class GShardRouter(TopKRouter):
     """GShard: top-2, weights renormalised over the two; the balance loss is
     E * sum_e (c_e / S) m_e with c_e the tokens whose first choice is e (GShard Algorithm 1,
-    DeepSpeed's top2gating)."""
+    DeepSpeed's top2gating). In training, random routing (`second_expert_sampling`): the
+    second expert is kept with probability min(1, 2 g2), else its slot is -1 with weight 0,
+    before the dispatcher's capacity sees it; the first weight stays g1 / (g1 + g2)."""
 
     name = "gshard"
     first_choice_balance = True
 
     def _selection(self, cfg: RouterConfig) -> tuple[int, bool]:
         return 2, True
+
+    def forward(self, x_TD: Tensor, rctx: RoutingContext | None = None) -> Routing:
+        routing = super().forward(x_TD, rctx)
+        if not (self.training and self.cfg.second_expert_sampling):
+            return routing
+        ids_TK, weights_TK = routing.expert_ids_TK, routing.weights_TK
+        with torch.no_grad():
+            second_T = weights_TK[:, 1].float()
+            keep_T = torch.rand_like(second_T) < 2.0 * second_T
+        keep_TK = torch.stack([torch.ones_like(keep_T), keep_T], dim=1)
+        ids_TK = torch.where(keep_TK, ids_TK, torch.full_like(ids_TK, -1))
+        pad_mask_T = None if rctx is None else rctx.pad_mask_T
+        counts_E = losses.tokens_per_expert(ids_TK, self.num_experts, pad_mask_T)
+        return dataclasses.replace(
+            routing, expert_ids_TK=ids_TK, weights_TK=weights_TK * keep_TK.to(weights_TK.dtype),
+            stats={**routing.stats, "tokens_per_expert": counts_E})
 
 
 class TopPRouter(Router):

@@ -73,6 +73,35 @@ def test_gshard_balance_loss_counts_first_choices_only() -> None:
     assert gshard.stats["tokens_per_expert"].tolist() == [3, 3, 4, 2]  # statistics: every slot
 
 
+def test_gshard_random_routing_keeps_the_second_expert_with_probability_2_g2() -> None:
+    """GShard Sec. 2.2 / Algorithm 1: in training the second expert is dispatched only when
+    2 g2 > U(0, 1); a skipped slot is -1 with weight 0 (before capacity), g1 is unchanged.
+    Evaluation, and `second_expert_sampling: false`, keep plain top-2."""
+    torch.manual_seed(0)
+    router = build_router("gshard", 16, E, RouterConfig(second_expert_sampling=True))
+    with torch.no_grad():
+        router.gate.weight.weight.mul_(5)
+    x_TD = torch.randn(20000, 16)
+    plain = router.eval().route(x_TD)
+    assert bool((plain.expert_ids_TK >= 0).all())
+    g2_T = plain.weights_TK[:, 1]
+    sampled = router.train().route(x_TD)
+    kept_T = sampled.expert_ids_TK[:, 1] >= 0
+    assert torch.equal(sampled.expert_ids_TK[:, 0], plain.expert_ids_TK[:, 0])
+    assert torch.equal(sampled.expert_ids_TK[kept_T, 1], plain.expert_ids_TK[kept_T, 1])
+    assert torch.equal(sampled.weights_TK[:, 0], plain.weights_TK[:, 0])
+    assert torch.equal(sampled.weights_TK[:, 1], torch.where(kept_T, g2_T, 0.0))
+    for low, high in ((0.0, 0.1), (0.1, 0.3), (0.3, 0.5)):  # kept share ~ mean of 2 g2
+        in_bin = (g2_T >= low) & (g2_T < high)
+        assert in_bin.sum() > 500
+        expect = (2 * g2_T[in_bin]).mean().item()
+        assert kept_T[in_bin].float().mean().item() == pytest.approx(expect, abs=0.03)
+    counts_E = torch.bincount(sampled.expert_ids_TK[sampled.expert_ids_TK >= 0], minlength=E)
+    assert torch.equal(sampled.stats["tokens_per_expert"], counts_E)
+    router.cfg = RouterConfig(second_expert_sampling=False)
+    assert bool((router.train().route(x_TD).expert_ids_TK >= 0).all())
+
+
 def test_switch_weight_is_the_raw_top1_probability() -> None:
     out = identity_router("switch", k=2).route(X_TD)
     assert out.expert_ids_TK.flatten().tolist() == [0, 3, 1, 2, 0, 3]
@@ -408,7 +437,8 @@ def test_topk_gate_equals_composed_ops(name: str, k: int, padded: bool, noisy: b
     T, D, num_experts = 12, 6, 5
     router = build_router(name, D, num_experts,
                           RouterConfig(k=k, aux_loss_coef=0.3, z_loss_coef=0.2,
-                                       noisy_gating=noisy)).train()
+                                       noisy_gating=noisy,  # gshard: the gate alone
+                                       second_expert_sampling=False)).train()
     x_TD = torch.randn(T, D)
     pad_T = (torch.arange(T) % 5 == 4) if padded else None
     rctx = RoutingContext.from_batch(1, T, pad_mask_BT=None if pad_T is None else pad_T[None])
