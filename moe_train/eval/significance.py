@@ -39,15 +39,21 @@ def _resampled(metric: Any, stats_NS: np.ndarray, idx_RN: np.ndarray,
     return np.array([metric._compute_score_from_stats(list(s)).score for s in sums_RS])
 
 
+def _p_value(not_better_R: np.ndarray) -> float:
+    """(c + 1) / (R + 1) of the R resamples, c of them not better."""
+    return round(float((not_better_R.sum() + 1) / (len(not_better_R) + 1)), 4)
+
+
 def paired_bootstrap(hyps_a: Sequence[str], hyps_b: Sequence[str], refs: Sequence[str],
                      samples: int = 1000, seed: int = 12345,
                      strata: Sequence[int] | None = None,
                      tgt_lang: str | Sequence[str | None] | None = None) -> dict[str, Any]:
     """System A against system B on the same sentences: per metric (``bleu``, ``chrf``) the
     corpus scores, ``delta`` = A - B, the 95% percentile interval of the resampled deltas
-    (``ci95``), and the share of resamples in which A does not beat B (``p_a_not_better``,
-    the one-sided p-value of "A is better") and in which B does not beat A
-    (``p_b_not_better``). `strata`: sizes of consecutive blocks of the sentences (test sets
+    (``ci95``), and the one-sided p-value of "A is better", (c + 1) / (samples + 1) with c the
+    resamples in which A does not beat B (``p_a_not_better``; the +1s, as sacreBLEU's
+    ``--paired-bs``, keep R resamples from claiming p = 0: at least 1 / (R + 1)), and the same
+    for B (``p_b_not_better``). `strata`: sizes of consecutive blocks of the sentences (test sets
     joined end to end) that each resample draws from separately, so that every resample keeps
     each block's share. BLEU tokenizes as `corpus_metrics` does for `tgt_lang` (one target
     language for all sentences or one each; Chinese, Japanese, Korean: their own tokenizers);
@@ -81,7 +87,7 @@ def paired_bootstrap(hyps_a: Sequence[str], hyps_b: Sequence[str], refs: Sequenc
         lo, hi = np.percentile(delta_R, [2.5, 97.5])
         out[name] = {"a": round(a, 2), "b": round(b, 2), "delta": round(a - b, 2),
                      "ci95": [round(float(lo), 2), round(float(hi), 2)],
-                     "p_a_not_better": round(float(np.mean(delta_R <= 0)), 4),
-                     "p_b_not_better": round(float(np.mean(delta_R >= 0)), 4),
+                     "p_a_not_better": _p_value(delta_R <= 0),
+                     "p_b_not_better": _p_value(delta_R >= 0),
                      "signature": signature}
     return out
