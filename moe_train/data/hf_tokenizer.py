@@ -20,6 +20,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from moe_train.data.corpus import collapse_spaces
 from moe_train.errors import DataError
 from moe_train.utils.safe_load import read_json_object
 
@@ -112,14 +113,15 @@ class HFTokenizer:
         return [e.ids for e in self._tok.encode_batch(list(texts), add_special_tokens=False)]
 
     def decode(self, ids: Sequence[int] | np.ndarray) -> str:
-        """Text of a token sequence: stops at the first eos, drops pad."""
+        """Text of a token sequence: stops at the first eos, drops pad and special tokens, and
+        collapses whitespace as the references were (`collapse_spaces`)."""
         out: list[int] = []
         for i in (int(x) for x in ids):
             if i == self._eos:
                 break
             if i != self._pad:
                 out.append(i)
-        return self._tok.decode(out, skip_special_tokens=True)
+        return collapse_spaces(self._tok.decode(out, skip_special_tokens=True))
 
     def piece(self, token_id: int) -> str:
         return self._tok.id_to_token(int(token_id)) or ""

@@ -21,6 +21,7 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 import sentencepiece as spm
 
+from moe_train.data.corpus import collapse_spaces
 from moe_train.errors import DataError
 from moe_train.utils.atomic import atomic_path, write_text
 
@@ -39,6 +40,10 @@ def lang_tag(lang: str) -> str:
 def domain_tag(domain: str) -> str:
     """The domain tag piece, e.g. ``<dom:EMEA>``."""
     return f"<dom:{domain}>"
+
+
+_TAG_PIECE = re.compile(r"(?:<2[^>\s]+>|<dom:[^>\s]+>)\Z")
+"""What `lang_tag` and `domain_tag` make."""
 
 
 def _sample(texts: Iterable[str], max_sentences: int, seed: int) -> list[str]:
@@ -118,6 +123,8 @@ class Vocab:
             raise DataError(f"{self.path}: sentencepiece model not found; "
                             "run `moe-train prepare` first")
         self._sp = spm.SentencePieceProcessor(model_file=str(self.path))
+        self._tags = frozenset(i for i in range(self._sp.get_piece_size())
+                               if _TAG_PIECE.match(self._sp.id_to_piece(i)))
 
     # Pickling (e.g. for worker processes) reloads the model from its file.
     def __getstate__(self) -> dict[str, Any]:
@@ -159,14 +166,16 @@ class Vocab:
         return self._sp.encode(list(texts), out_type=int)
 
     def decode(self, ids: Sequence[int] | np.ndarray) -> str:
-        """Text of a token sequence: stops at the first eos, drops pad and bos."""
+        """Text of a token sequence: stops at the first eos, drops pad, bos and the tag pieces
+        (source-side only: never text), and collapses whitespace as the references were
+        (`collapse_spaces`: a generated "▁▁" or a final "▁" is no extra space)."""
         out: list[int] = []
         for i in (int(x) for x in ids):
             if i == self.eos_id:
                 break
-            if i not in (self.pad_id, self.bos_id):
+            if i not in (self.pad_id, self.bos_id) and i not in self._tags:
                 out.append(i)
-        return self._sp.decode(out)
+        return collapse_spaces(self._sp.decode(out))
 
     def piece(self, token_id: int) -> str:
         """The piece string of one id."""

@@ -226,6 +226,11 @@ def test_lang_tags_off_keeps_tags_in_vocab_but_not_in_source(
     with pytest.raises(DataError, match=r"<2fr>"):
         vocab.lang_tag_id("fr")
 
+    # A hypothesis reads as the references do: no tag piece (source-side only), no "▁▁" run
+    # or final "▁" as extra spaces.
+    words, space = vocab.encode("katze hund"), vocab._sp.piece_to_id("▁")
+    assert vocab.decode([tag, *words, space, space, *words, space]) == "katze hund katze hund"
+
 
 def test_domain_tags_come_first_and_leave_the_spm_model_as_it_is(
         tmp_path: Path, two_domains: list[CorpusFiles]) -> None:
