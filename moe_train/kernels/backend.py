@@ -8,6 +8,7 @@ Triton only for CUDA tensors when Triton imports; "torch" is the reference and t
 from __future__ import annotations
 
 import functools
+import os
 from typing import Literal
 
 import torch
@@ -37,6 +38,10 @@ def use_triton(tensor: Tensor, backend: str) -> bool:
         if tensor.dtype == torch.float64:  # the kernels compute in fp32 at most
             raise ValueError("backend='triton' takes fp32, bf16 and fp16 tensors, not float64; "
                              "use backend='torch'")
+        if not tensor.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError(f"backend='triton' runs on CUDA tensors, got one on "
+                             f"{tensor.device} (TRITON_INTERPRET=1 set before triton is "
+                             "imported interprets the kernels on CPU); use backend='torch'")
         return True
     if backend != "auto":
         raise ValueError(f"backend: expected one of {', '.join(BACKENDS)}, got {backend!r}")

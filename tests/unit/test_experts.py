@@ -142,10 +142,12 @@ def test_two_steps_equal_reference_with_reused_gradient_storage(set_to_none):
 
 
 @pytest.mark.parametrize("activation", ["relu", "gelu"])
-def test_all_experts_equals_the_grouped_rows(activation):
+def test_all_experts_equals_the_grouped_rows(activation, monkeypatch):
     """counts_E None: every expert on every row, (E, T, D). The CPU path is the grouped path's
     own arithmetic on the rows repeated per expert (bit for bit); the GPU formula (batched
-    GEMMs, run here through backend "triton", which all_experts takes for CUDA) agrees."""
+    GEMMs, run here through backend "triton", which all_experts takes for CUDA, and which a
+    CPU tensor may ask for under TRITON_INTERPRET; no kernel runs) agrees."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
     torch.manual_seed(0)
     E, T, D, F_ = 3, 7, 8, 16
     m = Experts(E, D, F_, activation)

@@ -37,6 +37,16 @@ CASES = [
     (6, 2, 3, 8, "all_dropped"),
     (40, 2, 4, 20, "dropped"),
 ]
+# (T, K, E, D, mode, F): past the kernels' blocks (BLOCK_M = BLOCK_N = 64 rows / columns,
+# BLOCK_K = 32, combine columns up to 1024), so their tile loops run more than once: D > 32
+# and F > 64 (GEMM K loop, column blocks, weight-gradient tiles), D > 1024 (combine columns),
+# an expert with over 64 rows.
+BLOCK_CASES = [
+    (20, 2, 3, 33, "random", 65),
+    (9, 3, 4, 1030, "dropped", 5),
+    (150, 1, 2, 40, "one_expert", 70),
+]
+CASES = CASES + BLOCK_CASES
 CASE_IDS = [f"T{c[0]}K{c[1]}E{c[2]}D{c[3]}-{c[4]}" for c in CASES]
 
 
@@ -98,14 +108,14 @@ def _leaf(t: torch.Tensor) -> torch.Tensor:
 # --- shared checks ------------------------------------------------------------------------------
 
 def check_histogram(case, backend: str, device: str) -> None:
-    T, K, E, _, mode = case
+    T, K, E, _, mode = case[:5]
     ids = make_ids(T, K, E, mode)
     counts = expert_histogram(ids.to(device), E, backend=backend)
     assert counts.dtype == torch.long and counts.tolist() == ref_histogram(ids, E)
 
 
 def check_permute(case, backend: str, device: str, dtype=torch.float32, tol=1e-6) -> None:
-    T, K, E, D, mode = case
+    T, K, E, D, mode = case[:5]
     ids = make_ids(T, K, E, mode)
     x = torch.randn(T, D, generator=torch.Generator().manual_seed(1)).to(device, dtype)
     x_leaf = _leaf(x)
@@ -123,7 +133,7 @@ def check_permute(case, backend: str, device: str, dtype=torch.float32, tol=1e-6
 
 
 def check_unpermute(case, backend: str, device: str, dtype=torch.float32, tol=1e-5) -> None:
-    T, K, E, D, mode = case
+    T, K, E, D, mode = case[:5]
     ids = make_ids(T, K, E, mode)
     gen = torch.Generator().manual_seed(3)
     row_map = torch.tensor(ref_row_map(ids), dtype=torch.long)
@@ -146,8 +156,9 @@ def check_unpermute(case, backend: str, device: str, dtype=torch.float32, tol=1e
 def check_grouped_gemm(case, backend: str, device: str, dtype=torch.float32, tol=1e-4,
                        F: int = 24) -> None:
     """Values and gradients (x, stacked w, bias) against the per-expert loop, with and
-    without the fused bias."""
-    T, K, E, D, mode = case
+    without the fused bias. `F`: the case's own, if it has one."""
+    T, K, E, D, mode = case[:5]
+    F = case[5] if len(case) > 5 else F
     ids = make_ids(T, K, E, mode)
     counts = ref_histogram(ids, E)
     N = sum(counts)
@@ -439,4 +450,10 @@ def test_float64_never_takes_the_triton_path() -> None:
     if triton_available():
         with pytest.raises(ValueError, match="not float64"):
             use_triton(x64, "triton")
-        assert use_triton(x64.float(), "triton") is True
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("TRITON_INTERPRET", "1")
+            assert use_triton(x64.float(), "triton") is True
+            # a CPU tensor without the interpreter: one clear error, not "0 active drivers"
+            mp.delenv("TRITON_INTERPRET")
+            with pytest.raises(ValueError, match="runs on CUDA tensors, got one on cpu"):
+                use_triton(x64.float(), "triton")

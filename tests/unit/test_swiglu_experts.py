@@ -34,7 +34,7 @@ COUNTS = [[3, 0, 5, 1], [0, 0, 0, 0], [0, 6, 0, 0], [1, 2, 0, 4, 0, 3]]
 D, F_ = 6, 10
 
 
-def make(counts: list[int], seed: int = 0, dtype=torch.float32):
+def make(counts: list[int], seed: int = 0, dtype=torch.float32, D: int = D, F_: int = F_):
     """(x_ND, [w_gate_EDF, w_up_EDF, w_down_EFD], g_ND) for `counts`, values of order one."""
     gen = torch.Generator().manual_seed(seed)
     E, N = len(counts), sum(counts)
@@ -242,9 +242,11 @@ def test_module_picks_grouped_path_when_triton(monkeypatch):
 
 def check_triton_interpreted() -> int:
     """swiglu_grouped on the Triton kernels equals swiglu_ffn; returns how many cases ran."""
-    cases = [[3, 0, 5, 1], [0, 70, 0, 2]]  # 70 rows: more than one 64-row tile
-    for i, counts in enumerate(cases):
-        x, ws, g = make(counts, seed=10 + i)
+    # 70 rows: more than one 64-row tile; D 40 > BLOCK_K 32 and F 70 > BLOCK_N 64: the GEMMs'
+    # K loops and column blocks, and the weight gradients' tiles, run more than once
+    cases = [([3, 0, 5, 1], D, F_), ([0, 70, 0, 2], D, F_), ([5, 0, 3], 40, 70)]
+    for i, (counts, d, f) in enumerate(cases):
+        x, ws, g = make(counts, seed=10 + i, D=d, F_=f)
         cpu = run(swiglu_ffn, x, ws, g, counts)
         assert_same(run(swiglu_grouped, x, ws, g, counts, backend="triton"), cpu,
                     atol=1e-4, rtol=1e-4)
@@ -257,7 +259,7 @@ def test_triton_interpreted_matches_cpu_path():
     proc = subprocess.run([sys.executable, __file__, "--triton-interpret"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=240, check=False)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    assert proc.stdout.strip().splitlines()[-1] == "ok 2"
+    assert proc.stdout.strip().splitlines()[-1] == "ok 3"
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["--triton-interpret"]:
