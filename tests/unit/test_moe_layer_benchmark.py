@@ -1,4 +1,5 @@
-"""benchmarks/moe_layer.py's memory verdict: it compares expert counts, so it needs two."""
+"""benchmarks/moe_layer.py: its memory verdict (it compares expert counts, so it needs two) and
+its equivalence check."""
 
 from __future__ import annotations
 
@@ -25,3 +26,12 @@ def test_flat_in_E_is_null_for_one_expert_count() -> None:
     bench = load_benchmark("moe_layer")
     flat = bench.memory_flat_in_E([_row(128, 1, 100), _row(128, 2, 180)])
     assert flat == {"ours_peak_minus_grad_flat_in_E": None}
+
+
+def test_equivalence_check_says_where_it_ran() -> None:
+    """It runs on a small fp32 CPU case whatever the timed device: the record says so, so a
+    CUDA record's check does not read as one of its bf16 kernels."""
+    check = load_benchmark("moe_layer").equivalence_check()
+    assert check["device"] == "cpu" and check["dtype"] == "float32"
+    for k in ("k1", "k2"):
+        assert check[k]["max_abs_diff_y"] < 1e-4 and check[k]["max_abs_diff_dx"] < 1e-4
