@@ -527,6 +527,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     from moe_train.eval.evaluate import evaluate_dataset, format_table
     from moe_train.eval.metrics import corpus_metrics, group_target
     from moe_train.train.export import load_for_inference
+    from moe_train.utils.provenance import finish, provenance
     from moe_train.utils.atomic import atomic_path, check_out_file, lines_text, write_target
 
     inputs = {"--src": args.src, "--ref": args.ref, "--checkpoint": args.checkpoint,
@@ -567,8 +568,9 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
                   "decoding": {k: getattr(ecfg, k) for k in ("beam", "lenpen", "max_len_a",
                                                               "max_len_b")},
                   **metrics}
+        record = {**result, "provenance": finish(provenance())}  # the file: where it came from
         texts = {"--hyps": lines_text(ordered),
-                 "--json": json.dumps(result, indent=2, sort_keys=True) + "\n"}
+                 "--json": json.dumps(record, indent=2, sort_keys=True) + "\n"}
         with contextlib.ExitStack() as stack:  # both files are renamed once both are written
             for flag, path in outputs.items():
                 stack.enter_context(atomic_path(path)).write_text(texts[flag], encoding="utf-8")

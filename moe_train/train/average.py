@@ -38,6 +38,7 @@ from moe_train.train.checkpoint import consolidated_state_dict, list_tags, read_
 from moe_train.train.export import (check_weights, export_inference, export_streamed,
                                     load_export_weights, read_parts)
 from moe_train.train.resume import flatten_config, vocabulary_identity
+from moe_train.utils.provenance import finish, provenance
 from moe_train.utils.safe_load import read_json_object
 
 AVERAGE_REPORT = "average.json"
@@ -205,15 +206,16 @@ def write_average(inputs: Sequence[AveragedInput], out_dir: str | Path) -> dict[
     # the export's config must take these weights
     check_weights(shape_model(newest.cfg, newest.manifest), state, Path(out_dir))
     report = {"format": "moe_train-average-1", "count": len(inputs),
-              "inputs": [{"path": str(item.path), "kind": item.kind, "step": item.step}
-                         for item in inputs]}
+              "inputs": [{"path": str(Path(item.path).resolve()), "kind": item.kind,
+                          "step": item.step} for item in inputs]}
+    recorded = {**report, "provenance": finish(provenance())}  # average.json: its origin too
     # a model converted from a Hugging Face directory without tokenizer files has none
     tokenizer = [p for p in tokenizer_files(newest.path, newest.manifest) if p.is_file()]
     if newest.cfg.optim.zero_stage == 3:  # as its run exported it: tensor by tensor, sharded
         export_streamed(out_dir, state.items(), newest.cfg, newest.manifest, tokenizer,
-                        extra_json={AVERAGE_REPORT: report})
+                        extra_json={AVERAGE_REPORT: recorded})
     else:
         export_inference(out_dir, state, newest.cfg, newest.manifest, tokenizer,
-                         extra_json={AVERAGE_REPORT: report})
+                         extra_json={AVERAGE_REPORT: recorded})
     return report
 

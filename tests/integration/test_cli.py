@@ -121,7 +121,9 @@ def test_prepare_train_evaluate_translate(tiny_corpus, tmp_path):
     assert result["all"]["sentences"] == 5 * 8
     assert result["all"]["bleu_signature"].startswith("nrefs:1|")
     assert len((tmp_path / "hyps.txt").read_text().splitlines()) == 40
-    assert json.loads((tmp_path / "m.json").read_text())["all"] == result["all"]
+    record = json.loads((tmp_path / "m.json").read_text())
+    assert record["all"] == result["all"]
+    assert "evaluate" in record["provenance"]["command"] and record["provenance"]["git"]["commit"]
     assert result["data"]["split"] == "test" and result["data"]["prepared"]  # what was scored
     assert result["decoding"]["beam"] == 2 and "lenpen" in result["decoding"]
     assert domains  # the generator recorded its domains
@@ -131,6 +133,10 @@ def test_prepare_train_evaluate_translate(tiny_corpus, tmp_path):
                   cwd=tmp_path)
     assert [i["step"] for i in json.loads(avg.stdout.strip().splitlines()[-1])["inputs"]] == [
         15, 30]
+    averaged = json.loads((tmp_path / "avg" / "average.json").read_text())
+    assert [i["path"] for i in averaged["inputs"]] == [
+        str((work / "ckpt" / f"step_{s:08d}").resolve()) for s in (15, 30)]
+    assert "average" in averaged["provenance"]["command"] and averaged["provenance"]["machine"]
     ev = run_cli(["evaluate", "--checkpoint", str(tmp_path / "avg"), "--split", "test",
                   "--beam", "1"], cwd=tmp_path)
     assert json.loads(ev.stdout.strip().splitlines()[-1])["all"]["sentences"] == 40
