@@ -57,10 +57,12 @@ class Checkpointer:
             tag = None
         return str(self.dir / tag) if tag else f"none complete in {self.dir}"
 
-    def save(self, step: int, meta: Callable[[], dict[str, Any]]) -> Path:
+    def save(self, step: int, meta: Callable[[], dict[str, Any]],
+             rank_extra: Callable[[Path], None] | None = None) -> Path:
         """Checkpoint `step` with the tokenizer and manifest attached; refuses a model with a
         NaN or infinite parameter. `meta` builds the run's JSON state once the model is known
-        to be finite, so a refused save leaves the run's counters as they were."""
+        to be finite, so a refused save leaves the run's counters as they were.
+        `rank_extra(tag_dir)`: every rank's own files (its log window)."""
         if not parameters_are_finite(self.rt, self.engine.module):
             raise CheckpointError(f"{self.dir}: refusing to save step {step}: a parameter is NaN "
                                   f"or infinite; last good checkpoint: {self.last_good()}")
@@ -69,7 +71,9 @@ class Checkpointer:
                        "manifest.json": Path(self.cfg.data.prepared_dir) / "manifest.json"}
         with without_deepspeed_moe_checkpointing(self.engine):
             return save_checkpoint(self.engine, self.rt, self.dir, step, state, attachments,
-                                   self.cfg.checkpoint.keep_last, save_extra=self._save_experts,
+                                   self.cfg.checkpoint.keep_last,
+                                   save_extra=lambda tag_dir: self._save_rank_files(tag_dir,
+                                                                                    rank_extra),
                                    keep=() if self.best_tag is None else (self.best_tag,))
 
     def load(self, tag: str, check_config: bool = True) -> dict[str, Any]:
@@ -158,9 +162,11 @@ class Checkpointer:
             ended = all_reduce_floats(self.rt, float(ended))[0] > 0
         return (summary or {"step": step}) if ended else None
 
-    def _save_experts(self, tag_dir: Path) -> None:
+    def _save_rank_files(self, tag_dir: Path, extra: Callable[[Path], None] | None) -> None:
         if self.cfg.uses_experts:
             save_expert_shards(self.engine.module, self.engine.optimizer, self.rt, tag_dir)
+        if extra is not None:
+            extra(tag_dir)
 
     def _load_experts(self, tag_dir: Path) -> None:
         if self.cfg.uses_experts:

@@ -136,6 +136,8 @@ class ResumeState:
     nonfinite_in_a_row: int
     validated_step: int
     """The last step whose validation early stopping has seen (-1: none)."""
+    world_size: int
+    """The ranks that wrote the checkpoint."""
 
 
 def _field(meta: dict[str, Any], key: str, kinds: tuple[type, ...], expected: str,
@@ -170,4 +172,5 @@ def resume_state(meta: dict[str, Any], where: Path) -> ResumeState:
         step=_field(meta, "step", integer, "an integer", str(where)),
         tokens_seen=_field(meta, "tokens_seen", integer, "an integer", str(where), 0),
         data_state=data, early_stop=early, nonfinite_total=total, nonfinite_in_a_row=in_a_row,
-        validated_step=_field(meta, "validated_step", integer, "an integer", str(where), -1))
+        validated_step=_field(meta, "validated_step", integer, "an integer", str(where), -1),
+        world_size=_field(meta, "world_size", integer, "an integer", str(where), 1))

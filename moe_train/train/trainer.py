@@ -46,29 +46,13 @@ from moe_train.train.ds_config import build_deepspeed_config, deepspeed_config_e
 from moe_train.train.init_from import build_start_model
 from moe_train.train.early_stop import EarlyStop
 from moe_train.train.hooks import TrainerHooks, accumulate, add_ratios, hooks_for, window_ratios
+from moe_train.train.log_window import STEP_SUMS, LogWindow, moe_layer_stats
 from moe_train.train.loss import label_smoothed_nll
+from moe_train.train.param_groups import param_groups
 from moe_train.train.monitor import Monitor, peak_memory_mb
 from moe_train.train.preempt import STOP_SIGNALS, Preempted, StopSignals
 from moe_train.train.resume import resume_state
 from moe_train.train.schedule import inverse_sqrt_scheduler
-
-
-def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
-    """No weight decay on biases, norms and embeddings; stacked expert parameters say which of
-    theirs are biases or norms (`no_weight_decay`: 2-D, they look like weights). Without weight
-    decay the groups keep the layout they had before experts declared theirs, so optimizer
-    states saved then still load."""
-    declared = {id(getattr(m, name)) for m in model.modules()
-                for name in getattr(m, "no_weight_decay", ())} if weight_decay > 0 else set()
-    decay, no_decay = [], []
-    for name, p in model.named_parameters():
-        if not p.requires_grad:
-            continue
-        (no_decay if p.ndim < 2 or "embed" in name or id(p) in declared else decay).append(p)
-    groups = [{"name": "decay", "params": decay, "weight_decay": weight_decay}]
-    if no_decay:
-        groups.append({"name": "no_decay", "params": no_decay, "weight_decay": 0.0})
-    return groups
 
 
 class Trainer:
@@ -113,7 +97,7 @@ class Trainer:
         if cfg.uses_experts:
             wire_expert_parallel(model, rt)
             detach_experts_from_state_dict(model)
-        groups = _param_groups(model, cfg.optim.weight_decay)
+        groups = param_groups(model, cfg.optim.weight_decay)
         if cfg.uses_experts:
             groups = moe_param_groups(model, groups, rt.ep_size)
         optimizer = torch.optim.AdamW(groups, lr=cfg.optim.lr, betas=cfg.optim.betas,
@@ -137,10 +121,8 @@ class Trainer:
         self.step = 0
         self.tokens_seen = 0
         self.tokens_unsaved = 0.0  # tokens this rank trained on since tokens_seen was updated
-        self.aux_window: dict[str, Any] = {}  # aux losses summed since the last log line
-        self.aux_micro_batches = 0  # training micro-batches summed into aux_window
+        self.window = LogWindow()  # this rank's sums for the next log line
         self.last_lr: float | None = None  # the learning rate of the last update
-        self.metric_window: dict[str, list[Any]] = {}  # hook metrics: [numerator, denominator]
         self.moe_layers = moe_layers(self.engine.module)
         self.expert_param_ids = {id(p) for _, m in expert_modules(self.engine.module)
                                  for p in m.parameters()}
@@ -167,6 +149,7 @@ class Trainer:
             self.checkpoints.adopt_best(state.early_stop.get("best_tag"))
             self._resume_nonfinite(state.nonfinite_total, state.nonfinite_in_a_row)
             self.validated_step = state.validated_step
+            self._resume_window(meta_path.parent, state.world_size)
         self.monitor = Monitor(rt, cfg.logging.tensorboard_dir, cfg.train.max_steps, self.step,
                                cfg.train.progress_bar)
         # the whole model: each rank holds 1/ep_size of the experts
@@ -180,7 +163,7 @@ class Trainer:
     # ------------------------------------------------------------------ one optimizer step
     def _forward_loss(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One forward: (scaled loss with aux and hook losses, loss sum, nll sum); aux losses
-        go to `aux_window`, hook metrics to `metric_window`. Nothing is read from the device:
+        go to the log window's `aux`, hook metrics to its `metrics`. Nothing is read from the device:
         the sums (detached) and the windows stay there until a log line reads them at once."""
         ctx = batch_context(batch, self.vocab.pad_id, len(self.manifest["langs"]))
         extras = self.hooks.batch_extras(batch)
@@ -194,8 +177,8 @@ class Trainer:
         scaled = loss_sum * scale
         for key, aux in {**out.aux_losses, **self.hooks.extra_losses(out, batch)}.items():
             scaled = scaled + aux
-            self.aux_window[key] = accumulate(self.aux_window.get(key, 0.0), aux)
-        add_ratios(self.metric_window, self.hooks.metrics(out, batch))
+            self.window.aux[key] = accumulate(self.window.aux.get(key, 0.0), aux)
+        add_ratios(self.window.metrics, self.hooks.metrics(out, batch))
         return scaled, loss_sum.detach(), nll_sum.detach()
 
     def _metric_sums(self, window: dict[str, list[Any]]) -> tuple[list[str], list[Any]]:
@@ -237,7 +220,7 @@ class Trainer:
             self.engine.backward(scaled)
             loss_tot, nll_tot = accumulate(loss_tot, loss_sum), accumulate(nll_tot, nll_sum)
             ntok += batch.n_tgt_tokens
-            self.aux_micro_batches += 1
+            self.window.aux_micro_batches += 1
             if i < len(micro) - 1:
                 self.engine.step()  # accumulating: no update yet
                 continue
@@ -252,6 +235,18 @@ class Trainer:
         if not finite:
             return {"loss": 0.0, "nll": 0.0, "tokens": 0.0, "nonfinite": 1.0}
         return {"loss": loss_tot, "nll": nll_tot, "tokens": float(ntok), "nonfinite": 0.0}
+
+    def _resume_window(self, tag_dir: Path, world_size: int) -> None:
+        """The log window the checkpoint's run had open (at the same world size), so the first
+        line after a resume reports what an uninterrupted run's would."""
+        window = (LogWindow.load(tag_dir, self.rt.rank, self.rt.device)
+                  if world_size == self.rt.world_size else None)
+        if window is not None:
+            self.window = window
+        elif self.step % self.cfg.train.log_every:
+            self._log_main(f"| resume: the first log line averages the steps after step "
+                           f"{self.step} only (no log window of world size "
+                           f"{self.rt.world_size} in the checkpoint)")
 
     def _resume_nonfinite(self, total: int, in_a_row: int) -> None:
         """Continue the skipped-step counts of the checkpoint: a run saved in the middle of a
@@ -290,8 +285,8 @@ class Trainer:
         """Dev-set loss and perplexity (token-weighted over all ranks)."""
         assert self.dev_set is not None
         self.engine.eval()
-        aux_window = dict(self.aux_window)  # dev batches do not count as training aux losses
-        metric_window, self.metric_window = self.metric_window, {}
+        aux = dict(self.window.aux)  # dev batches do not count as training aux losses
+        metrics, self.window.metrics = self.window.metrics, {}
         loss = nll = tokens = 0.0  # loss and nll: float64 device tensors after a batch
         for batch in eval_batches(self.dev_set, self.cfg.data.max_tokens, self.vocab.pad_id,
                                   self.vocab.bos_id, self.vocab.eos_id, dp_rank=self.rt.dp_rank,
@@ -301,10 +296,10 @@ class Trainer:
             if not batch.is_padding:
                 loss, nll = accumulate(loss, loss_sum), accumulate(nll, nll_sum)
                 tokens += batch.n_tgt_tokens
-        names, sums = self._metric_sums(self.metric_window)
+        names, sums = self._metric_sums(self.window.metrics)
         (loss, nll, tokens, *sums), _ = read_values(self.rt, [loss, nll, tokens, *sums])
         dev_metrics = window_ratios(names, sums, "dev/")
-        self.aux_window, self.metric_window = aux_window, metric_window
+        self.window.aux, self.window.metrics = aux, metrics
         self.engine.train()
         tokens = max(tokens, 1.0)
         return {"dev/loss": loss / tokens / math.log(2), "dev/nll": nll / tokens / math.log(2),
@@ -327,7 +322,9 @@ class Trainer:
     def save(self) -> Path:
         """Checkpoint this step (all ranks): the engine, the data order, early stopping and
         the skipped-step counts, so that `--resume` continues exactly here."""
-        return self.checkpoints.save(self.step, self._checkpoint_meta)
+        return self.checkpoints.save(self.step, self._checkpoint_meta,
+                                     rank_extra=lambda tag_dir: self.window.save(tag_dir,
+                                                                                 self.rt.rank))
 
     def _checkpoint_meta(self) -> dict[str, Any]:
         (tokens,) = all_reduce_floats(self.rt, self.tokens_unsaved)
@@ -360,13 +357,16 @@ class Trainer:
             print(msg, flush=True)
 
     # ------------------------------------------------------------------ the loop
-    def _log(self, window: dict[str, Any], elapsed: float) -> None:
-        """A window's log line: its sums, aux losses and MoE layer scalars, read at once."""
-        names, sums = self._metric_sums(self.metric_window)
-        layers = self._moe_layer_stats()
+    def _log(self) -> None:
+        """The log window's line: its sums, aux losses and MoE layer scalars, read at once;
+        a new window starts."""
+        window, self.window = self.window, LogWindow()
+        elapsed = window.elapsed()
+        names, sums = self._metric_sums(window.metrics)
+        layers = moe_layer_stats(self.moe_layers)
         (loss, nll, tokens, *sums), local = read_values(
-            self.rt, [window["loss"], window["nll"], window["tokens"], *sums],
-            [*self.aux_window.values(), *(v for _, _, stats in layers for v in stats.values())])
+            self.rt, [*(window.sums[k] for k in STEP_SUMS), *sums],
+            [*window.aux.values(), *(v for _, _, stats in layers for v in stats.values())])
         own = iter(local)  # this rank's values: the aux losses, then the layers' scalars
         if tokens == 0:  # every step of the window was skipped: no loss to report
             loss = nll = float("nan")
@@ -386,11 +386,9 @@ class Trainer:
         if grad_norm is not None:
             values["train/grad_norm"] = float(grad_norm)
         values["train/nonfinite_steps"] = float(self.nonfinite_steps)
-        for key in self.aux_window:  # over the window's own micro-batches (a resumed one's too)
-            values[f"moe/aux_{key}"] = next(own) / max(self.aux_micro_batches, 1)
-        self.aux_window, self.aux_micro_batches = {}, 0
+        for key in window.aux:  # over the window's own micro-batches (a resumed one's too)
+            values[f"moe/aux_{key}"] = next(own) / max(window.aux_micro_batches, 1)
         values.update(window_ratios(names, sums, "train/"))
-        self.metric_window = {}
         self.monitor.scalars(self.step, values)
         for tag, counts, stats in layers:
             self.monitor.histogram(self.step, f"moe_tokens_per_expert/{tag}", counts)
@@ -403,20 +401,6 @@ class Trainer:
                 f"{values['train/nll']:.3f} | ppl {values['train/ppl']:.2f} | lr "
                 f"{values['train/lr']:.2e} | gnorm {values.get('train/grad_norm', 0.0):.2f} | "
                 f"tok/s {values['train/tokens_per_s']:.0f} | mem {values['train/memory_mb']:.0f}MB")
-
-    def _moe_layer_stats(self) -> list[tuple[str, torch.Tensor, dict[str, torch.Tensor]]]:
-        """Per MoE layer (last forward on this rank): (tag, tokens per expert, its scalars:
-        drops, load CV, the router's stats such as entropy), all still on the device."""
-        out = []
-        for name, layer in self.moe_layers:
-            counts = layer.tokens_per_expert_E.float()
-            tag = name.replace(".ffn", "").replace("_layers.", "")
-            cv = counts.std(unbiased=False) / counts.mean().clamp_min(1e-9)
-            stats = {f"moe_dropped/{tag}": layer.dropped_slots, f"moe_load_cv/{tag}": cv}
-            for key, value in layer.scalar_stats.items():  # entropy: routers with probabilities
-                stats[f"moe_{'entropy' if key == 'routing_entropy' else key}/{tag}"] = value
-            out.append((tag, counts, stats))
-        return out
 
     def _validate(self, with_bleu: bool, have: dict[str, Any] | None = None,
                   to_tensorboard: bool = True) -> dict[str, Any]:
@@ -491,8 +475,7 @@ class Trainer:
     def _fit(self, stops: StopSignals) -> dict[str, Any]:
         tc = self.cfg.train
         start = time.time()
-        window = {"loss": 0.0, "nll": 0.0, "tokens": 0.0}
-        window_start = time.time()
+        self.window.started = time.time()  # a resumed window's earlier seconds are kept
         paused = 0.0  # seconds in validation and checkpoints: not training time
         train_tokens_local = 0.0
         early, validated_at, last_values = self.early, -1, None
@@ -508,15 +491,13 @@ class Trainer:
         while self.step < tc.max_steps and not stopped_early:
             sums = self.train_step()
             self._count_nonfinite(bool(sums["nonfinite"]))
-            for k in window:
-                window[k] += sums[k]
+            self.window.add_step(sums)
             train_tokens_local += sums["tokens"]
             self.tokens_unsaved += sums["tokens"]
             if self.step % tc.log_every == 0:
-                self._log(window, time.time() - window_start)
-                window = {k: 0.0 for k in window}
-                window_start = time.time()
+                self._log()
             paused_at = time.time()  # validation and checkpoints do not count as training time
+            self.window.begin_pause()
             plateau = False
             if tc.validate_every and self.step % tc.validate_every == 0 and self.step < tc.max_steps:
                 bleu_due = (bool(tc.bleu_every) and self.step % tc.bleu_every == 0) or (
@@ -537,7 +518,7 @@ class Trainer:
             if signum:  # preempted (one rank signalled is enough): save here and go
                 self._stop(signum, saved or self.save())
             pause_s = time.time() - paused_at
-            window_start += pause_s
+            self.window.end_pause()
             paused += pause_s
             if out_of_time:
                 self.monitor.print(f"| time limit of {tc.max_minutes} min reached at step {self.step}")

@@ -5,10 +5,11 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import torch
 
-from moe_train.train.checkpoint import consolidated_state_dict
+from moe_train.train.checkpoint import KILL_ENV, consolidated_state_dict
 from tests.conftest import ROOT, cli_env, debug_overrides, run_cli
 
 CONFIG = str(ROOT / "configs" / "debug-cpu.yaml")
@@ -87,3 +88,44 @@ def test_resume_needs_the_same_prepared_data_wherever_it_lives(tiny_corpus, tiny
     assert proc.stderr.strip().count("\n") == 0
     assert f"{other / 'spm.model'}: not the tokenizer that" in proc.stderr
     assert (tmp_path / "ckpt" / "latest").read_text().strip() == "step_00000003"
+
+
+def _logged(work: Path) -> dict[tuple[str, int], float]:
+    """{(tag, step): value} of the run's TensorBoard scalars (train/* and moe/aux_*)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(work / "tb"))
+    acc.Reload()
+    return {(tag, e.step): e.value for tag in acc.Tags()["scalars"]
+            if tag.startswith(("train/loss", "train/nll", "train/ppl", "moe/aux_"))
+            for e in acc.Scalars(tag)}
+
+
+def test_the_log_line_after_a_resume_between_two_lines_is_the_uninterrupted_one(
+        tiny_prepared, tmp_path):
+    """Saved at step 7 with lines every 5 steps: the resumed run's step-10 line averages
+    steps 6-10 from the checkpoint's log window, as the uninterrupted run's does (the
+    console and TensorBoard; the aux losses too), not steps 8-10."""
+    def train(work, *flags, env=None):
+        return run_cli(["train", "--config", CONFIG, *flags, *debug_overrides(
+            tiny_prepared, work, "train.max_steps=15", "checkpoint.save_every=7",
+            "checkpoint.keep_last=0", "train.validate_every=0", "train.log_every=5",
+            "data.max_tokens=400", "moe.num_experts=4", "moe.k=2")],
+            cwd=ROOT, env=env, check=False)
+
+    full = train(tmp_path / "full")
+    assert full.returncode == 0, full.stderr[-2000:]
+    killed = train(tmp_path / "killed", env={**cli_env(), KILL_ENV: "before_rotate@7"})
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    resumed = train(tmp_path / "killed", "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+
+    def lines(out: str) -> dict[str, str]:  # "| step 10 | loss 8.954 | nll 8.935 | ppl ..."
+        return {" ".join(line.split("|")[1].split()): "|".join(line.split("|")[2:5])
+                for line in out.splitlines() if line.startswith("| step ")}
+
+    want, got = lines(full.stdout), lines(resumed.stdout)
+    assert set(got) == {"step 10", "step 15"}, resumed.stdout
+    assert {k: want[k] for k in got} == got
+    want, got = _logged(tmp_path / "full"), _logged(tmp_path / "killed")
+    assert want == got and any(tag.startswith("moe/aux_") for tag, _ in want)

@@ -331,12 +331,11 @@ def _trainer_worker(rank: int, port: int, prepared: str, work: str) -> None:
                            "train.progress_bar=false", "logging.tensorboard_dir=")
     trainer = Trainer(load_config(ROOT / "configs" / "debug-cpu.yaml", over), rt)
     record: dict = {"moe_layers": len(trainer.moe_layers)}
-    sums = _measure("train_step", trainer, trainer.train_step, record)
+    _measure("train_step", trainer, trainer.train_step, record)
     record["grad_norm"] = trainer.last_grad_norm
-    window = {k: 0.0 + sums[k] for k in ("loss", "nll", "tokens")}
-    # the log line of a window with aux losses in it: a step (uncounted) before it
-    _measure("_log", trainer, lambda: trainer._log(dict(window), 1.0), record,
-             prepare=trainer.train_step)
+    # the log line of a window with a step's sums and aux losses in it (that step uncounted)
+    _measure("_log", trainer, trainer._log, record,
+             prepare=lambda: trainer.window.add_step(trainer.train_step()))
     _measure("validate_loss", trainer, trainer.validate_loss, record)
     torch.save(record, Path(work) / "record.pt")
     shutdown(rt)

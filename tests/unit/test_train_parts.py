@@ -131,14 +131,14 @@ def test_every_data_types_name_is_one_deepspeed_reads(key):
 def test_no_weight_decay_on_stacked_expert_and_adapter_biases_and_norms():
     """Stacked per expert, biases and norm affines are 2-D: they must still skip decay."""
     from moe_train.models.build import build_model
-    from moe_train.train.trainer import _param_groups
+    from moe_train.train.param_groups import param_groups
 
     def split(*overrides: str) -> tuple[set[str], set[str]]:
         cfg = load_config(None, ["model.encoder_layers=1", "model.decoder_layers=1",
                                  "model.d_model=32", "model.n_heads=4", "model.ffn_dim=64",
                                  *overrides])
         model = build_model(cfg, {"vocab_size": 40, "pad_id": 0})
-        groups = {g["name"]: g for g in _param_groups(model, 0.1)}
+        groups = {g["name"]: g for g in param_groups(model, 0.1)}
         assert groups["decay"]["weight_decay"] == 0.1
         assert groups["no_decay"]["weight_decay"] == 0.0
         names = {id(p): n.rsplit(".", 1)[-1] for n, p in model.named_parameters()}
