@@ -5,6 +5,8 @@ Legend: B batch, T target length, V vocabulary.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -26,3 +28,17 @@ def label_smoothed_nll(logits_BTV: torch.Tensor, target_BT: torch.Tensor, pad_id
     smooth = torch.where(keep_BT, smooth_BT, 0.0).sum()
     loss = (1.0 - epsilon) * nll + epsilon * smooth
     return loss, nll
+
+
+def per_token_bits(loss: float, nll: float, tokens: float, prefix: str) -> dict[str, float]:
+    """``{prefix}loss`` and ``{prefix}nll`` in bits per target token (sums in nats) and
+    ``{prefix}ppl`` = 2^nll: inf where that passes the float range (a diverging model's log line
+    must not stop the run), as fairseq's `get_perplexity`."""
+    tokens = max(tokens, 1.0)
+    nll_bits = nll / tokens / math.log(2)
+    try:
+        ppl = 2.0 ** nll_bits
+    except OverflowError:
+        ppl = math.inf
+    return {f"{prefix}loss": loss / tokens / math.log(2), f"{prefix}nll": nll_bits,
+            f"{prefix}ppl": ppl}

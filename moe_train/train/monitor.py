@@ -48,10 +48,11 @@ class Monitor:
             from torch.utils.tensorboard import SummaryWriter
 
             threading.excepthook = _quiet_tensorboard_thread
-            # A resumed run drops what an interrupted one logged after its checkpoint.
+            # A resumed run drops what an interrupted one logged after its checkpoint; one
+            # starting at step 0 (an attempt that died before its first save, run again)
+            # drops all of it.
             self._tensorboard(lambda _: setattr(self, "writer", SummaryWriter(
-                log_dir=tensorboard_dir, purge_step=initial_step + 1 if initial_step else None)),
-                always=True)
+                log_dir=tensorboard_dir, purge_step=initial_step + 1)), always=True)
         if progress_bar and sys.stderr.isatty():
             from tqdm import tqdm
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import time
 from pathlib import Path
 from typing import Any, Sequence
@@ -47,7 +46,7 @@ from moe_train.train.init_from import build_start_model
 from moe_train.train.early_stop import EarlyStop
 from moe_train.train.hooks import TrainerHooks, accumulate, add_ratios, hooks_for, window_ratios
 from moe_train.train.log_window import STEP_SUMS, LogWindow, moe_layer_stats
-from moe_train.train.loss import label_smoothed_nll
+from moe_train.train.loss import label_smoothed_nll, per_token_bits
 from moe_train.train.param_groups import param_groups
 from moe_train.train.monitor import Monitor, peak_memory_mb
 from moe_train.train.preempt import STOP_SIGNALS, Preempted, StopSignals
@@ -301,9 +300,7 @@ class Trainer:
         dev_metrics = window_ratios(names, sums, "dev/")
         self.window.aux, self.window.metrics = aux, metrics
         self.engine.train()
-        tokens = max(tokens, 1.0)
-        return {"dev/loss": loss / tokens / math.log(2), "dev/nll": nll / tokens / math.log(2),
-                "dev/ppl": 2 ** (nll / tokens / math.log(2)), **dev_metrics}
+        return {**per_token_bits(loss, nll, tokens, "dev/"), **dev_metrics}
 
     def validate_bleu(self, sentences: int, beam: int = 1) -> dict[str, Any]:
         """Dev BLEU/chrF (per domain) on about `sentences` dev pairs: the first
@@ -371,13 +368,10 @@ class Trainer:
         if tokens == 0:  # every step of the window was skipped: no loss to report
             loss = nll = float("nan")
         tokens_per_s = tokens / max(elapsed, 1e-9)
-        tokens = max(tokens, 1.0)
         grad_norm = self.last_grad_norm
         if grad_norm is None:
             grad_norm = self.engine.get_global_grad_norm()
-        values = {"train/loss": loss / tokens / math.log(2),
-                  "train/nll": nll / tokens / math.log(2),
-                  "train/ppl": 2 ** (nll / tokens / math.log(2)),
+        values = {**per_token_bits(loss, nll, tokens, "train/"),
                   "train/lr": (self.engine.get_lr()[0] if self.last_lr is None
                                else self.last_lr),
                   "train/tokens_per_s": tokens_per_s,

@@ -29,6 +29,18 @@ def test_a_resumed_run_purges_the_steps_after_its_checkpoint(tmp_path) -> None:
     assert _points(tmp_path) == [(1, 1.0), (2, 2.0), (3, 30.0), (4, 40.0)]
 
 
+def test_a_run_from_step_0_replaces_an_attempt_that_never_saved(tmp_path) -> None:
+    """`--resume` with no checkpoint yet (the first attempt died before its first save) starts
+    at step 0: that attempt's points go, instead of two per step and steps going back."""
+    rt = SimpleNamespace(is_main=True)
+    for scale in (1.0, 10.0):
+        run = Monitor(rt, str(tmp_path), total_steps=4, initial_step=0, progress_bar=False)
+        for step in range(1, 3 if scale == 1.0 else 5):
+            run.scalars(step, {"train/loss": scale * step})
+        run.close()
+    assert _points(tmp_path) == [(1, 10.0), (2, 20.0), (3, 30.0), (4, 40.0)]
+
+
 def test_a_failed_tensorboard_write_is_one_warning_and_training_goes_on(tmp_path, capsys):
     """A full disk under logging.tensorboard_dir: one warning line, logging stops, no error
     reaches the training loop, and the writer thread's own traceback is not printed."""

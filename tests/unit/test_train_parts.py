@@ -8,7 +8,7 @@ import torch
 from moe_train.config import load_config
 from moe_train.errors import ConfigError
 from moe_train.train.ds_config import build_deepspeed_config
-from moe_train.train.loss import label_smoothed_nll
+from moe_train.train.loss import label_smoothed_nll, per_token_bits
 from moe_train.train.schedule import inverse_sqrt_factor, inverse_sqrt_scheduler
 
 
@@ -60,6 +60,17 @@ def test_label_smoothed_loss_ignores_padding():
                                        rel=1e-6)
     smooth = sum(-lp[b, t].mean().item() for b, t in keep)  # padded positions smooth nothing
     assert loss.item() == pytest.approx(0.9 * nll.item() + 0.1 * smooth, rel=1e-6)
+
+
+def test_per_token_bits_and_a_perplexity_past_the_float_range() -> None:
+    """Sums in nats -> bits per token; 2^nll past 1024 bits is inf, not an OverflowError that
+    stopped a diverging run inside its log line."""
+    ln2 = math.log(2)
+    assert per_token_bits(6 * ln2, 4 * ln2, 2, "dev/") == {"dev/loss": 3.0, "dev/nll": 2.0,
+                                                          "dev/ppl": 4.0}
+    huge = per_token_bits(1.0, 5000.0 * ln2, 1.0, "train/")
+    assert huge["train/nll"] == pytest.approx(5000.0) and huge["train/ppl"] == math.inf
+    assert math.isnan(per_token_bits(math.nan, math.nan, 1.0, "")["ppl"])
 
 
 def test_deepspeed_config_mapping():
