@@ -52,6 +52,18 @@ class LogWindow:
         for key in STEP_SUMS:
             self.sums[key] = accumulate(self.sums[key], step_sums[key])
 
+    def mark(self) -> tuple[Any, ...]:
+        """What `rollback` returns the window to: its aux losses, metrics and micro-batches now
+        (the sums are new tensors at every addition, so references are a copy)."""
+        return (dict(self.aux), {k: list(v) for k, v in self.metrics.items()},
+                self.aux_micro_batches)
+
+    def rollback(self, mark: tuple[Any, ...]) -> None:
+        """Forget what was added since `mark` (a skipped step's aux losses and metrics, as its
+        loss, nll and tokens are never added)."""
+        aux, metrics, micro = mark
+        self.aux, self.metrics, self.aux_micro_batches = dict(aux), metrics, micro
+
     def begin_pause(self) -> None:
         """Validation or checkpointing from now until `end_pause`: not training time."""
         self.paused_at = time.time()

@@ -205,14 +205,15 @@ class Trainer:
 
         A step whose loss or global gradient norm is not finite on some rank is skipped on all
         ranks (one agreed decision, the step's one host sync): no parameter, optimizer-moment
-        or lr-scheduler change, the gradients are dropped; its sums are zero and `nonfinite` is 1.
+        or lr-scheduler change, the gradients are dropped; its sums are zero and `nonfinite` is 1,
+        and its aux losses and metrics leave the log window.
         """
         self.engine.train()
         loss_tot = nll_tot = 0.0  # float64 device tensors once a micro-batch is added
         ntok = 0
         micro = next(self.batches)
         self.last_grad_norm = None
-        finite = True
+        finite, before = True, self.window.mark()
         for i, batch in enumerate(micro):
             batch = batch.to(self.rt.device)
             scaled, loss_sum, nll_sum = self._forward_loss(batch)
@@ -232,6 +233,7 @@ class Trainer:
                 self.engine.step()
         self.step += 1
         if not finite:
+            self.window.rollback(before)
             return {"loss": 0.0, "nll": 0.0, "tokens": 0.0, "nonfinite": 1.0}
         return {"loss": loss_tot, "nll": nll_tot, "tokens": float(ntok), "nonfinite": 0.0}
 

@@ -62,7 +62,7 @@ def _steps(trainer) -> dict:
     _inject(trainer, plan)
     engine = trainer.engine
     rec: dict = {"nonfinite": [], "changed": [], "finite_after": [], "skipped": [], "sched": [],
-                 "moments": 0}
+                 "moments": 0, "aux_micro_batches": []}
     for _ in range(4):
         before = _state(trainer)
         sched = engine.lr_scheduler.last_epoch
@@ -74,6 +74,7 @@ def _steps(trainer) -> dict:
                                        for v in after.values()))
         rec["skipped"].append(engine.skipped_steps)
         rec["sched"].append(engine.lr_scheduler.last_epoch - sched)
+        rec["aux_micro_batches"].append(trainer.window.aux_micro_batches)
         rec["moments"] = sum(k.startswith("moment.") for k in after)
     return rec
 
@@ -178,6 +179,8 @@ def test_nonfinite_step_applies_no_update_on_any_rank(runs, zero):
         assert rec["finite_after"] == [True] * 4
         assert rec["skipped"] == [0, 1, 2, 2]  # DeepSpeed's own count of skipped steps
         assert rec["sched"] == [1, 0, 0, 1]  # the lr scheduler does not advance on a skip
+        # the log window's aux losses leave the skipped steps out, as its loss does
+        assert rec["aux_micro_batches"] == [1, 1, 1, 2]
 
 
 def test_consecutive_nonfinite_steps_stop_the_run_naming_the_last_checkpoint(runs):
