@@ -38,6 +38,8 @@ experts per token (the router's k; top-p: its bound):
 - MoE FFN: norm + router (fp32 probabilities 4E; ids, weights, row map 24 B per slot) + per
   slot: dispatched row aD, expert hidden rows (relu aF, gelu 2aF, SwiGLU 4aF), expert output aD
   (read by the combine's weight gradient) + shared SwiGLU expert 4aF_s + aD + mask mD.
+- adapter slot (MoA, ADPT, Gated Adapters; inner dim R): see `_adapter_bytes` (per slot 5aD +
+  aR; Gated Adapters run all E adapters on every token, 2aD + aR each).
 - per stack: embedding dropout mask mD and the final norm (the encoder's output, read by every
   cross-attention, is kept once).
 - loss: 12 B per vocabulary entry per target token: the fp32 log-softmax kept for backward
@@ -49,11 +51,14 @@ experts per token (the router's k; top-p: its bound):
 
 All-to-all (ep > 1): one MoE layer's dispatch send and receive buffers, tokens x k x D x a each,
 and the same two for the combine: 4 x tokens x k x D x a.
+Gradient bucket (ZeRO-1/2): DeepSpeed's `reduce_bucket_size` elements (default 5e8: 0.93 GiB in
+bf16), allocated as the backward starts whatever the model's size (`reduce_bucket_bytes`).
 
-Total = parameters + gradients + optimizer state + max(activations + all-to-all, optimizer
-step); it fits within (1 - headroom) of the GPU's memory. The 10% headroom covers the CUDA
-context, allocator fragmentation and what is not modelled (DeepSpeed's communication buckets,
-O(H) bytes per token, adapter slots, THOR's task predictor).
+Total = parameters + gradients + optimizer state + max(activations + all-to-all + bucket,
+optimizer step); it fits within (1 - headroom) of the GPU's memory. The 10% headroom covers the
+CUDA context, allocator fragmentation and what is not modelled (ZeRO-3's prefetch and reduce
+buckets, O(H) bytes per token, THOR's task predictor). Top-p and THOR routers plan their
+bound on experts per token (all E, or |S^t|): an upper bound, which the report notes.
 
 `eval.plan_measure.measure_peak` checks the model against real steps on the CPU;
 `kernels="cpu"` plans with what the CPU kernels keep (masks in the activation dtype, SwiGLU
@@ -80,6 +85,7 @@ from moe_train.config.schema import ExperimentConfig
 from moe_train.errors import ConfigError
 from moe_train.eval.params import _need_num_tasks, count_model, experts_per_token, human
 from moe_train.models.build import shape_model
+from moe_train.moe.dispatcher import DenseDispatcher
 from moe_train.moe.experts import Experts, StackedExperts, SwiGLUExperts
 from moe_train.moe.layer import MoELayer
 
@@ -176,6 +182,20 @@ class FFNShape:
     k: int = 0
     shared_dim: int = 0
     """Inner dim of the shared SwiGLU expert (0: none)."""
+    exact: bool = True
+    """False where k is the router's bound (top-p, THOR's top-p): the plan is an upper bound."""
+
+
+@dataclass(frozen=True)
+class AdapterShape:
+    """A layer's adapter slot (MoA, ADPT, Gated Adapters): E adapters of inner dim R, k per
+    token (grouped rows), or all of them on every token (`dense`: Gated Adapters)."""
+
+    num_experts: int
+    k: int
+    dim: int
+    dense: bool
+    act_dropout: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -190,6 +210,7 @@ class LayerShape:
     dropout: float
     """Residual dropout after attention and FFN (seq2seq: model.dropout)."""
     ffn: FFNShape
+    adapter: AdapterShape | None = None
 
 
 @dataclass(frozen=True)
@@ -226,13 +247,23 @@ def _ffn_shape(ffn: nn.Module, default_act: str) -> FFNShape:
         elif isinstance(experts, Experts):
             dim, act = experts.w1_EDF.shape[2], experts.activation_name
             act_dropout = experts.activation_dropout
-        k, _, _ = experts_per_token(moe.router, moe.num_experts)
+        k, exact, _ = experts_per_token(moe.router, moe.num_experts)
         shared = moe.shared_expert
         return FFNShape("moe", dim, act, act_dropout, moe.num_experts, k,
-                        0 if shared is None else shared.gate_proj.out_features)
+                        0 if shared is None else shared.gate_proj.out_features, exact)
     if hasattr(ffn, "gate_proj"):  # HF Qwen2MoeMLP: SwiGLU
         return FFNShape("dense", ffn.gate_proj.out_features, "swiglu")
     return FFNShape("dense", ffn.fc1.out_features, default_act, ffn.activation_dropout.p)
+
+
+def _adapter_shape(slot: nn.Module | None) -> AdapterShape | None:
+    if slot is None:
+        return None
+    moe = slot.moe
+    k, _, _ = experts_per_token(moe.router, moe.num_experts)
+    return AdapterShape(moe.num_experts, k, moe.experts.w_down_EDR.shape[2],
+                        isinstance(moe.dispatcher, DenseDispatcher),
+                        moe.experts.activation_dropout)
 
 
 def _layer_shapes(model: nn.Module, cfg: ExperimentConfig) -> tuple[LayerShape, ...]:
@@ -242,7 +273,7 @@ def _layer_shapes(model: nn.Module, cfg: ExperimentConfig) -> tuple[LayerShape, 
                      for layer in model.hf.model.layers)
     m = cfg.model
     return tuple(LayerShape("layernorm", 1.0, side == "decoder", m.dropout,
-                            _ffn_shape(layer.ffn, m.activation))
+                            _ffn_shape(layer.ffn, m.activation), _adapter_shape(layer.adapter))
                  for side in ("encoder", "decoder") for layer in getattr(model, f"{side}_layers"))
 
 
@@ -294,6 +325,20 @@ def _ffn_bytes(ffn: FFNShape, d: int, a: int, m: int, kern: Kernels) -> float:
     return 4 * ffn.num_experts + ffn.k * slot + shared
 
 
+def _adapter_bytes(ad: AdapterShape, d: int, a: int, m: int) -> float:
+    """Bytes per token an adapter slot keeps. Every adapter on every token (dense): the
+    LayerNorm's input and normalised rows 2aD (+ 8 B statistics) and the combine's sum aD, then
+    per adapter its affine output aD, hidden aR (+ dropout) and output aD, and 16 B of gate
+    weights, probabilities and indices. Grouped (k per token): the router's fp32 probabilities
+    4E, then per slot the dispatched row, normalised row, gathered LayerNorm weight, affine
+    output and adapter output (5aD), hidden aR (+ dropout) and 80 B of statistics, ids, weights
+    and row maps (measured on the CPU path)."""
+    hidden = (a + (a + m) * (ad.act_dropout > 0)) * ad.dim
+    if ad.dense:
+        return 3 * a * d + 8 + ad.num_experts * (2 * a * d + hidden + 16)
+    return 4 * ad.num_experts + ad.k * (5 * a * d + hidden + 80)
+
+
 def layer_bytes(layer: LayerShape, d: int, a: int, kern: Kernels) -> tuple[float, float]:
     """(bytes per token of the layer's stream, bytes per source token) kept for backward."""
     m = kern.mask_bytes or a
@@ -304,7 +349,8 @@ def layer_bytes(layer: LayerShape, d: int, a: int, kern: Kernels) -> tuple[float
     if layer.cross:
         attn += norm + 2 * a * d + mask
         per_src = 2 * a * d
-    return attn + norm + _ffn_bytes(layer.ffn, d, a, m, kern) + mask, per_src
+    adapter = 0.0 if layer.adapter is None else _adapter_bytes(layer.adapter, d, a, m)
+    return attn + norm + _ffn_bytes(layer.ffn, d, a, m, kern) + mask + adapter, per_src
 
 
 def target_tokens(inputs: PlanInputs, decoder_only: bool) -> int:
@@ -333,6 +379,20 @@ def activation_bytes(shape: ModelShape, inputs: PlanInputs, kern: Kernels) -> di
                 "total": kept + other + max(loss, recomputed)}
     return {"layers": sum(per_layer), "recomputed_layer": 0, "loss": loss, "other": other,
             "total": sum(per_layer) + other + loss}
+
+
+def reduce_bucket_bytes(cfg: ExperimentConfig, zero: int, precision: str) -> int:
+    """ZeRO-1/2's gradient reduction bucket: DeepSpeed allocates `reduce_bucket_size` elements
+    (default 5e8) in the gradient dtype (fp32 with data_types.grad_accum_dtype fp32) when the
+    backward starts, two with `overlap_comm`, whatever the model's size: alive with the
+    activations. None without `contiguous_gradients`, and none at ZeRO 0 and 3."""
+    zo = cfg.deepspeed.get("zero_optimization") or {}
+    if zero not in (1, 2) or not zo.get("contiguous_gradients", True):
+        return 0
+    accum = (cfg.deepspeed.get("data_types") or {}).get("grad_accum_dtype")
+    dtype_bytes = 4 if precision == "fp32" or accum in ("fp32", "float32") else 2
+    buffers = 2 if zo.get("overlap_comm", False) else 1
+    return buffers * int(float(zo.get("reduce_bucket_size", 5e8))) * dtype_bytes
 
 
 def _step_bytes(zero: int, mixed: bool, held: tuple[int, int], shard: tuple[int, int]) -> int:
@@ -373,7 +433,8 @@ def plan_memory(cfg: ExperimentConfig, inputs: PlanInputs, *, kernels: str = "gp
     tokens = inputs.micro_batch * inputs.seq_len
     k = max((layer.ffn.k for layer in shape.layers), default=0)
     a2a = 4 * tokens * k * shape.d_model * pb if ep > 1 else 0
-    total = params + grads + optim + max(act["total"] + a2a, step)
+    bucket = reduce_bucket_bytes(cfg, zero, inputs.precision)
+    total = params + grads + optim + max(act["total"] + a2a + bucket, step)
     gpu_mem = int(inputs.gpu_mem_gb * GIB)
     usable = int(gpu_mem * (1 - inputs.headroom))
     notes = []
@@ -381,10 +442,14 @@ def plan_memory(cfg: ExperimentConfig, inputs: PlanInputs, *, kernels: str = "gp
         notes.append(f"activations as the {kernels} kernels keep them")
     if ep > 1 and not k:
         notes.append("the adapter layers' all-to-all buffers are not modelled")
+    if not all(layer.ffn.exact for layer in shape.layers):
+        notes.append("top-p / THOR routing: activations (and all-to-all buffers) planned for "
+                     "the most experts a token may take, an upper bound")
     return {
         "arch": shape.arch, **asdict(inputs), "world_size": W, "kernels": kernels,
         "parameters": params, "gradients": grads, "optimizer_states": optim,
-        "activations": int(act["total"]), "all_to_all": a2a, "optimizer_step": step,
+        "activations": int(act["total"]), "all_to_all": a2a, "reduce_bucket": bucket,
+        "optimizer_step": step,
         "total": int(total), "gpu_mem": gpu_mem, "usable": usable, "fits": total <= usable,
         "activation_terms": {key: int(v) for key, v in act.items() if key != "total"},
         "dense_params": Pd, "expert_params": Pe, "held_params": held, "shard_params": shard,
@@ -425,8 +490,11 @@ def format_plan(report: dict[str, Any]) -> str:
             ("all-to-all buffers", r["all_to_all"],
              "one MoE layer, dispatch + combine" if r["all_to_all"] else
              "none (ep 1)" if ep == 1 else "not modelled (adapter layers)"),
+            ("gradient bucket", r["reduce_bucket"],
+             "DeepSpeed's reduce_bucket_size, during the backward" if r["reduce_bucket"] else
+             f"none (ZeRO-{zero})" if zero in (0, 3) else "none (contiguous_gradients off)"),
             ("optimizer step (transient)", r["optimizer_step"],
-             "in the total only where above activations + all-to-all")]
+             "in the total only where above activations + all-to-all + bucket")]
     lines.append(f"{'per GPU':<30}{'GiB':>6}")
     lines += [f"  {name:<28}{value / GIB:6.2f}   {note}" for name, value, note in rows]
     lines.append(f"  {'total':<28}{r['total'] / GIB:6.2f}")
@@ -447,6 +515,9 @@ def inputs_from_args(args: Any, cfg: ExperimentConfig) -> PlanInputs:
         value = getattr(args, name, None)
         return default if value is None else value
 
+    if getattr(args, "target_len", None) and not cfg.decoder_only:
+        raise ConfigError("--target-len: expected only for a decoder-only model (a seq2seq "
+                          "model's targets are --seq-len tokens each)")
     seq_len = get("seq_len", min(cfg.data.max_len, model_shape(cfg).max_positions))
     nodes, gpus, ep = get("nodes", 1), get("gpus_per_node", 8), get("ep", cfg.moe.ep_size)
     world = nodes * gpus if isinstance(nodes, int) and isinstance(gpus, int) else 0

@@ -65,8 +65,13 @@ def measure_peak(cfg: ExperimentConfig, micro_batch: int, seq_len: int, *,
     src_BS = torch.randint(1, vocab, (micro_batch, S), generator=gen)
     tgt_BT = torch.randint(1, vocab, (micro_batch, T + 1), generator=gen)
 
+    # task labels for task-routed layers (language pair en-de, domain 0, task 0)
+    zeros_B = torch.zeros(micro_batch, dtype=torch.long)
+    labels = {"domain_ids_B": zeros_B, "src_lang_B": zeros_B, "tgt_lang_B": zeros_B + 1,
+              "task_ids_B": zeros_B, "extras": {"num_langs": 2}}
+
     def loss_of(model: nn.Module) -> torch.Tensor:  # `out` dies here, as in the trainer
-        ctx = ForwardContext(src_pad_mask_BS=src_BS.eq(0))
+        ctx = ForwardContext(src_pad_mask_BS=src_BS.eq(0), **labels)
         out = teacher_forced(model, src_BS, tgt_BT[:, :-1], ctx, 0, cfg.decoder_only)
         loss, _ = label_smoothed_nll(out.logits_BTV, tgt_BT[:, 1:], 0, cfg.optim.label_smoothing)
         return loss / tgt_BT[:, 1:].numel() + sum(out.aux_losses.values())

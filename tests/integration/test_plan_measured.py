@@ -38,6 +38,17 @@ def test_planned_peak_within_15_percent_of_measured(name: str) -> None:
     assert abs(step_error) <= TOLERANCE, r
 
 
+@pytest.mark.parametrize("config, overrides", [
+    ("configs/gad-synthetic.yaml", ["gated.gate_loss=none"]),  # every adapter on every token
+    ("configs/moa-synthetic-adpt.yaml", []),  # one adapter per sentence, by its domain
+], ids=["gated", "adpt"])
+def test_adapter_slots_within_5_percent_of_measured(config: str, overrides: list[str]) -> None:
+    """Adapter slots are planned (they were left out: 37% / 20% of the working set short)."""
+    r = measured_vs_planned(load_config(ROOT / config, overrides), 16, 64)
+    assert abs(r["working_relative_error"]) <= 0.05, r
+    assert abs(r["relative_error"]) <= 0.05, r
+
+
 def test_activation_checkpointing_within_15_percent_of_measured() -> None:
     """transformers' per-layer checkpointing of the Qwen model; a small vocabulary makes the
     recomputed layer, not the loss, the larger of the two."""

@@ -75,8 +75,10 @@ def test_zero_stages_shard_what_deepspeed_shards(spec) -> None:
     assert plans[3]["shard_params"] == shard
     assert plans[3]["parameters"] == plans[3]["gradients"] == 2 * (shard + block)
     assert all(p["activations"] == plans[0]["activations"] for p in plans)
-    totals = [p["total"] for p in plans]
-    assert totals[:3] == sorted(totals[:3], reverse=True) and totals[0] > totals[3]
+    # model states shrink stage by stage (ZeRO-1/2 add DeepSpeed's fixed gradient bucket on
+    # top: test_zero_1_and_2_hold_deepspeeds_gradient_bucket)
+    states = [p["parameters"] + p["gradients"] + p["optimizer_states"] for p in plans]
+    assert states[:3] == sorted(states[:3], reverse=True) and states[0] > states[3]
     with pytest.raises(ConfigError, match=r"^--ep: expected 1 with --zero 3"):
         _plan(cfg, zero_stage=3, ep=ep)
 
@@ -114,9 +116,34 @@ def test_total_adds_the_larger_of_activations_and_the_optimizer_step() -> None:
                {"zero_stage": 2, "ep": 2}):
         p = _plan(cfg, **kw)
         static = p["parameters"] + p["gradients"] + p["optimizer_states"]
-        assert p["total"] == static + max(p["activations"] + p["all_to_all"], p["optimizer_step"])
+        assert p["total"] == static + max(p["activations"] + p["all_to_all"] + p["reduce_bucket"],
+                                          p["optimizer_step"])
     tiny = _plan(cfg, micro_batch=1, seq_len=8)
     assert tiny["optimizer_step"] > tiny["activations"]  # a tiny batch: the step's transient
+
+
+def test_zero_1_and_2_hold_deepspeeds_gradient_bucket() -> None:
+    """DeepSpeed's ZeRO-1/2 allocate `reduce_bucket_size` gradient elements (5e8 by default)
+    as the backward starts, whatever the model: a 1.9 MB model planned at ZeRO-2 in bf16 on an
+    8 GiB GPU needs the bucket's 0.93 GiB. Two with overlap_comm; none at ZeRO 0 and 3."""
+    cfg = _cfg(QWEN_TINY)
+    for zero, precision, bucket in ((0, "bf16", 0), (3, "bf16", 0), (1, "bf16", 5 * 10**8 * 2),
+                                    (2, "bf16", 5 * 10**8 * 2), (2, "fp32", 5 * 10**8 * 4)):
+        p = _plan(cfg, zero_stage=zero, precision=precision)
+        assert p["reduce_bucket"] == bucket, (zero, precision)
+        assert p["total"] >= p["parameters"] + p["gradients"] + p["optimizer_states"] + bucket
+    tuned = load_config(QWEN_TINY[0], [
+        "deepspeed.zero_optimization.reduce_bucket_size=1e6",
+        "deepspeed.zero_optimization.overlap_comm=true"])
+    assert _plan(tuned, zero_stage=2)["reduce_bucket"] == 2 * 10**6 * 2
+    off = load_config(QWEN_TINY[0], ["deepspeed.zero_optimization.contiguous_gradients=false"])
+    assert _plan(off, zero_stage=2)["reduce_bucket"] == 0
+
+
+def test_top_p_plans_an_upper_bound_and_says_so() -> None:
+    topp = load_config(SEQ2SEQ_SMALL[0], [*SEQ2SEQ_SMALL[1], "moe.encoder_router=topp"])
+    assert any("upper bound" in note for note in _plan(topp)["notes"])
+    assert not any("upper bound" in note for note in _plan(_cfg(SEQ2SEQ_SMALL))["notes"])
 
 
 def test_all_to_all_buffers_only_with_expert_parallelism() -> None:
@@ -211,6 +238,8 @@ def test_plan_from_args_defaults_come_from_the_config() -> None:
     with pytest.raises(ConfigError, match=r"^--ep: expected a divisor of the world size \(8\), "
                                           r"got 64 \(the config's moe.ep_size\)"):
         plan_from_args(_args(CONFIGS / "moe128-big.yaml"))
+    with pytest.raises(ConfigError, match=r"^--target-len: expected only for a decoder-only"):
+        plan_from_args(_args(CONFIGS / "debug-cpu.yaml", target_len=5))
 
 
 def test_qwen_a27b_on_8_a100_80gb_with_zero3() -> None:
