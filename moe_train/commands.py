@@ -25,14 +25,25 @@ def _runtime():
     """A distributed runtime under a launcher, else a plain single-process one (no process
     group); the process group is shut down at the end, without waiting for the peers when this
     rank failed (they may be inside a collective)."""
-    from moe_train.parallel.runtime import ParallelRuntime, detect_launch, init_runtime, shutdown
+    from moe_train.parallel.runtime import ParallelRuntime, detect_launch, init_runtime
 
     if not detect_launch(os.environ).multi_process:
         yield ParallelRuntime()
         return
     rt = init_runtime()
-    try:
+    with _shut_down(rt):
         yield rt
+
+
+@contextlib.contextmanager
+def _shut_down(rt):
+    """Shut `rt` down when the block ends: after a barrier when it succeeded, at once when this
+    rank failed (its peers may be inside a collective: a barrier would hang both until the
+    process group's timeout, and the error would never be printed)."""
+    from moe_train.parallel.runtime import shutdown
+
+    try:
+        yield
     except BaseException:
         shutdown(rt, barrier=False)
         raise
@@ -139,7 +150,7 @@ def run_training(cfg, resume: bool) -> dict[str, Any]:
     else:
         cls_positions = int(cfg.uses_thor)  # THOR prepends a [CLS] to every source
         check_fits_model(cfg.data.prepared_dir, cfg.model.max_positions - cls_positions)
-    from moe_train.parallel.runtime import init_runtime, shutdown
+    from moe_train.parallel.runtime import init_runtime
     from moe_train.train.checkpoint import latest_tag
     from moe_train.train.trainer import Trainer
 
@@ -148,10 +159,8 @@ def run_training(cfg, resume: bool) -> dict[str, Any]:
         raise CheckpointError(f"checkpoint.dir {cfg.checkpoint.dir}: already holds a checkpoint; "
                               "pass --resume to continue it or choose another checkpoint.dir")
     rt = init_runtime()
-    try:
+    with _shut_down(rt):
         summary = Trainer(cfg, rt, resume=resume).fit()
-    finally:
-        shutdown(rt)
     summary["rank"] = rt.rank
     return summary
 
@@ -588,17 +597,15 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def cmd_pipeline(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)  # before the stages' imports: fails fast
     check_dir_settings(cfg, recipe=True)
-    from moe_train.parallel.runtime import init_runtime, shutdown
+    from moe_train.parallel.runtime import init_runtime
     from moe_train.stages.common import StageContext
     from moe_train.stages.pipeline import check_request, run_pipeline
 
     check_request(args.recipe, args.stage)
     rt = init_runtime()
-    try:
+    with _shut_down(rt):
         summary = run_pipeline(StageContext(cfg, rt, rerun_stale=args.rerun_stale),
                                args.recipe, args.stage)
-    finally:
-        shutdown(rt)
     if rt.is_main:
         _json_line(summary)
     return 0

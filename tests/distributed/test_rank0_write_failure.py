@@ -93,3 +93,30 @@ def test_a_rank0_write_failure_stops_every_rank_in_one_line(tiny_prepared, tmp_p
         assert f"error: {ckpt / 'step_00000002'}: another rank could not write" in text
         assert latest_tag(ckpt, warn=None) == "step_00000001" and not list(ckpt.glob(".tmp-*"))
         assert "| step      3 |" not in text  # rank 1 did not train on alone
+
+
+def test_an_error_on_one_rank_ends_every_rank_with_its_message(tiny_prepared, tmp_path):
+    """Rank 1 raises in the middle of training (an OOM, a bad batch on one node): it must not
+    wait at the end-of-run barrier while rank 0 waits in the step's all-reduce (both until the
+    process group's 30-minute timeout, its error never printed); it leaves, and rank 0 fails
+    on the broken collective."""
+    script = tmp_path / "run.py"
+    script.write_text(
+        "import sys\n"
+        "from moe_train.train import trainer as m\n"
+        "orig = m.Trainer._forward_loss\n"
+        "def patched(self, batch):\n"
+        "    if self.rt.rank == 1 and self.step + 1 >= 2:\n"
+        "        raise RuntimeError('simulated failure on rank 1')\n"
+        "    return orig(self, batch)\n"
+        "m.Trainer._forward_loss = patched\n"
+        "from moe_train.cli import main\nsys.exit(main(sys.argv[1:]))\n")
+    start = time.time()
+    ranks = Ranks(["train", "--config", CONFIG,
+                   *debug_overrides(tiny_prepared, tmp_path, "train.max_steps=4",
+                                    "checkpoint.save_every=10", "train.validate_every=0",
+                                    "data.max_tokens=400")],
+                  ROOT, cli_env(), tmp_path / "log", script=script)
+    text = ranks.finish(expect_ok=False, timeout=300)
+    assert ranks.returncode != 0 and time.time() - start < 150, text[-3000:]
+    assert "simulated failure on rank 1" in text, text[-3000:]
