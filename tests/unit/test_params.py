@@ -75,7 +75,7 @@ def test_128_expert_big() -> None:
     assert report["embeddings"] == 64000 * 1024
     assert _close(report["decoder"], BIG_DECODER)
     assert _close(report["serving_decoder"], BIG_SERVING_DECODER)
-    assert (report["encoder_router"], report["decoder_router"]) == ("topk", "task")
+    assert (report["encoder_router"], report["decoder_router"]) == ("gshard", "task")
     assert report["encoder_num_experts"] == report["decoder_num_experts"] == 128
     # Token-routed encoder: all experts are served; only the decoder shrinks.
     assert report["serving_encoder"] == report["encoder"]
@@ -157,7 +157,7 @@ def test_format_and_json() -> None:
         ["999", "49.2K", "533.1M", "13.27B"]
     report = _report("moe32-base-token-target.yaml")
     text = format_params(report)
-    assert "encoder: 3 MoE layers x 32 experts, router topk" in text
+    assert "encoder: 3 MoE layers x 32 experts, router gshard" in text
     assert "decoder: 3 MoE layers x 32 experts, router task" in text
     line = next(l for l in text.splitlines() if l.startswith("  serving decoder"))  # noqa: E741
     assert line.split()[-2:] == [human(report["serving_decoder"]),
