@@ -5,9 +5,10 @@ over fake environments). Launch modes, all ending in the same `ParallelRuntime`:
 - `deepspeed` launcher, `torchrun`: RANK / WORLD_SIZE / LOCAL_RANK / MASTER_* are in the env.
 - `mpirun` of Open MPI (OMPI_COMM_WORLD_*), MPICH or Intel MPI (PMI_RANK / PMI_SIZE, Hydra's
   MPI_LOCALRANKID / MPI_LOCALNRANKS), PMIx (PMIX_RANK; the size from the launcher's own variables).
-  Without MASTER_ADDR, rank 0's host and a free port are broadcast through mpi4py.
+  The rendezvous is rank 0's (its MASTER_ADDR / MASTER_PORT, else its host and a free port),
+  broadcast through mpi4py: mpirun passes its environment to the ranks of its own node only.
 - `srun` without a launcher: SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID; the master is the first
-  host of the step's node list, the port 20000 + job id % 20000 (as launch/slurm.sbatch).
+  host of the step's node list, the port `slurm_port(job, step)` (as launch/slurm.sbatch).
 - No launcher: one process, world size 1, on a free local port (the debug mode CI runs).
 
 The runtime object is the one container of process-group state: pass it down, never store it in a
@@ -115,7 +116,7 @@ class LaunchInfo:
     """None: an MPI environment that does not say; counted per host through MPI at start-up."""
     local_world_size: int | None
     master_addr: str | None = None
-    """Rendezvous host; None under MPI without MASTER_ADDR (rank 0's host, through mpi4py)."""
+    """Rendezvous host; None under mpirun (rank 0's, through mpi4py)."""
     master_port: int | None = None
 
     @property
@@ -135,6 +136,23 @@ class LaunchInfo:
             return False
         return (self.world_size is None or self.local_rank is None
                 or (self.multi_process and (self.master_addr is None or self.master_port is None)))
+
+
+SLURM_PORT_BASE, SLURM_PORT_SPAN = 20000, 12000
+"""`slurm_port`'s range, 20000-31999: below Linux's default ephemeral ports (32768-60999),
+which an outgoing connection may be given before rank 0 listens."""
+
+
+def slurm_port(job: int, step: int = 0) -> int:
+    """The rendezvous port every rank of SLURM job `job`, step `step` derives alike: steps of
+    one job (`srun ... &` side by side) get different ports. launch/slurm.sbatch uses step 0's."""
+    return SLURM_PORT_BASE + (job * 100 + step) % SLURM_PORT_SPAN
+
+
+SIZE_VARS = {"deepspeed": "WORLD_SIZE", "torchrun": "WORLD_SIZE", "env": "WORLD_SIZE",
+             "openmpi": "OMPI_COMM_WORLD_SIZE", "mpich": "PMI_SIZE",
+             "pmix": "SLURM_STEP_NUM_TASKS", "slurm": "SLURM_STEP_NUM_TASKS"}
+"""The variable a launcher's world size comes from (error messages)."""
 
 
 def _int(env: Mapping[str, str], *names: str) -> int | None:
@@ -227,18 +245,31 @@ def detect_launch(env: Mapping[str, str],
         local_world = _int(env, "MPI_LOCALNRANKS")
     elif "PMIX_RANK" in env:
         # PMIx puts no size in the environment (a client asks PMIx_Get(PMIX_JOB_SIZE)): under
-        # srun --mpi=pmix it is the step's task count, otherwise MPI is asked.
+        # srun --mpi=pmix (its namespace slurm.pmix.JOB.STEP) it is the step's task count;
+        # otherwise (prterun, mpirun in a batch script: the step's tasks are its daemons) MPI
+        # is asked.
         kind = "pmix"
-        rank, world, local, local_world = _int(env, "PMIX_RANK"), slurm_world, slurm_local, None
+        by_srun = env.get("PMIX_NAMESPACE", "").startswith("slurm.pmix.")
+        rank, local_world = _int(env, "PMIX_RANK"), None
+        world, local = (slurm_world, slurm_local) if by_srun else (None, None)
     elif in_step:
         kind = "slurm"
         rank, world, local_world = _int(env, "SLURM_PROCID"), slurm_world or 1, None
         local = slurm_local or 0
     else:
+        half = [name for name in ("RANK", "WORLD_SIZE") if name in env]
+        if half:  # RANK=1 alone would train as a job of its own, into the same directory
+            other = ({"RANK", "WORLD_SIZE"} - set(half)).pop()
+            raise ConfigError(f"launcher environment: {half[0]}={env[half[0]]!r} is set but "
+                              f"{other} is not; expected both (as torchrun and deepspeed set "
+                              "them) or neither")
         return LaunchInfo("single", 0, 1, 0, 1, env.get("MASTER_ADDR") or "127.0.0.1",
-                          _int(env, "MASTER_PORT"))
+                          _port(env))
     if rank is None:
         raise ConfigError(f"launcher environment ({kind}): no rank variable set")
+    if world is not None and world < 1:
+        raise ConfigError(f"launcher environment ({kind}): {SIZE_VARS[kind]}={world}; expected "
+                          "the number of ranks, at least 1")
     # srun started the ranks themselves (one per task), not a launcher inside one step (mpirun
     # from the batch script starts its daemons by srun on the other nodes only, so there the
     # step's variables describe the daemons: every rank must then ask MPI alike)
@@ -252,7 +283,12 @@ def detect_launch(env: Mapping[str, str],
                                      _int(env, "SLURM_NODEID") or 0)
     if world is not None and not 0 <= rank < world:
         raise ConfigError(f"launcher environment ({kind}): rank {rank} outside world size {world}")
-    addr, port = env.get("MASTER_ADDR") or None, _int(env, "MASTER_PORT")
+    if local is not None and local_world is not None and not 0 <= local < local_world:
+        raise ConfigError(f"launcher environment ({kind}): local rank {local} outside the "
+                          f"{local_world} ranks of this node (LOCAL_RANK / its launcher's)")
+    if local is not None and local < 0:
+        raise ConfigError(f"launcher environment ({kind}): local rank {local}; expected >= 0")
+    addr, port = env.get("MASTER_ADDR") or None, _port(env)
     if world == 1:  # one process: a local free port, whatever the launcher
         return LaunchInfo(kind, 0, 1, 0, 1, addr or "127.0.0.1", port)
     nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") \
@@ -261,8 +297,23 @@ def detect_launch(env: Mapping[str, str],
         addr = addr or resolve_host(nodelist)
         job = _int(env, "SLURM_JOB_ID", "SLURM_JOBID")
         if port is None and job is not None:
-            port = 20000 + job % 20000
+            port = slurm_port(job, _int(env, "SLURM_STEP_ID", "SLURM_STEPID") or 0)
+    elif LAUNCH_FAMILIES[kind] == "mpi":  # each rank's environment may differ: rank 0's, by MPI
+        addr = port = None
+    if port is None and LAUNCH_FAMILIES[kind] != "mpi":  # each rank would pick its own port
+        raise ConfigError(f"launcher environment ({kind}): {world or 'several'} ranks but "
+                          "MASTER_PORT is not set; expected the rendezvous port every rank "
+                          "shares (MASTER_ADDR / MASTER_PORT, as torchrun and deepspeed set)")
     return LaunchInfo(kind, rank, world, local, local_world, addr, port)
+
+
+def _port(env: Mapping[str, str]) -> int | None:
+    """MASTER_PORT (0 or unset: None), checked to be a TCP port."""
+    port = _int(env, "MASTER_PORT")
+    if port is not None and not 0 <= port <= 65535:
+        raise ConfigError(f"environment variable MASTER_PORT={port}: expected a TCP port, "
+                          "1-65535")
+    return port or None
 
 
 def _mpi_complete(info: LaunchInfo) -> LaunchInfo:
@@ -272,12 +323,14 @@ def _mpi_complete(info: LaunchInfo) -> LaunchInfo:
     comm = MPI.COMM_WORLD
     rank, world = comm.Get_rank(), comm.Get_size()
     hosts = comm.allgather(MPI.Get_processor_name())
-    mine = (socket.gethostname(), free_port()) if rank == 0 else None
+    # rank 0's MASTER_* (mpirun gives its environment to its own node's ranks only), else its
+    # host and a free port: one rendezvous for all
+    mine = (os.environ.get("MASTER_ADDR") or socket.gethostname(),
+            _port(os.environ) or free_port()) if rank == 0 else None
     addr, port = comm.bcast(mine, root=0)
     return replace(info, rank=rank, world_size=world,
                    local_rank=sum(h == hosts[rank] for h in hosts[:rank]),
-                   local_world_size=hosts.count(hosts[rank]),
-                   master_addr=info.master_addr or addr, master_port=info.master_port or port)
+                   local_world_size=hosts.count(hosts[rank]), master_addr=addr, master_port=port)
 
 
 @dataclass

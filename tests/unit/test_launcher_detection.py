@@ -38,26 +38,32 @@ CASES = {
         {**SRUN, "SLURM_STEP_TASKS_PER_NODE": "1(x2)", **TORCHRUN, "LOCAL_WORLD_SIZE": ""},
         "torchrun", 2, 4, 0, None, "10.0.0.1", 29400),  # not SLURM's one task per node
     "open mpi (mpirun / prterun)": (OPENMPI, "openmpi", 3, 4, 1, 2, None, None),
+    # mpirun passes its environment to its own node's ranks only: rank 0's MASTER_*, by MPI
     "open mpi with MASTER_ADDR": ({**OPENMPI, "MASTER_ADDR": "n0", "MASTER_PORT": "7"},
-                                  "openmpi", 3, 4, 1, 2, "n0", 7),
+                                  "openmpi", 3, 4, 1, 2, None, None),
     "mpich / intel mpi (hydra)": (HYDRA, "mpich", 6, 8, 2, 4, None, None),
-    "srun --mpi=pmi2": (PMI2_SRUN, "mpich", 5, 8, 1, 4, "gpu07", 24242),
-    "srun --mpi=pmix": (PMIX_SRUN, "pmix", 5, 8, 1, 4, "gpu07", 24242),
+    "srun --mpi=pmi2": (PMI2_SRUN, "mpich", 5, 8, 1, 4, "gpu07", 24200),
+    "srun --mpi=pmix": (PMIX_SRUN, "pmix", 5, 8, 1, 4, "gpu07", 24200),
     "pmix alone (size from MPI)": ({"PMIX_RANK": "1", "PMIX_NAMESPACE": "ns"}, "pmix", 1, None, None,
                                    None, None, None),
-    "srun without launcher": (SRUN, "slurm", 5, 8, 1, 4, "gpu07", 24242),
+    "srun without launcher": (SRUN, "slurm", 5, 8, 1, 4, "gpu07", 24200),
     "srun, MASTER_* given": ({**SRUN, "MASTER_ADDR": "m", "MASTER_PORT": "5"}, "slurm", 5, 8, 1, 4, "m", 5),
     "srun, SLURM_NPROCS only": ({"SLURM_STEP_ID": "1", "SLURM_PROCID": "0", "SLURM_NPROCS": "2",
                                  "SLURM_LOCALID": "0", "SLURM_NODELIST": "a,b", "SLURM_JOBID": "3"},
-                                "slurm", 0, 2, 0, None, "a", 20003),
+                                "slurm", 0, 2, 0, None, "a", 20301),  # job 3, step 1
     "srun -n 1": ({**SRUN, "SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "1", "SLURM_NTASKS": "1"},
                   "slurm", 0, 1, 0, 1, "127.0.0.1", None),  # one process: a free local port
     "sbatch script, not a step": (BATCH, "single", 0, 1, 0, 1, "127.0.0.1", None),
     # srun with RANK / WORLD_SIZE set by hand: the node's ranks are SLURM's (all on GPU 0 else)
     "srun with hand-set RANK / WORLD_SIZE": ({**SRUN, "RANK": "5", "WORLD_SIZE": "8"}, "env", 5,
-                                             8, 1, 4, "gpu07", 24242),
+                                             8, 1, 4, "gpu07", 24200),
     # mpirun from the batch script on two nodes: the ranks on the other node run inside the
     # daemons' srun step (1 task); they ask MPI like the ranks on mpirun's node, not SLURM
+    # prterun from the batch script: the step's one task is its daemon, not the job's size
+    "pmix from sbatch, rank on a daemon's node": (
+        {"PMIX_RANK": "4", "PMIX_NAMESPACE": "prterun-n01-1234@1", "SLURM_JOB_ID": "4242",
+         "SLURM_STEP_ID": "0", "SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "1",
+         "SLURM_STEP_NODELIST": "n02"}, "pmix", 4, None, None, None, None, None),
     "mpirun in sbatch, rank on a daemon's node": (
         {**OPENMPI, "OMPI_COMM_WORLD_RANK": "8", "OMPI_COMM_WORLD_SIZE": "16", "PMIX_RANK": "8",
          "SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "0", "SLURM_PROCID": "0",
@@ -87,11 +93,12 @@ def test_family_and_mpi_needs():
     assert detect_launch(SRUN, parse_first_host).family == "slurm"
     # MPI is asked only for what the environment leaves out.
     assert detect_launch(OPENMPI).needs_mpi  # no rendezvous address
-    assert not detect_launch({**OPENMPI, "MASTER_ADDR": "n0", "MASTER_PORT": "7"}).needs_mpi
+    # mpirun: rank 0's rendezvous for all, whatever a rank's own environment holds
+    assert detect_launch({**OPENMPI, "MASTER_ADDR": "n0", "MASTER_PORT": "7"}).needs_mpi
     assert not detect_launch(PMIX_SRUN, parse_first_host).needs_mpi  # srun gives all of it
     assert detect_launch({"PMIX_RANK": "0"}).needs_mpi  # size unknown
     assert not detect_launch(SRUN, parse_first_host).needs_mpi
-    assert not detect_launch({"RANK": "1", "WORLD_SIZE": "2"}).needs_mpi
+    assert not detect_launch({"RANK": "1", "WORLD_SIZE": "2", "MASTER_PORT": "9"}).needs_mpi
     # commands._runtime() starts a process group exactly when more than one rank may exist.
     assert not detect_launch({}).multi_process and not detect_launch(BATCH).multi_process
     assert detect_launch({"PMIX_RANK": "0"}).multi_process and detect_launch(HYDRA).multi_process
@@ -112,6 +119,15 @@ def test_parse_first_host(nodelist, first):
     ({"OMPI_COMM_WORLD_SIZE": "2"}, "no rank variable"),
     ({"PMI_RANK": "4", "PMI_SIZE": "4"}, "rank 4 outside world size 4"),
     ({**SRUN, "SLURM_LOCALID": "one"}, "SLURM_LOCALID='one'"),
+    # each rank would pick its own port and wait alone until the process group's timeout
+    ({"RANK": "1", "WORLD_SIZE": "2"}, "2 ranks but MASTER_PORT is not set"),
+    ({"RANK": "1", "WORLD_SIZE": "2", "MASTER_PORT": "0"}, "MASTER_PORT is not set"),
+    ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_PORT": "99999"}, "MASTER_PORT=99999: expected a TCP"),
+    ({"RANK": "1"}, "RANK='1' is set but WORLD_SIZE is not"),  # it trained alone as rank 0
+    ({"WORLD_SIZE": "2"}, "WORLD_SIZE='2' is set but RANK is not"),
+    ({"RANK": "0", "WORLD_SIZE": "0", "MASTER_PORT": "9"}, "WORLD_SIZE=0; expected the number"),
+    ({**TORCHRUN, "LOCAL_RANK": "2"}, "local rank 2 outside the 2 ranks of this node"),
+    ({**TORCHRUN, "LOCAL_RANK": "-1", "LOCAL_WORLD_SIZE": ""}, "local rank -1; expected >= 0"),
 ])
 def test_bad_launcher_env_is_one_config_error(env, needle):
     with pytest.raises(ConfigError, match=needle.replace("(", r"\(")):
@@ -199,3 +215,14 @@ def test_free_port_is_below_the_ephemeral_range_and_bindable(tmp_path, monkeypat
     assert _ephemeral_low(str(tmp_path / "range")) == 32768
     (tmp_path / "range").write_text("garbage")
     assert _ephemeral_low(str(tmp_path / "range")) == 49152
+
+
+def test_steps_of_one_slurm_job_get_their_own_port_below_the_ephemeral_range():
+    """`srun ... &` twice in one allocation: the two steps' ranks must not meet on one port."""
+    from moe_train.parallel.runtime import slurm_port
+
+    ports = {slurm_port(job, step) for job in (1, 4242, 10**7 + 3) for step in range(4)}
+    assert len(ports) == 12 and all(20000 <= p < 32768 for p in ports)
+    one, two = ({**SRUN, "SLURM_STEP_ID": str(i), "SLURM_STEPID": str(i)} for i in (0, 1))
+    assert detect_launch(one, parse_first_host).master_port != \
+        detect_launch(two, parse_first_host).master_port
