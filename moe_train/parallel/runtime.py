@@ -421,8 +421,15 @@ def init_runtime(backend: str | None = None, timeout_s: int = 1800,
         # Dynamo (which the optimizers import) keeps, from its import on, references to the
         # world group if it exists then, so `shutdown` could not free it: import it first.
         importlib.import_module("torch._dynamo")
-        deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False,
-                                   timeout=datetime.timedelta(seconds=timeout_s))
+        try:
+            deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False,
+                                       verbose=False, timeout=datetime.timedelta(seconds=timeout_s))
+        except dist.DistNetworkError as exc:  # the port taken (EADDRINUSE), no rank 0 to reach
+            reason = next((line.strip() for line in str(exc).splitlines() if line.strip()), "")
+            raise ConfigError(f"rendezvous {os.environ['MASTER_ADDR']}:"
+                              f"{os.environ['MASTER_PORT']} ({info.kind}): {reason}; expected a "
+                              "port no other job holds and rank 0 reachable (MASTER_ADDR / "
+                              "MASTER_PORT)") from None
     return ParallelRuntime(rank=rank, world_size=world, local_rank=local_rank, backend=backend,
                            device=device, launcher=info.family, launch_kind=info.kind)
 

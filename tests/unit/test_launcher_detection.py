@@ -226,3 +226,29 @@ def test_steps_of_one_slurm_job_get_their_own_port_below_the_ephemeral_range():
     one, two = ({**SRUN, "SLURM_STEP_ID": str(i), "SLURM_STEPID": str(i)} for i in (0, 1))
     assert detect_launch(one, parse_first_host).master_port != \
         detect_launch(two, parse_first_host).master_port
+
+
+def test_a_taken_rendezvous_port_is_one_config_error(tmp_path):
+    """MASTER_PORT held by another job (two runs sharing an inherited MASTER_PORT): one
+    ConfigError naming the address, not DeepSpeed's DistNetworkError traceback."""
+    import socket
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT, cli_env
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        code = ("from moe_train.errors import ConfigError\n"
+                "from moe_train.parallel.runtime import init_runtime\n"
+                "try:\n    init_runtime()\nexcept ConfigError as exc:\n    print(exc)\n")
+        env = {**cli_env(), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0",
+               "WORLD_SIZE": "1"}
+        proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, text=True,
+                              capture_output=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    line = proc.stdout.strip().splitlines()[-1]  # after DeepSpeed's accelerator warning
+    assert line.startswith(f"rendezvous 127.0.0.1:{port} (env): ") and "EADDRINUSE" in line, \
+        proc.stdout
