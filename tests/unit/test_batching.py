@@ -192,6 +192,19 @@ def test_t1_each_sentence_once_per_epoch_new_order_each_epoch() -> None:
     assert it.epoch == 1
 
 
+def test_batches_come_in_shuffled_order_not_by_length() -> None:
+    """Batches are cut from length-sorted sentences, then shuffled: an epoch that ran them
+    shortest first (every epoch alike) would still cover the data and keep the budget."""
+    ds = FakeDataset([300], seed=3)
+    widths = []
+    for epoch in (0, 1):
+        plan = build_epoch_plan(ds, np.asarray([300]), 200, seed=7, epoch=epoch)
+        widths.append([int(ds.src_lengths[plan.batch(j)].max()) for j in range(plan.num_batches)])
+    for w in widths:
+        assert len(w) > 10 and w != sorted(w) and w != sorted(w, reverse=True)
+    assert widths[0] != widths[1]  # a new batch order each epoch
+
+
 def test_same_seed_same_order_other_seed_differs() -> None:
     ds = FakeDataset([100, 60])
 
@@ -274,6 +287,21 @@ def test_resume_with_other_grad_accum_keeps_the_micro_batch_position() -> None:
     resumed = TrainBatchIterator(ds, grad_accum=1, **kw)
     resumed.load_state_dict(first.state_dict())
     assert [b.indices_B.tolist() for b in next(resumed)] == [flat[3]]
+
+
+def test_resume_from_a_checkpoint_without_the_micro_batch_position() -> None:
+    """Checkpoints written before `micro_batch_in_epoch` existed hold only the step: the
+    position is step x (grad_accum x dp ranks) micro-batches, not step."""
+    ds = FakeDataset([80], seed=1)
+    kw = dict(max_tokens=120, pad_id=PAD, bos_id=BOS, eos_id=EOS, seed=2, grad_accum=2)
+    reference = TrainBatchIterator(ds, **kw)
+    expected = _steps(reference, 3)
+    first = TrainBatchIterator(ds, **kw)
+    _steps(first, 1)
+    old = {k: v for k, v in first.state_dict().items() if k != "micro_batch_in_epoch"}
+    resumed = TrainBatchIterator(ds, **kw)
+    resumed.load_state_dict(old)
+    assert _steps(resumed, 2) == expected[1:]
 
 
 def test_resume_rejects_another_data_order() -> None:

@@ -81,3 +81,17 @@ def test_a_group_that_mixes_targets_tokenizes_each_sentence_for_its_own_language
     assert "|tok:13a+zh|" in m["bleu_signature"]
     with pytest.raises(ValueError, match="3 target languages but 4"):
         corpus_metrics(hyps, refs, ["de", "zh", "de"])
+
+
+def test_script_detection_per_language_and_a_reference_outside_the_script():
+    """One Chinese reference of digits only ("2019") must not switch the set to 13a; Japanese
+    (kana) and Korean (Hangul) get theirs (MeCab's, or characters where MeCab is missing), and
+    romanised text stays 13a."""
+    from moe_train.eval.metrics import bleu_tokenizer
+
+    assert bleu_tokenizer("zh", ["我今天去学校。", "2019"]) == "zh"
+    assert bleu_tokenizer("ja", ["きょうは がっこうに いきます。", "2019"]) in ("ja-mecab", "char")
+    assert bleu_tokenizer("ko", ["오늘 학교에 갑니다.", "2019"]) in ("ko-mecab", "char")
+    assert bleu_tokenizer("ko", ["きょうは"]) == "13a"  # Korean script, not kana
+    for lang in ("zh", "ja", "ko"):
+        assert bleu_tokenizer(lang, ["romanised text only", "2019"]) == "13a"

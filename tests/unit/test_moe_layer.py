@@ -130,6 +130,19 @@ def test_moe_layer_skips_padding_and_matches_reference():
                                atol=1e-5, rtol=1e-5)
 
 
+def test_the_layers_dropout_runs_in_training_only():
+    """MoELayer's output dropout (model.dropout): evaluation and decoding stay deterministic."""
+    torch.manual_seed(0)
+    E, D = 4, 8
+    layer = MoELayer(build_router("topk", D, E, RouterConfig(k=2)), LocalDispatcher(E),
+                     Experts(E, D, 16), dropout=0.5)
+    x, ctx = torch.randn(2, 5, D), ForwardContext(side="encoder")
+    layer.eval()
+    assert torch.equal(layer(x, ctx)[0], layer(x, ctx)[0])
+    layer.train()
+    assert not torch.equal(layer(x, ctx)[0], layer(x, ctx)[0])
+
+
 def test_model_places_moe_layers_from_config():
     cfg = load_config(overrides=[
         "model.d_model=32", "model.n_heads=4", "model.ffn_dim=64", "model.encoder_layers=4",

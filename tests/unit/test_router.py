@@ -530,3 +530,34 @@ def test_sgmoe_losses_need_noise_and_the_sentence_router() -> None:
         RouterConfig(balance_loss="cv")
     with pytest.raises(ConfigError, match="built for the sentence router, got router 'topk'"):
         build_router("topk", 6, 4, RouterConfig(balance_loss="cv2", noisy_gating=True))
+
+
+@pytest.mark.parametrize("name", ["topp", "task", "sentence"])
+def test_losses_and_entropy_leave_padding_out(name: str) -> None:
+    """The balance loss, the z-loss (and top-p's entropy loss, the entropy statistic) of a padded
+    batch equal those of its real tokens alone: padding, or a sentence that is all padding,
+    counts nowhere (a padded batch's longer rows would pull harder)."""
+    torch.manual_seed(1)
+    cfg = RouterConfig(k=2, aux_loss_coef=1.0, z_loss_coef=1.0, entropy_coef=1.0,
+                       num_tasks=3, task_source="tgt_lang")
+    router = build_router(name, 8, E, cfg).eval()
+    pad_BT = torch.tensor([[False, False, True, True], [True, True, True, True],
+                           [False, False, False, True]])  # sentence 1: padding only
+    x_BTD = torch.randn(3, 4, 8)
+    task_B = torch.tensor([0, 1, 2])
+    padded = router.route(x_BTD.reshape(12, 8), RoutingContext.from_batch(
+        3, 4, pad_mask_BT=pad_BT, task_ids_B=task_B))
+    if name == "sentence":  # the real sentences alone, their own padding kept
+        keep = [0, 2]
+        real = router.route(x_BTD[keep].reshape(8, 8), RoutingContext.from_batch(
+            2, 4, pad_mask_BT=pad_BT[keep], task_ids_B=task_B[keep]))
+    else:  # the real tokens alone, one per row
+        rows = ~pad_BT.reshape(12)
+        real = router.route(x_BTD.reshape(12, 8)[rows], RoutingContext.from_batch(
+            int(rows.sum()), 1, task_ids_B=task_B.repeat_interleave(4)[rows]))
+    assert set(padded.aux_losses) == set(real.aux_losses) >= {"load_balance", "z_loss"}
+    for key, value in padded.aux_losses.items():
+        assert value.item() == pytest.approx(real.aux_losses[key].item(), rel=1e-5), key
+    if "routing_entropy" in real.stats:
+        assert padded.stats["routing_entropy"].item() == pytest.approx(
+            real.stats["routing_entropy"].item(), rel=1e-5)

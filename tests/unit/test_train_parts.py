@@ -62,6 +62,20 @@ def test_label_smoothed_loss_ignores_padding():
     assert loss.item() == pytest.approx(0.9 * nll.item() + 0.1 * smooth, rel=1e-6)
 
 
+def test_bf16_logits_give_the_float32_loss() -> None:
+    """The log-softmax runs in float32 whatever the logits' dtype (bf16 training): a bf16 one
+    rounds a 32k-way loss by several units."""
+    torch.manual_seed(0)
+    logits = torch.randn(4, 16, 32000) * 3
+    target = torch.randint(1, 32000, (4, 16))
+    want = label_smoothed_nll(logits, target, pad_id=0, epsilon=0.1)
+    got = label_smoothed_nll(logits.bfloat16(), target, pad_id=0, epsilon=0.1)
+    for g, w in zip(got, want):
+        assert g.dtype == torch.float32
+        # only the logits' own bf16 rounding remains (about 1e-3 relative), not the softmax's
+        assert abs(g.item() - w.item()) <= 2e-3 * w.item()
+
+
 def test_per_token_bits_and_a_perplexity_past_the_float_range() -> None:
     """Sums in nats -> bits per token; 2^nll past 1024 bits is inf, not an OverflowError that
     stopped a diverging run inside its log line."""
