@@ -229,6 +229,7 @@ def count_parameters(cfg: ExperimentConfig, vocab_size: int,
         report[f"{side}_router"] = router
     # the embedding's rows: a decoder-only model's table may be larger than its tokenizer
     report["vocab_size"] = cfg.qwen.vocab_size if cfg.decoder_only else vocab_size
+    report["decoder_only"] = cfg.decoder_only
     return report
 
 
@@ -286,7 +287,11 @@ _ROWS = (
 def format_params(report: dict[str, Any]) -> str:
     """A readable table of a `count_parameters` report (M/B units and exact counts)."""
     lines = []
+    decoder_only = bool(report.get("decoder_only"))
     for side in SIDES:
+        if side == "encoder" and decoder_only:  # no encoder at all, not a dense one
+            lines.append("encoder: none (decoder-only model)")
+            continue
         router = report.get(f"{side}_router", "?")
         groups = report.get(f"{side}_layer_groups") or []
         if len(groups) > 1:
@@ -308,7 +313,8 @@ def format_params(report: dict[str, Any]) -> str:
     bound = not all(report.get(f"{side}_experts_per_token_exact", True) for side in SIDES)
     width = max(len(label) for _, label in _ROWS) + (len(" (upper bound)") if bound else 0)
     for key, label in _ROWS:
-        if key not in report or (key == "other" and not report[key]):
+        if key not in report or (key == "other" and not report[key]) or (
+                decoder_only and "encoder" in key):
             continue
         if bound and key.startswith("active_"):
             label += " (upper bound)"

@@ -163,6 +163,12 @@ def test_format_and_json() -> None:
     assert line.split()[-2:] == [human(report["serving_decoder"]),
                                  f"{report['serving_decoder']:,}"]
     assert json.loads(json.dumps(report)) == report
+    # a decoder-only model has no encoder, not a dense one: no encoder rows
+    tiny = load_config(CONFIGS / "qwen-moe-tiny-cpu.yaml")
+    qwen = format_params(count_parameters(tiny, tiny.qwen.vocab_size))
+    assert qwen.splitlines()[0] == "encoder: none (decoder-only model)"
+    assert not [line for line in qwen.splitlines()[1:] if "encoder" in line]
+    assert "encoder: dense" in format_params(_report("debug-cpu.yaml"))
 
 
 # ------------------------------------------------------------------------------------ THOR-MoE
