@@ -71,6 +71,10 @@ def write_shard(dir: str | os.PathLike, name: str, src_ids: list[list[int]],
         write_text(dir / f"{name}.raw.{side}", "".join(f"{line}\n" for line in raw))
 
 
+MODEL_FILES = ("config.json", "meta.json", "model.safetensors")
+"""Files of an export or a checkpoint step, which `prepare` never writes."""
+
+
 def read_manifest(prepared_dir: str | os.PathLike) -> dict[str, Any]:
     """The manifest of a prepared directory; DataError if there is none."""
     path = Path(prepared_dir) / MANIFEST
@@ -81,6 +85,10 @@ def read_manifest(prepared_dir: str | os.PathLike) -> dict[str, Any]:
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise DataError(f"{path}: not valid JSON ({err}); run `moe-train prepare` again") from None
     splits = manifest.get("splits", {}) if isinstance(manifest, dict) else None
+    if any((path.parent / name).is_file() for name in MODEL_FILES):  # its manifest's copy
+        raise DataError(f"{path.parent}: a model's export or checkpoint step, not prepared "
+                        "data (its manifest.json is the data's copy, without the splits' "
+                        "files); expected the directory `moe-train prepare` wrote")
     if not isinstance(splits, dict) or not all(isinstance(v, dict) for v in splits.values()):
         raise DataError(f"{path}: not a manifest `moe-train prepare` writes (expected an object "
                         "whose splits are objects); run `moe-train prepare` again")

@@ -70,3 +70,17 @@ def test_a_converted_model_without_tokenizer_files_is_not_compared(tmp_path) -> 
                            tmp_path / "prep", {"tokenizer": "hf", "domains": ["law"],
                                                "langs": ["de", "en"]})
     assert got["domains"] == ["law"] and got["langs"] == ["de", "en"]
+
+
+@pytest.mark.parametrize("marker", ["config.json", "meta.json"])
+def test_an_export_or_step_given_as_prepared_data_says_so(tiny_prepared, tmp_path, marker):
+    """`evaluate --prepared <export>`: an export holds the data's manifest but no splits; it
+    said "missing ... run `moe-train prepare` again", as if the data were damaged."""
+    inf = _model(tiny_prepared, tmp_path)
+    given = tmp_path / "given"
+    given.mkdir()
+    shutil.copy(tiny_prepared / "manifest.json", given / "manifest.json")
+    (given / marker).write_text("{}")
+    with pytest.raises(DataError, match=f"^{given}: a model's export or checkpoint step, not "
+                                        "prepared data"):
+        _prepared_split(inf, str(given), "test")
