@@ -247,7 +247,7 @@ def test_raw_text_reaches_the_model_as_the_prompt_ids_prepare_stored(qwen_prepar
     import dataclasses
     import types
 
-    from moe_train import commands
+    from moe_train.eval import raw_text
     from moe_train.config import load_config
     from moe_train.data.prepare import load_vocab
     from moe_train.data.shards import ShardedDataset
@@ -275,5 +275,5 @@ def test_raw_text_reaches_the_model_as_the_prompt_ids_prepare_stored(qwen_prepar
     lines = [test.raw_src(i) for i in range(2)]
     lines[1] = "  " + lines[1].replace(" ", " \t ", 1) + " "  # as prepare, spaces collapse
     ecfg = dataclasses.replace(cfg.eval, beam=1, max_len_a=0.0, max_len_b=2)
-    commands._translate_raw(inf, args, "input", lines, ecfg, torch.device("cpu"))
+    raw_text.translate_raw(inf, args, "input", lines, ecfg, torch.device("cpu"))
     assert fed == [[test.src(i).tolist() for i in range(2)]]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moe_train.commands import source_prefix
+from moe_train.eval.raw_text import source_prefix
 from moe_train.config import load_config
 from moe_train.config.schema import EvalConfig
 from moe_train.data.prepare import load_manifest, load_vocab
@@ -107,7 +107,7 @@ def test_raw_text_labels_take_only_what_the_model_trained_on():
     its manifest: en is one of its languages but never a target (an untrained task row)."""
     from types import SimpleNamespace
 
-    from moe_train.commands import _raw_text_labels
+    from moe_train.eval.raw_text import raw_text_labels
     from moe_train.config import load_config
 
     manifest = {"langs": ["de", "en", "fr"], "domains": ["it", "law"],
@@ -116,7 +116,7 @@ def test_raw_text_labels_take_only_what_the_model_trained_on():
     inf = SimpleNamespace(manifest=manifest, cfg=load_config(None, []))  # a full model
 
     def labels(**flags):
-        return _raw_text_labels(inf, SimpleNamespace(**flags))
+        return raw_text_labels(inf, SimpleNamespace(**flags))
 
     got = labels(tgt_lang="fr", src_lang=None, domain=None)
     assert (got.tgt_lang, got.src_lang, got.domain) == (2, 1, 1)  # the only source and domain
