@@ -1,7 +1,8 @@
 """DeepSpeed's checkpoint reads, weights-only.
 
 DeepSpeed's own checkpoint engine unpickles its files (model states, ZeRO optimizer
-partitions) in full: a crafted `mp_rank_00_model_states.pt` would run code on `train --resume`. While moe_train loads a checkpoint, the engine's `load` goes through
+partitions) in full: a crafted `mp_rank_00_model_states.pt` would run code on `train
+--resume`. While moe_train loads a checkpoint, the engine's `load` goes through
 `utils.safe_load.load_torch` instead, which allows only the few DeepSpeed classes its files hold
 (`DEEPSPEED_GLOBALS`); anything else, or a damaged file, is a one-line CheckpointError.
 """

@@ -162,8 +162,8 @@ class Trainer:
     # ------------------------------------------------------------------ one optimizer step
     def _forward_loss(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One forward: (scaled loss with aux and hook losses, loss sum, nll sum); aux losses
-        go to the log window's `aux`, hook metrics to its `metrics`. Nothing is read from the device:
-        the sums (detached) and the windows stay there until a log line reads them at once."""
+        go to the log window's `aux`, hook metrics to its `metrics`. Nothing is read from the
+        device: the sums (detached) stay there until a log line reads them at once."""
         ctx = batch_context(batch, self.vocab.pad_id, len(self.manifest["langs"]))
         extras = self.hooks.batch_extras(batch)
         if extras:
