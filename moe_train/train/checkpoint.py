@@ -118,6 +118,19 @@ def _files(tag_dir: Path) -> dict[str, int]:
 
 def verify(tag_dir: str | Path) -> str | None:
     """Why `tag_dir` is not a complete checkpoint, or None when it is."""
+    why = verify_files(tag_dir)
+    if why is not None:
+        return why
+    try:
+        read_meta(Path(tag_dir))
+    except CheckpointError as exc:  # "<tag_dir>/meta.json: why" -> "meta.json: why"
+        return str(exc).removeprefix(f"{tag_dir}{os.sep}")
+    return None
+
+
+def verify_files(tag_dir: str | Path) -> str | None:
+    """Why `tag_dir` does not hold the files complete.json lists, or None when it does (its
+    meta.json is not parsed: `read_meta` names what is wrong there)."""
     tag_dir = Path(tag_dir)
     if not tag_dir.is_dir():
         return "does not exist"
@@ -136,10 +149,6 @@ def verify(tag_dir: str | Path) -> str | None:
             return f"{name} is missing"
         if present[name] != size:
             return f"{name} has {present[name]} bytes, {size} were written"
-    try:
-        read_meta(tag_dir)
-    except CheckpointError as exc:  # "<tag_dir>/meta.json: why" -> "meta.json: why"
-        return str(exc).removeprefix(f"{tag_dir}{os.sep}")
     return None
 
 

@@ -27,7 +27,7 @@ from moe_train.data.prepare import open_tokenizer
 from moe_train.data.vocab import Vocab
 from moe_train.errors import CheckpointError, MoeTrainError
 from moe_train.models.build import build_model, shape_model, skip_init
-from moe_train.train.checkpoint import consolidated_state_dict, latest_tag, read_meta
+from moe_train.train.checkpoint import consolidated_state_dict, latest_tag, read_meta, verify_files
 from moe_train.train.init_from import check_shapes, model_shapes
 from moe_train.utils.atomic import atomic_dir
 from moe_train.utils.safe_load import load_tensors, read_json_object, require_file, save_tensors
@@ -137,7 +137,11 @@ def _resolve(path: Path) -> tuple[str, Path]:
     if any((path / name).is_file()
            for name in (EXPORT_WEIGHTS, LEGACY_EXPORT_WEIGHTS, "config.json")):
         return "export", path
-    if (path / "meta.json").is_file():
+    if (path / "meta.json").is_file():  # a step named directly: checked as `latest` would be
+        why = verify_files(path)
+        if why is not None:
+            raise CheckpointError(f"{path}: not a complete checkpoint ({why}); expected a step "
+                                  "whose save finished")
         return "step", path
     if path.is_dir():
         tag = latest_tag(path)

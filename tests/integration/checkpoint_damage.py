@@ -29,7 +29,15 @@ def garbage_latest(ckpt: Path) -> dict:
 
 
 def corrupt_meta(ckpt: Path) -> dict:
-    (step_dir(ckpt) / "meta.json").write_text('{"step": 2, "config": {')
+    _rewrite(step_dir(ckpt), "meta.json", lambda path: path.write_text('{"step": 2, "config": {'))
+    return {}
+
+
+def torn_model_states(ckpt: Path) -> dict:
+    """A step whose model states file lost its tail after complete.json was written (a copy cut
+    short): named directly, it must be refused like a torn step behind `latest`."""
+    path = step_dir(ckpt) / "mp_rank_00_model_states.pt"
+    path.write_bytes(path.read_bytes()[:100])
     return {}
 
 

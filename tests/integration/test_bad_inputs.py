@@ -34,7 +34,7 @@ from tests.conftest import ROOT, cli_env
 from tests.integration.checkpoint_damage import (
     dangling_latest, garbage_latest, corrupt_meta, empty_rng_states, text_world_size,
     tensor_rng_states, text_step, no_data_state, list_early_stop, listed_files_not_a_mapping,
-    pickled_code_in_model_states,
+    pickled_code_in_model_states, torn_model_states,
     corrupt_weights, no_export_config, corrupt_export_manifest, manifest_without_langs,
     huge_vocab_size, pad_id_past_vocab, integer_weights, smaller_vocab_size, tiny_positions,
     step_dir)
@@ -261,6 +261,10 @@ CASES: dict[str, Case] = {
                                       "step_00000099"), breaks=dangling_latest, stdin=ONE),
     "translate_corrupt_meta": Case(translate(ckpt="{step}"), ("{step}/meta.json",),
                                    breaks=corrupt_meta, stdin=ONE),
+    "translate_torn_step": Case(translate(ckpt="{step}"),
+                                ("{step}: not a complete checkpoint",
+                                 "mp_rank_00_model_states.pt has 100 bytes"),
+                                breaks=torn_model_states, stdin=ONE),
     "translate_manifest_without_langs": Case(translate(ckpt="{export}"),
                                              ("{export}/manifest.json", "'langs'"),
                                              breaks=manifest_without_langs, stdin=ONE),
