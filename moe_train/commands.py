@@ -123,7 +123,10 @@ def cmd_prepare(args: argparse.Namespace) -> int:
               f"{info['tgt_tokens']:>9} tgt tokens | skipped (too long) "
               f"{sum(info['skipped_too_long'])} | skipped (no tokens) "
               f"{sum(info['skipped_empty'])}")
-    print(f"| vocabulary {manifest['vocab_size']} | domains {', '.join(manifest['domains'])} | "
+    size, asked = manifest["vocab_size"], cfg.data.vocab_size
+    short = (f" (data.vocab_size asked {asked}; the training text filled no more)"
+             if not cfg.data.tokenizer and size < asked else "")
+    print(f"| vocabulary {size}{short} | domains {', '.join(manifest['domains'])} | "
           f"wrote {args.out}")
     return 0
 

@@ -52,10 +52,14 @@ def test_synth_writes_the_generator_corpus_that_prepare_reads(tmp_path):
     _one_line_error(run_cli(args, cwd=tmp_path, check=False), str(out), "--overwrite")
     run_cli([*args[:-1], "12", "--overwrite"], cwd=tmp_path)
     assert _files(out) != files  # another seed, replaced whole
-    run_cli(["prepare", "--data", str(out), "--out", str(tmp_path / "prepared"),
-             "data.vocab_size=200"], cwd=tmp_path)
+    proc = run_cli(["prepare", "--data", str(out), "--out", str(tmp_path / "prepared"),
+                    "data.vocab_size=4000"], cwd=tmp_path)
     manifest = json.loads((tmp_path / "prepared" / "manifest.json").read_text())
     assert sorted(manifest["domains"]) == ["law", "medical"]
+    # a corpus this small cannot fill 4000 pieces: the summary says what was asked
+    assert manifest["vocab_size"] < 4000
+    assert (f"| vocabulary {manifest['vocab_size']} (data.vocab_size asked 4000; the training "
+            "text filled no more) |") in proc.stdout
 
 
 @pytest.mark.parametrize("case", ["mismatch", "utf8", "empty", "missing"])
