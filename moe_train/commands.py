@@ -292,14 +292,16 @@ def cmd_extract(args: argparse.Namespace) -> int:
 def cmd_average(args: argparse.Namespace) -> int:
     from moe_train.train.average import AVERAGE_REPORT, last_steps, resolve_inputs, write_average
     from moe_train.utils.atomic import check_out_dir
+    from moe_train.utils.provenance import provenance
 
+    prov = provenance()  # average.json's start time and duration cover the whole command
     if args.last is not None and len(args.checkpoints) != 1:
         raise ConfigError(f"--last {args.last}: expected one checkpoint directory with it, got "
                           f"{len(args.checkpoints)} paths")
     paths = last_steps(args.checkpoints[0], args.last) if args.last else args.checkpoints
     check_out_dir(args.out, "--out", AVERAGE_REPORT, "average", sources=paths)
     inputs = resolve_inputs(paths)
-    report = write_average(inputs, args.out)
+    report = write_average(inputs, args.out, prov)
     names = ", ".join(f"step {i.step}" if i.step is not None else str(i.path) for i in inputs)
     print(f"| averaged {len(inputs)} checkpoints ({names}) -> {args.out}")
     _json_line({"out": str(args.out), **report})

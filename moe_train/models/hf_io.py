@@ -36,6 +36,7 @@ from moe_train.config.moe import MAX_LAYERS
 from moe_train.config.schema import ExperimentConfig
 from moe_train.errors import CheckpointError, ConfigError, DataError, MoeTrainError
 from moe_train.utils.atomic import atomic_dir
+from moe_train.utils.provenance import finish, provenance
 from moe_train.utils.safe_load import read_json_object, require_file, save_tensors
 from moe_train.utils.tensor_source import Shape, TensorSource, safetensors_source
 
@@ -89,9 +90,12 @@ def config_from_hf(hf: dict[str, Any], source: Path) -> ExperimentConfig:
     if k > hf["num_experts"]:
         raise ConfigError(f"{source}: num_experts_per_tok is {k}; expected at most "
                           f"num_experts ({hf['num_experts']})")
-    rope = hf.get("rope_parameters") or {}
+    # transformers 5 takes rope_scaling, when set, as the rope parameters (rope_theta included)
+    scaling = hf.get("rope_scaling")
+    rope_key = "rope_scaling" if isinstance(scaling, dict) and scaling else "rope_parameters"
+    rope = hf.get(rope_key) or {}
     if not isinstance(rope, dict):
-        raise ConfigError(f"{source}: rope_parameters is {rope!r}; expected an object")
+        raise ConfigError(f"{source}: {rope_key} is {rope!r}; expected an object")
     _check_supported(hf, rope, source)
     theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
     if isinstance(theta, bool) or not isinstance(theta, (int, float)):
@@ -109,6 +113,11 @@ def config_from_hf(hf: dict[str, Any], source: Path) -> ExperimentConfig:
     else:
         qwen["num_key_value_heads"] = hf["num_key_value_heads"]
     qwen["rope_theta"] = float(theta)
+    aux = hf.get("router_aux_loss_coef", 0.001)
+    aux = 0.001 if aux is None else aux  # transformers' default
+    if isinstance(aux, bool) or not isinstance(aux, (int, float)) or not aux >= 0:
+        raise ConfigError(f"{source}: router_aux_loss_coef is {aux!r}; expected a non-negative "
+                          "number")
     from moe_train.models.hf_qwen2moe import aux_coef_from_hf
 
     moe = {"num_experts": hf["num_experts"], "k": k,
@@ -116,8 +125,7 @@ def config_from_hf(hf: dict[str, Any], source: Path) -> ExperimentConfig:
            "renormalize": bool(hf.get("norm_topk_prob", False)),
            "layers": "all" if len(sparse) == n else ",".join(map(str, sparse)),
            "encoder_router": "dense", "decoder_router": "topk",
-           "aux_loss_coef": aux_coef_from_hf(hf.get("router_aux_loss_coef", 0.001), k,
-                                             len(sparse)),
+           "aux_loss_coef": aux_coef_from_hf(aux, k, len(sparse)),
            "z_loss_coef": 0.0}
     try:
         return config_from_dict({"model": {"arch": "hf_qwen2_moe"}, "qwen": qwen, "moe": moe})
@@ -146,6 +154,17 @@ def _check_supported(hf: dict[str, Any], rope: dict[str, Any], source: Path) -> 
                           "layer_types); expected full attention in every layer")
     if hf.get("hidden_act", "silu") != "silu":
         raise ConfigError(f"{source}: hidden_act is {hf.get('hidden_act')!r}; expected 'silu'")
+    head_dim, hidden, heads = (hf.get(key) for key in ("head_dim", "hidden_size",
+                                                       "num_attention_heads"))
+    if (head_dim is not None and isinstance(hidden, int) and isinstance(heads, int) and heads > 0
+            and head_dim != hidden // heads):
+        raise ConfigError(f"{source}: head_dim is {head_dim!r}; expected hidden_size // "
+                          f"num_attention_heads ({hidden // heads}): another head size is not "
+                          "supported")
+    dropout = hf.get("attention_dropout") or 0.0
+    if dropout != 0.0:
+        raise ConfigError(f"{source}: attention_dropout is {dropout!r}; expected 0.0 (attention "
+                          "dropout is not supported)")
 
 
 SPECIAL_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
@@ -174,8 +193,8 @@ def hf_weight_files(model_dir: Path) -> list[Path]:
     index = model_dir / HF_INDEX
     if index.is_file():
         weight_map = read_json_object(index, "a safetensors index (weight_map)").get("weight_map")
-        if not isinstance(weight_map, dict) or not all(isinstance(v, str) and v
-                                                       for v in weight_map.values()):
+        if not isinstance(weight_map, dict) or not weight_map or not all(
+                isinstance(v, str) and v for v in weight_map.values()):
             raise CheckpointError(f"{index}: no weight_map of tensor names to shard files; "
                                   "expected a safetensors index")
         return [require_file(model_dir / name, "a weights shard named by the index")
@@ -222,6 +241,9 @@ def hf_to_ours(src: TensorSource, cfg: ExperimentConfig, source: Path | str) -> 
             plan[base + "experts.w_gate_EDF"] = swap12(name, slice(0, F_))
             plan[base + "experts.w_up_EDF"] = swap12(name, slice(F_, 2 * F_))
         elif rest == "experts.down_proj":
+            if len(shape) != 3:
+                raise CheckpointError(f"{source}: {name} has shape {shape}; expected (E, D, "
+                                      f"{F_})")
             plan[base + "experts.w_down_EFD"] = swap12(name, slice(None))
         elif legacy_m is not None:
             legacy.setdefault((int(m.group(1)), legacy_m.group(2)), {})[int(legacy_m.group(1))] \
@@ -238,6 +260,10 @@ def hf_to_ours(src: TensorSource, cfg: ExperimentConfig, source: Path | str) -> 
             raise CheckpointError(f"{source}: layer {layer} {proj}_proj has experts "
                                   f"{sorted(per_expert)[:5]}...; expected 0..E-1")
         names = [per_expert[e] for e in range(len(per_expert))]
+        shapes = {src.shapes[k] for k in names}
+        if len(shapes) != 1 or len(src.shapes[names[0]]) != 2:
+            raise CheckpointError(f"{source}: layer {layer} {proj}_proj has per-expert shapes "
+                                  f"{sorted(shapes)[:3]}; expected one 2-D shape for all experts")
         shape = (len(names), *reversed(src.shapes[names[0]]))
         plan[f"{PREFIX}model.layers.{layer}.mlp.moe.experts.{ours_name[proj]}"] = (
             shape, lambda names=names: torch.stack([src.get(k).t() for k in names]).contiguous())
@@ -333,17 +359,22 @@ def convert_from_hf(model_dir: str | Path, out_dir: str | Path, trim_to: int | N
     (indices, the same in every layer) or the N most used on the `calibration` text."""
     from moe_train.train.export import EXPORT_FORMAT, EXPORT_WEIGHTS
 
+    prov = provenance()
     model_dir = Path(model_dir)
     cfg_path = model_dir / "config.json"
     hf = read_json_object(cfg_path, "a Hugging Face config.json")
     cfg = config_from_hf(hf, cfg_path)
-    state = hf_source(model_dir, cfg).materialize()
+    source = hf_source(model_dir, cfg)
+    from moe_train.train.init_from import check_shapes
+
+    check_shapes(_model_shapes(cfg), source.shapes, model_dir)  # before any tensor is read
+    state = source.materialize()
     check_state(cfg, state, model_dir)
     manifest = _manifest(cfg, hf, model_dir)
-    kept = None
+    kept = settings = None
     if trim_to is not None:
-        state, cfg, kept = _trim(state, cfg, manifest, model_dir, trim_to, experts,
-                                 calibration, k, calibration_lines)
+        state, cfg, kept, settings = _trim(state, cfg, manifest, model_dir, trim_to, experts,
+                                           calibration, k, calibration_lines)
     with atomic_dir(Path(out_dir), overwrite=True) as tmp:
         save_tensors(tmp / EXPORT_WEIGHTS, {k: v.float() for k, v in state.items()},
                      metadata={"format": EXPORT_FORMAT})
@@ -356,7 +387,8 @@ def convert_from_hf(model_dir: str | Path, out_dir: str | Path, trim_to: int | N
                                                               cfg.qwen.tie_word_embeddings),
                    "tokenizer": copied}
         summary = summary if kept is None else {**summary, "kept_experts": kept}
-        _write_report(tmp, model_dir, summary)
+        _write_report(tmp, model_dir, summary, prov,
+                      {} if settings is None else {"trim": settings})
     return summary
 
 
@@ -414,7 +446,12 @@ def _trim(state: dict[str, Tensor], cfg: ExperimentConfig, manifest: dict[str, A
         usage = expert_usage(model, tokens, manifest["pad_id"])
         keep = {i: most_used(counts, n) for i, counts in usage.items()}
     state, cfg = trim(state, cfg, keep, k)
-    return state, cfg, {str(i): ids for i, ids in sorted(keep.items())}
+    settings = {"to": n, "experts": experts, "k": k, "calibration": None if calibration is None
+                else str(Path(calibration).resolve()), "calibration_lines": lines}
+    if calibration is not None:  # what the choice was made from: tokens routed per expert
+        settings["expert_use"] = {str(i): [int(c) for c in counts]
+                                  for i, counts in sorted(usage.items())}
+    return state, cfg, {str(i): ids for i, ids in sorted(keep.items())}, settings
 
 
 HF_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -431,6 +468,7 @@ def convert_to_hf(checkpoint: str | Path, out_dir: str | Path, dtype: str = "flo
     its own) with model.safetensors.index.json."""
     from huggingface_hub import split_torch_state_dict_into_shards
 
+    prov = provenance()
     where, cfg, manifest, state = read_qwen(checkpoint)
     if cfg.moe.decoder_router != "topk":  # transformers' Qwen2-MoE routes top-k, nothing else
         raise ConfigError(f"{where}: moe.decoder_router is {cfg.moe.decoder_router!r}; "
@@ -456,12 +494,16 @@ def convert_to_hf(checkpoint: str | Path, out_dir: str | Path, dtype: str = "flo
         copied = _copy_tokenizer(where, tmp)
         summary = {"tensors": len(hf_state), "parameters": _numel(hf_state), "dtype": dtype,
                    "files": sorted(split.filename_to_tensors), "tokenizer": copied}
-        _write_report(tmp, Path(checkpoint), summary)
+        _write_report(tmp, Path(checkpoint), summary, prov)
     return summary
 
 
-def _write_report(out: Path, source: Path, summary: dict[str, Any]) -> None:
-    report = {"from": str(source), **summary}
+def _write_report(out: Path, source: Path, summary: dict[str, Any], prov: dict[str, Any],
+                  extra: dict[str, Any] | None = None) -> None:
+    """convert.json: what was converted (the source by absolute path), the summary, how it
+    was asked for and where it ran."""
+    report = {"from": str(source.resolve()), **summary, **(extra or {}),
+              "provenance": finish(prov)}
     (out / CONVERT_REPORT).write_text(json.dumps(report, indent=1, sort_keys=True) + "\n")
 
 
@@ -480,13 +522,23 @@ def read_qwen(checkpoint: str | Path):
     return where, cfg, manifest, state
 
 
+def _shape_model(cfg: ExperimentConfig) -> torch.nn.Module:
+    from moe_train.models.build import shape_model
+
+    return shape_model(cfg, {"vocab_size": cfg.qwen.vocab_size, "pad_id": 0})
+
+
+def _model_shapes(cfg: ExperimentConfig) -> dict[str, Shape]:
+    from moe_train.train.init_from import model_shapes
+
+    return model_shapes(_shape_model(cfg))
+
+
 def check_state(cfg: ExperimentConfig, state: dict[str, Tensor], source: Path) -> None:
     """The names and shapes of the model `cfg` builds (on the meta device), else one line."""
-    from moe_train.models.build import shape_model
     from moe_train.train.export import check_weights
 
-    check_weights(shape_model(cfg, {"vocab_size": cfg.qwen.vocab_size, "pad_id": 0}), state,
-                  source)
+    check_weights(_shape_model(cfg), state, source)
 
 
 def _numel(state: dict[str, Tensor], tied: bool = False) -> int:

@@ -117,6 +117,8 @@ def check_same_model(inputs: Sequence[AveragedInput]) -> None:
     files = {p.name: p.read_bytes() for p in tokenizer_files(first.path, first.manifest)
              if p.is_file()}
     for other in inputs[1:]:
+        their_files = {p.name for p in tokenizer_files(other.path, other.manifest)
+                       if p.is_file()}
         theirs = _model_fields(other.cfg)
         differ = [f"{k} {fields.get(k)!r} vs {theirs.get(k)!r}"
                   for k in sorted(fields.keys() | theirs.keys()) if fields.get(k) != theirs.get(k)]
@@ -126,6 +128,8 @@ def check_same_model(inputs: Sequence[AveragedInput]) -> None:
         differ += [f"tokenizer file {name}" for name, blob in files.items()
                    if not (other.path / name).is_file()
                    or (other.path / name).read_bytes() != blob]
+        differ += [f"tokenizer file {name} (only {other.path} has it)"
+                   for name in sorted(their_files - files.keys())]
         differ += _kept_experts_differ(first, other)
         if differ:
             raise CheckpointError(f"{other.path}: not the same model as {first.path} "
@@ -197,9 +201,12 @@ def _add(total: dict[str, torch.Tensor], state: dict[str, torch.Tensor], item: A
                                   "in checkpoints of one model")
 
 
-def write_average(inputs: Sequence[AveragedInput], out_dir: str | Path) -> dict[str, Any]:
+def write_average(inputs: Sequence[AveragedInput], out_dir: str | Path,
+                  prov: dict[str, Any] | None = None) -> dict[str, Any]:
     """Average `inputs` (checked to be one model) into the export `out_dir`, atomically; the
-    report that `average.json` holds."""
+    report that `average.json` holds, with `prov` (`provenance()` taken when the command
+    started; now when not given) finished."""
+    prov = prov or provenance()
     check_same_model(inputs)
     newest = inputs[-1]  # the last given: with --last, the newest step
     state = average_weights(inputs)
@@ -208,7 +215,7 @@ def write_average(inputs: Sequence[AveragedInput], out_dir: str | Path) -> dict[
     report = {"format": "moe_train-average-1", "count": len(inputs),
               "inputs": [{"path": str(Path(item.path).resolve()), "kind": item.kind,
                           "step": item.step} for item in inputs]}
-    recorded = {**report, "provenance": finish(provenance())}  # average.json: its origin too
+    recorded = {**report, "provenance": finish(prov)}  # average.json: its origin too
     # a model converted from a Hugging Face directory without tokenizer files has none
     tokenizer = [p for p in tokenizer_files(newest.path, newest.manifest) if p.is_file()]
     if newest.cfg.optim.zero_stage == 3:  # as its run exported it: tensor by tensor, sharded

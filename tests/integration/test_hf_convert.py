@@ -233,6 +233,16 @@ def test_trim_moe_explicit_and_calibrated(tmp_path) -> None:
         want = sorted(sorted(range(6), key=lambda e: (-int(c[e]), e))[:3])
         assert summary["kept_experts"][str(layer)] == want, (layer, c.tolist())
     assert load_qwen(out)[1].moe.num_experts == 3
+    # convert.json: the source, how the experts were chosen (the counts behind the choice),
+    # and where and by what command it ran
+    report = json.loads((out / "convert.json").read_text())
+    assert report["from"] == str(hf_dir.resolve())
+    trim = report["trim"]
+    assert (trim["to"], trim["experts"], trim["calibration"]) == (3, None, str(calib.resolve()))
+    assert {layer: c for layer, c in trim["expert_use"].items()} == {
+        str(layer): c.tolist() for layer, c in counts.items()}
+    prov = report["provenance"]
+    assert "--calibration" in prov["command"] and {"git", "machine", "libraries"} <= set(prov)
 
     # errors: one line, exit 2
     for extra in (["--trim", "7", "--experts", "0"], ["--trim", "2"],

@@ -183,6 +183,32 @@ def test_inputs_without_tokenizer_files_give_an_export_without_them(exports, tmp
     assert load_export_weights(tmp_path / "avg").keys() == load_export_weights(paths[0]).keys()
 
 
+def test_a_tokenizer_only_one_input_has_is_refused_in_either_order(exports, tmp_path, capsys):
+    paths, _ = exports
+    bare = tmp_path / "bare"
+    shutil.copytree(paths[0], bare)
+    (bare / "spm.model").unlink()
+    for pair in ((bare, paths[1]), (paths[1], bare)):
+        err = refused(["average", *map(str, pair), "--out", str(tmp_path / "a")], capsys)
+        assert "not the same model" in err and "tokenizer file spm.model" in err, err
+    assert not (tmp_path / "a").exists()
+
+
+def test_average_json_times_the_whole_command(exports, tmp_path, monkeypatch, capsys):
+    """started_at is taken when the command starts, not when the report is written."""
+    import time
+
+    import moe_train.train.average as average
+
+    paths, _ = exports
+    real = average.average_weights
+    monkeypatch.setattr(average, "average_weights",
+                        lambda inputs: (time.sleep(1.5), real(inputs))[1])
+    assert main(["average", str(paths[0]), str(paths[1]), "--out", str(tmp_path / "a")]) == 0
+    prov = json.loads((tmp_path / "a" / AVERAGE_REPORT).read_text())["provenance"]
+    assert prov["wall_seconds"] >= 1 and prov["started_at"] != prov["finished_at"]
+
+
 def test_extracted_sub_networks_must_keep_the_same_experts(tiny_prepared, tmp_path, capsys):
     """Two extractions of one task may keep other experts (a learned gate changes during
     training): slot 0 of one is then another expert than slot 0 of the other. Refused, with

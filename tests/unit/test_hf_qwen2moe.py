@@ -144,6 +144,38 @@ def test_per_expert_checkpoint_layout_is_stacked_on_import() -> None:
         assert torch.equal(state[name], t), name
 
 
+def test_malformed_expert_tensors_are_named_before_any_read(tmp_path) -> None:
+    """Expert tensors of the wrong rank, or per-expert tensors of unequal shapes, and an index
+    naming no tensor: one CheckpointError naming the file or tensor (they were a stack, t() or
+    unpacking traceback from deep in the conversion)."""
+    import json
+
+    from moe_train.errors import CheckpointError
+    from moe_train.models.hf_io import HF_INDEX, hf_weight_files
+
+    cfg = tiny()
+    _, hf = ours_and_hf(cfg, seed=3)
+    state = hf.state_dict()
+    down = "model.layers.0.mlp.experts.down_proj"
+    with pytest.raises(CheckpointError, match=rf"^src: {down} has shape \(8, 32\); expected "
+                                              r"\(E, D, 24\)$"):
+        hf_to_ours(TensorSource.from_dict({**state, down: state[down][:, :, 0]}, "src"), cfg,
+                   "src")
+    legacy = {k: v for k, v in state.items() if not k.startswith("model.layers.0.mlp.experts.")}
+    for e in range(8):
+        legacy[f"model.layers.0.mlp.experts.{e}.gate_proj.weight"] = torch.zeros(24, 32)
+        legacy[f"model.layers.0.mlp.experts.{e}.up_proj.weight"] = torch.zeros(24, 32)
+        legacy[f"model.layers.0.mlp.experts.{e}.down_proj.weight"] = torch.zeros(32, 24)
+    for bad in (torch.zeros(25, 32), torch.zeros(1, 24, 32)):
+        broken = {**legacy, "model.layers.0.mlp.experts.2.gate_proj.weight": bad}
+        with pytest.raises(CheckpointError, match=r"^src: layer 0 gate_proj has per-expert "
+                                                  r"shapes .*expected one 2-D shape"):
+            hf_to_ours(TensorSource.from_dict(broken, "src"), cfg, "src")
+    (tmp_path / HF_INDEX).write_text(json.dumps({"weight_map": {}}))
+    with pytest.raises(CheckpointError, match="no weight_map of tensor names to shard files"):
+        hf_weight_files(tmp_path)
+
+
 def test_config_errors_name_the_field() -> None:
     with pytest.raises(ConfigError, match="moe.expert_ffn_dim"):
         tiny("moe.expert_ffn_dim=0")

@@ -255,6 +255,11 @@ def test_a_dangling_link_needs_its_target_directory(tmp_path, monkeypatch) -> No
     ("rope_scaling", "linear", "rope_scaling is 'linear'; expected an object or null"),
     ("layer_types", 3, "layer_types is 3; expected a list of attention kinds"),
     ("hidden_act", "gelu", "hidden_act is 'gelu'; expected 'silu'"),
+    ("head_dim", 4, "head_dim is 4; expected hidden_size // num_attention_heads (8)"),
+    ("attention_dropout", 0.1, "attention_dropout is 0.1; expected 0.0"),
+    ("router_aux_loss_coef", "0.001", "router_aux_loss_coef is '0.001'; expected a "
+                                      "non-negative number"),
+    ("router_aux_loss_coef", -1.0, "router_aux_loss_coef is -1.0"),
 ])
 def test_hf_config_types_name_the_file_and_key(tmp_path, key, value, needle) -> None:
     source = tmp_path / "config.json"
@@ -263,6 +268,20 @@ def test_hf_config_types_name_the_file_and_key(tmp_path, key, value, needle) -> 
         config_from_hf({**HF, key: value}, source)
     assert str(err.value).startswith(f"{source}: ") and needle in str(err.value)
     assert "\n" not in str(err.value)
+
+
+def test_hf_rope_theta_and_aux_coefficient_read_as_transformers_reads_them(tmp_path) -> None:
+    """transformers 5 takes rope_scaling, when set, as the rope parameters (its rope_theta
+    included); a null router_aux_loss_coef is its default 0.001; head_dim equal to the
+    default head size is accepted."""
+    source = tmp_path / "config.json"
+    scaled = {**HF, "rope_scaling": {"rope_type": "default", "rope_theta": 500000.0},
+              "rope_parameters": {"rope_type": "default", "rope_theta": 1000.0}}
+    assert config_from_hf(scaled, source).qwen.rope_theta == 500000.0
+    assert config_from_hf({**HF, "rope_theta": 7.0}, source).qwen.rope_theta == 7.0
+    default = config_from_hf(HF, source).moe.aux_loss_coef
+    assert config_from_hf({**HF, "router_aux_loss_coef": None}, source).moe.aux_loss_coef == default
+    assert config_from_hf({**HF, "head_dim": 8, "attention_dropout": 0.0}, source)
 
 
 def test_hf_head_counts_default_as_transformers_does(tmp_path) -> None:
