@@ -347,18 +347,27 @@ def cmd_routing_stats(args: argparse.Namespace) -> int:
     from moe_train.eval.routing_stats import check_out_dir, collect_routing_stats, \
         write_routing_stats
     from moe_train.train.export import load_for_inference
+    from moe_train.utils.provenance import finish, provenance
 
-    check_out_dir(args.out)
+    prov = provenance()
+    check_out_dir(args.out, [args.checkpoint, *([args.prepared] if args.prepared else [])])
     with _runtime() as rt:
         inf = load_for_inference(args.checkpoint, rt.device)
+        check_out_dir(args.out, [p for p in (inf.source, args.prepared or inf.cfg.data.prepared_dir)
+                                 if p])
         dataset = _prepared_split(inf, args.prepared, args.split, raw_text=False)
         stats = collect_routing_stats(inf.model, dataset, inf.manifest, rt, inf.cfg.data.max_tokens,
                                       max_batches=args.max_batches)
+        if inf.cfg.moe.extracted_task:  # rows named by the full model's expert ids
+            from moe_train.eval.extract import read_experts_kept
+
+            stats.expert_ids = read_experts_kept(inf.source)
     if rt.is_main:
         paths = write_routing_stats(stats, args.out, {
             "checkpoint": str(inf.source), "prepared": str(args.prepared or
                                                             inf.cfg.data.prepared_dir),
-            "split": args.split, "max_batches": args.max_batches})
+            "split": args.split, "max_batches": args.max_batches,
+            "provenance": finish(prov)})
         print(f"| wrote {len(paths)} files to {args.out}")
         _json_line({"checkpoint": str(inf.source), "out": str(args.out), "files": len(paths),
                     **stats.summary()})

@@ -23,6 +23,7 @@ import numpy as np
 from moe_train.config.loader import load_config, merge, read_yaml
 from moe_train.errors import ConfigError
 from moe_train.utils.atomic import check_parent_writable
+from moe_train.utils.provenance import finish, provenance
 from moe_train.utils.safe_load import read_json_object
 
 CORPUS = {"num_domains": 3, "target_langs": ["de", "fr"], "train_per_domain": 2000,
@@ -70,6 +71,19 @@ def format_expert_table(table_EC: np.ndarray, columns: list[str]) -> str:
     for e, row in enumerate(share_EC):
         rows.append(f"{e:<8}" + "".join(f"{v:>7.1f}%" for v in row))
     return "\n".join(rows)
+
+
+TASK_SOURCE_WORDS = {"tgt_lang": "target language", "lang_pair": "language pair",
+                     "domain": "domain", "other_lang": "non-English language"}
+
+
+def routing_words(cfg, side: str) -> str:
+    """How a side routes, in words: 'task routing by target language', 'topk routing'."""
+    router = getattr(cfg.moe, f"{side}_router")
+    if router != "task":
+        return f"{router} routing"
+    source = getattr(cfg.moe, f"{side}_task_source")
+    return f"task routing by {TASK_SOURCE_WORDS.get(source, source)}"
 
 
 def _say(text: str) -> None:
@@ -159,8 +173,9 @@ def _routing(workdir: Path, inf, test, cfg, rt) -> Path:
         if layer.startswith("decoder"):
             table_EC, columns = stats.table(layer, "expert_tgt_lang")
             seen = [c for c, n in enumerate(table_EC.sum(0)) if n > 0]
-            _say(f"{layer} (routed by target language): share of each language's tokens "
-                 "per expert")
+            slots = "token slots" if cfg.moe.k > 1 else "tokens"
+            _say(f"{layer} ({routing_words(cfg, 'decoder')}, k={cfg.moe.k}): share of each "
+                 f"target language's {slots} per expert")
             print(format_expert_table(table_EC[:, seen], [columns[c] for c in seen]))
             _say(f"routing heatmap: {out / (layer + '.expert_tgt_lang.png')}")
     return out
@@ -208,6 +223,7 @@ def run_demo(workdir: Path, minutes: float | None = None, overrides: list[str] |
     from moe_train.utils.atomic import write_json
 
     t0 = time.time()
+    prov = provenance()
     check_workdir(workdir)
     workdir = workdir.resolve()
     cfg = demo_config(workdir, minutes, overrides or [])
@@ -224,9 +240,9 @@ def run_demo(workdir: Path, minutes: float | None = None, overrides: list[str] |
     count_parameters(cfg, cfg.data.vocab_size, manifest)
     _check_extractable(cfg, manifest)
     prepared = _data(workdir, cfg)
-    _say(f"training a hybrid MoE: encoder {cfg.moe.encoder_router} routing over "
-         f"{cfg.moe.side_experts('encoder')} experts, decoder {cfg.moe.decoder_router} routing "
-         f"by {cfg.moe.decoder_task_source} over {cfg.moe.side_experts('decoder')} experts, "
+    _say(f"training a hybrid MoE: encoder {routing_words(cfg, 'encoder')} over "
+         f"{cfg.moe.side_experts('encoder')} experts, decoder {routing_words(cfg, 'decoder')} "
+         f"over {cfg.moe.side_experts('decoder')} experts, "
          f"{cfg.train.max_steps} steps ({cfg.train.max_minutes} min guard)")
     summary = run_training(cfg, resume=True)
     if summary["step"] < cfg.train.max_steps:
@@ -244,6 +260,7 @@ def run_demo(workdir: Path, minutes: float | None = None, overrides: list[str] |
     _say(f"sacreBLEU {metrics['all']['bleu_signature']}")
     routing = _routing(workdir, inf, test, cfg, rt)
     metrics["extraction"] = _extraction(workdir, inf, test, cfg, rt)
+    metrics["provenance"] = finish(prov)
     write_json(workdir / "test_metrics.json", metrics)
     tokens_per_s = summary["train_tokens_per_s"]  # None: no step trained by any run here
     _say(f"done in {(time.time() - t0) / 60:.1f} min | {summary['step']} steps | "

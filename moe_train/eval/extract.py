@@ -277,6 +277,23 @@ def extract(model: torch.nn.Module, cfg: ExperimentConfig, manifest: dict[str, A
     return Extraction(cfg=sub_cfg, state=state, task_ids=task_ids, experts=kept)
 
 
+def read_experts_kept(export_dir: str | Path) -> dict[str, list[int]]:
+    """Layer name -> the full model's ids of the experts an extracted export kept (its
+    extract.json), checked to be lists of integers."""
+    from moe_train.errors import CheckpointError
+    from moe_train.utils.safe_load import read_json_object
+
+    path = Path(export_dir) / EXTRACT_REPORT
+    kept = read_json_object(path, "the report of the extraction (experts_kept)").get(
+        "experts_kept")
+    if not isinstance(kept, dict) or not all(
+            isinstance(ids, list) and all(isinstance(i, int) and not isinstance(i, bool)
+                                          for i in ids) for ids in kept.values()):
+        raise CheckpointError(f"{path}: no 'experts_kept' of layer names to expert ids; "
+                              "expected the report `moe-train extract` writes")
+    return kept
+
+
 def load_extracted(ext: Extraction, manifest: dict[str, Any]) -> torch.nn.Module:
     """The sub-network as a model (strict load: every weight accounted for), in eval mode."""
     model = build_model(ext.cfg, manifest)

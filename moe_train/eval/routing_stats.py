@@ -12,7 +12,9 @@ the counts into tables, metrics and files (re-exported here).
 
 What is counted: router decisions for real tokens. Padding is never counted; a slot that expert
 capacity drops later is (it was routed there); with k > 1 a token counts once per slot, and a
-slot with id -1 (top-p, or outside S^t) not at all. In THOR models the encoder's [CLS] position
+slot with id -1 (top-p, or outside S^t) not at all. A soft router (`Router.soft`: Gated
+Adapters' gate mixes all E adapters into every token) would fill every expert equally; its
+tokens count once, at their largest-weight expert. In THOR models the encoder's [CLS] position
 is a real token.
 
 Shape legend: B sentences, T tokens (the flattened B x length positions, padding included),
@@ -209,6 +211,8 @@ class RoutingRecorder:
             raise ValueError(f"RoutingRecorder: the router of {name} was called without a "
                              "RoutingContext mapping tokens to sentences")
         ids_TK = routing.expert_ids_TK
+        if getattr(router, "soft", False):  # every expert in every slot: its dominant one
+            ids_TK = routing.weights_TK.argmax(-1, keepdim=True)
         dev, E, B = ids_TK.device, routing.num_experts, rctx.num_sentences
         domain_B, pair_B, tgt_B = (ids.to(dev) for ids in self._labels)
         if domain_B.numel() != B:

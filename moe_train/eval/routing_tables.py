@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import csv
 import io
+import json
 import math
 import re
 import textwrap
@@ -24,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from moe_train.errors import DataError
 from moe_train.utils import atomic
 from moe_train.utils.atomic import atomic_dir, atomic_path, write_json, write_text
 
@@ -170,6 +172,15 @@ class RoutingStats:
     pred_tasks: list[str] | None = None
     """Names of the predictor's task columns of the THOR tables (None: no task predictor)."""
     task_prediction: TaskPrediction | None = None
+    expert_ids: dict[str, list[int]] | None = None
+    """An extracted sub-network's layers: the full model's id of each row (extract.json's
+    experts_kept), so its tables name the same experts as the full model's."""
+
+    def row_names(self, layer: str) -> list[str]:
+        """The expert id of each row of `layer`'s tables (the full model's, when extracted)."""
+        E = self.layers[layer].expert_domain.shape[0]
+        ids = (self.expert_ids or {}).get(layer, list(range(E)))
+        return [str(i) for i in ids]
 
     def table(self, layer: str, kind: str) -> tuple[np.ndarray, list[str]]:
         """(E, C) table of `kind` (TABLE_KINDS or THOR_TABLE_KINDS) and its column names."""
@@ -256,6 +267,8 @@ class RoutingStats:
                     d: (None if math.isnan(v) else v)
                     for d, v in zip(self.domains, t.experts_per_token_by("domain").tolist())},
             }
+            if self.expert_ids and name in self.expert_ids:
+                entry["expert_ids"] = list(self.expert_ids[name])
             if t.expert_gold_task is not None:
                 entry["gold_task_purity"] = dict(zip(self.pred_tasks or [],
                                                      column_purity(t.expert_gold_task)))
@@ -386,9 +399,24 @@ def plot_heatmap(table_EC: np.ndarray, columns: list[str], title: str, column_ki
         fig.savefig(tmp, format="png")
 
 
-def check_out_dir(out_dir: str | Path) -> Path:
-    """`out_dir` if routing-stats may write it: new, empty, or an earlier routing-stats output."""
-    return atomic.check_out_dir(out_dir, "--out", SUMMARY_FILE, "routing-stats run")
+WRITTEN_BY = "moe-train routing-stats"
+"""summary.json's `written_by`: what tells an earlier output from any directory that happens
+to hold a summary.json (which --out would otherwise replace whole)."""
+
+
+def check_out_dir(out_dir: str | Path, sources: list[str | Path] | tuple = ()) -> Path:
+    """`out_dir` if routing-stats may write it: new, empty, or an earlier routing-stats output
+    (its summary.json says so), and none of `sources` (the model, the data) nor above one."""
+    summary = Path(out_dir) / SUMMARY_FILE
+    if summary.is_file():
+        try:
+            ours = json.loads(summary.read_text(encoding="utf-8")).get("written_by") == WRITTEN_BY
+        except (OSError, ValueError, AttributeError):
+            ours = False
+        if not ours:
+            raise DataError(f"--out {out_dir}: its {SUMMARY_FILE} was not written by "
+                            "routing-stats; refusing to replace the directory (choose a new one)")
+    return atomic.check_out_dir(out_dir, "--out", SUMMARY_FILE, "routing-stats run", sources)
 
 
 def write_routing_stats(stats: RoutingStats, out_dir: str | Path,
@@ -435,7 +463,7 @@ def _write_files(stats: RoutingStats, out_dir: Path, scored: dict[str, Any]) -> 
                 title = (f"{layer}: experts x {column_kind}s "
                          f"({int(table_EC.sum())} token slots)")
             written += _write_table(out_dir, f"{stem}.{kind}", table_EC, columns, title,
-                                    column_kind, **plot)
+                                    column_kind, rows=stats.row_names(layer), **plot)
     tp = stats.task_prediction
     if tp is not None:
         names = stats.pred_tasks or []
@@ -446,15 +474,16 @@ def _write_files(stats: RoutingStats, out_dir: Path, scored: dict[str, Any]) -> 
             unit="sentences")
     header = (["layer", "expert"] + [f"domain:{d}" for d in stats.domains]
               + [f"task:{t}" for t in stats.tasks] + [f"tgt:{g}" for g in stats.tgt_langs])
-    rows = [[layer, e, *map(int, np.concatenate([t.expert_domain[e], t.expert_task[e],
-                                                   t.expert_tgt_lang[e]]))]
-            for layer, t in stats.layers.items() for e in range(t.expert_domain.shape[0])]
+    rows = [[layer, name, *map(int, np.concatenate([t.expert_domain[e], t.expert_task[e],
+                                                      t.expert_tgt_lang[e]]))]
+            for layer, t in stats.layers.items()
+            for e, name in enumerate(stats.row_names(layer))]
     all_path = out_dir / ALL_LAYERS_FILE
     write_text(all_path, _csv_text(header, rows))
     layers_path = out_dir / LAYERS_FILE
     write_text(layers_path, _layers_csv(stats))
     summary_path = out_dir / SUMMARY_FILE
-    write_json(summary_path, {**scored, **stats.summary()})
+    write_json(summary_path, {"written_by": WRITTEN_BY, **scored, **stats.summary()})
     return written + [all_path, layers_path, summary_path]
 
 

@@ -54,6 +54,7 @@ class GatedRouter(Router):
     """Soft per-layer domain gate over all E adapters (see the module docstring)."""
 
     name = "gated"
+    soft = True
 
     def __init__(self, d_model: int, num_experts: int, cfg: RouterConfig,
                  gated: GatedConfig | None = None) -> None:

@@ -325,6 +325,9 @@ class Router(nn.Module):
     name = "router"
     """Registry name, for messages."""
     task_source: str | None = None
+    soft = False
+    """True for a router that mixes every expert into every token with its weights (no
+    selection): routing statistics count such a token at its largest-weight expert."""
 
     def __init__(self, num_experts: int) -> None:
         super().__init__()

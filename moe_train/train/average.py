@@ -32,14 +32,13 @@ import torch
 from moe_train.config.schema import ExperimentConfig
 from moe_train.data.prepare import tokenizer_files
 from moe_train.errors import CheckpointError, ConfigError
-from moe_train.eval.extract import EXTRACT_REPORT
+from moe_train.eval.extract import read_experts_kept
 from moe_train.models.build import shape_model
 from moe_train.train.checkpoint import consolidated_state_dict, list_tags, read_meta, verify
 from moe_train.train.export import (check_weights, export_inference, export_streamed,
                                     load_export_weights, read_parts)
 from moe_train.train.resume import flatten_config, vocabulary_identity
 from moe_train.utils.provenance import finish, provenance
-from moe_train.utils.safe_load import read_json_object
 
 AVERAGE_REPORT = "average.json"
 """The file only `moe-train average` writes into its output (the inputs it averaged)."""
@@ -141,15 +140,7 @@ def check_same_model(inputs: Sequence[AveragedInput]) -> None:
 def _kept_experts(item: AveragedInput) -> dict[str, Any] | None:
     """The global experts an extracted sub-network kept per layer (its extract.json), None
     for a full model."""
-    if not item.cfg.moe.extracted_task:
-        return None
-    report = read_json_object(item.path / EXTRACT_REPORT,
-                              "the report of the extraction (experts_kept)")
-    kept = report.get("experts_kept")
-    if not isinstance(kept, dict):
-        raise CheckpointError(f"{item.path / EXTRACT_REPORT}: no 'experts_kept'; expected the "
-                              "report `moe-train extract` writes")
-    return kept
+    return read_experts_kept(item.path) if item.cfg.moe.extracted_task else None
 
 
 def _kept_experts_differ(first: AveragedInput, other: AveragedInput) -> list[str]:

@@ -363,6 +363,15 @@ CASES: dict[str, Case] = {
     # routing-stats
     "routing_stats_out_holds_other_files": Case(routing(), ("--out", "{tmp}/stats", "refusing"),
                                                 {"stats/notes.txt": "mine\n"}),
+    # a summary.json of something else (it was taken for an earlier output, and the whole
+    # directory replaced), and a directory holding the model itself
+    "routing_stats_out_holds_a_foreign_summary": Case(
+        routing(), ("--out {tmp}/stats", "summary.json was not written by routing-stats"),
+        {"stats/summary.json": '{"bleu": 31}', "stats/notes.txt": "mine\n"}),
+    "routing_stats_out_holds_the_checkpoint": Case(
+        ["routing-stats", "--checkpoint", "{ckpt}", "--out", "{tmp}"],
+        ("--out {tmp}", "contains the input {ckpt}"),
+        {"summary.json": '{"written_by": "moe-train routing-stats"}'}, copy_ckpt=True),
     "routing_stats_missing_checkpoint": Case(routing(ckpt="{tmp}/nowhere"), ("{tmp}/nowhere",)),
     "routing_stats_missing_prepared": Case(routing("--prepared", "{tmp}/prep"), ("{tmp}/prep",)),
     "routing_stats_zero_max_batches": Case(routing("--max-batches", "0"),

@@ -60,6 +60,9 @@ def test_demo_command_end_to_end(tmp_path):
     assert rows["ALL"][2] > 0  # something was translated
     # The decoder routes by target language: its expert x language table and heatmap.
     assert re.search(r"^expert\s+de\s+en\s+fr$", out, re.M), out[-3000:]
+    assert re.search(r"decoder_layers\.\d+\.ffn \(task routing by target language, k=2\): "
+                     r"share of each target language's token slots per expert", out), out[-3000:]
+    assert "provenance" in metrics and "demo" in metrics["provenance"]["command"]
     heatmap = re.search(r"routing heatmap: (\S+)", out)
     assert heatmap and heatmap[1].endswith(".expert_tgt_lang.png"), out[-3000:]
     assert Path(heatmap[1]).is_file() and Path(heatmap[1]).parent == work / "routing"

@@ -35,6 +35,8 @@ def test_thor_routing_stats_and_evaluate(tiny_prepared, tmp_path):
         assert summary["layers"][layer]["candidate_set_size"] == 2
         assert 1.0 <= summary["layers"][layer]["experts_per_token"] <= 2.0
     assert (out / "task_confusion.csv").is_file() and (out / "task_confusion.png").is_file()
+    prov = json.loads((out / "summary.json").read_text())["provenance"]
+    assert "routing-stats" in prov["command"] and {"git", "machine", "libraries"} <= set(prov)
     with open(out / "layers.csv", newline="") as f:
         assert [r["layer"] for r in csv.DictReader(f)] == layers
 

@@ -124,6 +124,41 @@ def test_fixed_assignment_gives_hand_computed_table(dataset: FakeDataset) -> Non
     assert layer["expert_purity"] == 1.0 and layer["domain_nmi"] == pytest.approx(1.0)
 
 
+def test_a_soft_gate_counts_each_token_at_its_largest_weight_adapter(
+        dataset: FakeDataset) -> None:
+    """Gated Adapters' gate mixes all E adapters into every token: counting its E slots would
+    give equal rows whatever the gate does (purity 1/E, NMI 0). Each token counts once, at
+    its largest-weight adapter: a gate that weights adapter 1 most everywhere fills row 1."""
+    import dataclasses
+
+    from moe_train.moe.gated_router import GatedRouter
+
+    torch.manual_seed(0)
+    model = build_model(load_config(overrides=[
+        "model.d_model=32", "model.n_heads=4", "model.ffn_dim=64", "model.encoder_layers=2",
+        "model.decoder_layers=2", "model.dropout=0.0", "adapters.num_experts=3",
+        "adapters.router=gated", "adapters.sides=both", "adapters.dim=8",
+        "gated.gate_loss=none"]), {"vocab_size": V, "pad_id": PAD})
+    routers = [m for m in model.modules() if isinstance(m, GatedRouter)]
+    assert routers
+    for router in routers:
+        def forward(x_TD, rctx=None, _inner=router.forward):
+            routing = _inner(x_TD, rctx)
+            weights_TK = torch.full_like(routing.weights_TK, 0.2)
+            weights_TK[:, 1] = 0.6
+            return dataclasses.replace(routing, weights_TK=weights_TK)
+        router.forward = forward
+    stats = collect_routing_stats(model, dataset, MANIFEST, ParallelRuntime(), max_tokens=40)
+    assert stats.layers
+    for name, t in stats.layers.items():
+        side = "src" if name.startswith("encoder") else "tgt"
+        per_domain = _tokens_by_domain(dataset, side)
+        np.testing.assert_array_equal(t.expert_domain[1], per_domain)
+        assert t.expert_domain[[0, 2]].sum() == 0 and t.tokens == per_domain.sum()
+        assert stats.summary()["layers"][name]["domain_purity"] == {
+            "it": 1.0, "law": 1.0, "med": 1.0}
+
+
 def test_ranks_partition_the_data_and_fillers_are_not_counted(dataset: FakeDataset,
                                                               stats: RoutingStats) -> None:
     # max_tokens 40 cuts the 12 sentences into 3 batches: rank 1 of 2 gets one real batch
@@ -193,7 +228,11 @@ def test_write_routing_stats_files(stats: RoutingStats, tmp_path) -> None:
     paths = write_routing_stats(stats, tmp_path / "routing", scored)
     out = tmp_path / "routing"
     summary = json.loads((out / "summary.json").read_text())
-    assert summary == {**scored, **json.loads(json.dumps(stats.summary()))}  # what was routed
+    assert summary == {"written_by": "moe-train routing-stats", **scored,
+                       **json.loads(json.dumps(stats.summary()))}  # what was routed
+    from moe_train.eval.routing_tables import check_out_dir
+
+    assert check_out_dir(out) == out  # an earlier output: --out may replace it
     names = sorted(p.name for p in out.iterdir())
     assert names == sorted(p.name for p in paths)  # nothing else left (no temporary files)
     assert len(paths) == 2 * 3 * 2 + 3  # + all_layers.csv, layers.csv, summary.json
@@ -217,6 +256,28 @@ def test_write_routing_stats_files(stats: RoutingStats, tmp_path) -> None:
             assert data[:8] == b"\x89PNG\r\n\x1a\n"
             width, height = int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
             assert width >= 300 and height >= 200
+
+
+def test_an_extracted_sub_network_s_rows_are_the_full_model_s_expert_ids(
+        stats: RoutingStats, tmp_path) -> None:
+    """An extracted export keeps some of the full model's experts, renumbered 0..; its tables
+    name each row by the full model's id (extract.json), so they compare with the full
+    model's."""
+    import dataclasses
+
+    sub = dataclasses.replace(stats, expert_ids={DEC: [1, 3, 4, 6]})
+    out = tmp_path / "sub"
+    write_routing_stats(sub, out, {})
+    for kind in ("expert_domain", "expert_tgt_lang"):
+        with open(out / f"{DEC}.{kind}.csv", newline="") as f:
+            assert [r[0] for r in list(csv.reader(f))[1:]] == ["1", "3", "4", "6"]
+    with open(out / f"{ENC}.expert_domain.csv", newline="") as f:  # not extracted: as it is
+        assert [r[0] for r in list(csv.reader(f))[1:]] == ["0", "1", "2", "3"]
+    with open(out / "all_layers.csv", newline="") as f:
+        assert [r["expert"] for r in csv.DictReader(f) if r["layer"] == DEC] == ["1", "3", "4",
+                                                                                  "6"]
+    summary = json.loads((out / "summary.json").read_text())["layers"]
+    assert summary[DEC]["expert_ids"] == [1, 3, 4, 6] and "expert_ids" not in summary[ENC]
 
 
 def test_user_errors(dataset: FakeDataset) -> None:
