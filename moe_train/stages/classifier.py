@@ -53,6 +53,8 @@ def _fit(ctx: StageContext, train: ShardedDataset, num_domains: int) -> tuple[
     when they come for free (the encoder head's features are already computed)."""
     g, rt, out = ctx.cfg.gated, ctx.rt, ctx.stage_dir(STAGE)
     every_N = np.arange(len(train), dtype=np.int64)
+    if rt.is_main:  # a file of the other kind, left by a run killed before it finished
+        (out / (HEAD if g.classifier == "tfidf" else TFIDF)).unlink(missing_ok=True)
     if g.classifier == "tfidf":  # scikit-learn is single-process: rank 0 fits, the rest load
         if rt.is_main:
             out.mkdir(parents=True, exist_ok=True)
@@ -116,8 +118,8 @@ def load_classifier(ctx: StageContext, by: str, backbone_model: nn.Module | None
     """The fitted classifier, for pipelines that predict the domain at inference (an encoder
     classifier runs `backbone_model`, the backbone export's model)."""
     where: Path = ctx.require(STAGE, by)
-    if (where / TFIDF).is_file():
-        return TfidfClassifier.load(where / TFIDF)
+    if ctx.cfg.gated.classifier == "tfidf":  # the kind the finished stage was run with, never
+        return TfidfClassifier.load(where / TFIDF)  # the file a killed run of another left
     if backbone_model is None:
         raise ConfigError(f"stage {by}: the encoder classifier needs the backbone model")
     return EncoderClassifier(backbone_model, EncoderClassifier.load_head(where / HEAD), ctx,

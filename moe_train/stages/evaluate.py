@@ -119,9 +119,10 @@ def sentence_router_labels(inf: InferenceModel, features_ND: np.ndarray) -> np.n
     if not routers:
         return None
     router = routers[0].inner.eval()
-    x_ND = torch.from_numpy(features_ND)
+    device = next(router.parameters(), torch.empty(0)).device  # the model's, a GPU included
+    x_ND = torch.from_numpy(features_ND).to(device)
     rctx = RoutingContext.from_batch(len(x_ND), 1, sentence_repr_BD=x_ND, side="decoder")
-    return router.route(x_ND, rctx).expert_ids_TK[:, 0].numpy()
+    return router.route(x_ND, rctx).expert_ids_TK[:, 0].cpu().numpy()
 
 
 def learned_routing(routed: InferenceModel, backbone: InferenceModel, features_ND: np.ndarray,
@@ -242,6 +243,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
     if "distill" in stages:  # checked before hours of decoding, loaded as the adapters stage does
         gate = MoAGate(backbone.cfg.model.d_model, moa.num_clusters)
         load_matching(gate, load_gate(ctx, STAGE), ctx.stage_dir("distill") / GATE, set())
+    clusterer = load_cluster(ctx, STAGE)[0] if "cluster" in stages else None  # so is this
 
     def scores(inf: InferenceModel) -> dict[str, Any]:
         metrics, hyps = evaluate_dataset(inf.model, test, inf.vocab, inf.manifest, rt, ecfg,
@@ -288,8 +290,8 @@ def run(ctx: StageContext) -> dict[str, Any]:
     features_ND = encode(backbone.model)
     true_N = test.domain_ids[idx]
     assignments: dict[str, np.ndarray] = {}
-    if "cluster" in stages:
-        assignments["clusterer"] = load_cluster(ctx, STAGE)[0].predict(features_ND)
+    if clusterer is not None:
+        assignments["clusterer"] = clusterer.predict(features_ND)
     if gate is not None:
         assignments["distilled_gate"] = gate_labels(gate, features_ND)
     learned = learned_routing(models.get("adapters", backbone), backbone, features_ND, encode)

@@ -105,3 +105,25 @@ def test_gad_encoder_gate_probs_on_gpu(tiny_prepared):
     gpu = encoder_gate_probs(model.cuda(), test, idx, 2000)
     assert gpu.shape == cpu.shape == (2, len(idx), len(test.manifest["domains"]))
     np.testing.assert_allclose(gpu, cpu, atol=1e-4)
+
+
+def test_moa_evaluate_scores_the_sentence_router_of_a_model_on_gpu():
+    """The evaluate stage feeds the routed model's own sentence gate the pooled features it
+    holds as numpy: on the model's device (they stayed on the CPU: a device mismatch after
+    every decode had run)."""
+    from types import SimpleNamespace
+
+    from moe_train.config import load_config
+    from moe_train.models.build import build_model
+    from moe_train.stages.evaluate import sentence_router_labels
+
+    cfg = load_config(None, ["model.d_model=16", "model.n_heads=2", "model.ffn_dim=32",
+                             "model.encoder_layers=2", "model.decoder_layers=3",
+                             "adapters.dim=4", "adapters.num_experts=4",
+                             "adapters.router=sentence", "adapters.k=1"])
+    torch.manual_seed(0)
+    model = build_model(cfg, {"vocab_size": 30, "pad_id": 0}).eval()
+    x_ND = torch.randn(6, 16)
+    want = sentence_router_labels(SimpleNamespace(model=model, cfg=cfg), x_ND.numpy())
+    got = sentence_router_labels(SimpleNamespace(model=model.cuda(), cfg=cfg), x_ND.numpy())
+    assert got.tolist() == want.tolist()

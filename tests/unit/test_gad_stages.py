@@ -78,6 +78,26 @@ def test_encoder_classifier_head_round_trips_and_refuses_other_files(tmp_path):
         EncoderClassifier.load_head(tmp_path / "other.pt")
 
 
+def test_the_configured_classifier_kind_is_loaded_not_a_leftover_file(tmp_path):
+    """A TF-IDF run killed after saving tfidf.skops, then the stage rerun with the encoder
+    classifier: gad evaluate must load the encoder head (the TF-IDF file used to win)."""
+    from types import SimpleNamespace
+
+    from moe_train.stages.classifier import HEAD, TFIDF, load_classifier
+
+    train = _domain_data(40, 0)
+    TfidfClassifier.fit([" ".join(map(str, s)) for s in train.srcs], train.domain_ids,
+                        num_domains=4, ngrams=1).save(tmp_path / TFIDF)
+    EncoderClassifier(nn.Identity(), nn.Linear(8, 4), None, 0).save(tmp_path / HEAD)
+
+    def ctx(kind):
+        return SimpleNamespace(require=lambda stage, by: tmp_path, cfg=SimpleNamespace(
+            gated=SimpleNamespace(classifier=kind), data=SimpleNamespace(max_tokens=100)))
+
+    assert load_classifier(ctx("encoder"), "gad_evaluate", nn.Identity()).kind == "encoder"
+    assert load_classifier(ctx("tfidf"), "gad_evaluate").kind == "tfidf"
+
+
 def test_domain_report_micro_f1_and_confusion():
     true = np.array([0, 0, 1, 1, 2, 2])
     pred = np.array([0, 1, 1, 1, 2, 0])
