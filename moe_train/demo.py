@@ -110,9 +110,26 @@ def _check_extractable(cfg, manifest: dict[str, Any]) -> None:
                           f"this routing cannot name ({exc})") from None
 
 
-PREPARE_FIELDS = ("pairs", "vocab_size", "max_len", "max_chars", "dev_per_domain",
-                  "test_per_domain", "domain_tags", "lang_tags", "tokenizer", "spm_model_type",
-                  "spm_max_sentences", "prompt_template")
+def _check_corpus_overrides(cfg, recipe) -> None:
+    """Refuse data.* overrides the demo's corpus cannot honour (they were accepted, then
+    ignored, or failed deep inside): a direction it has no text for; dev / test sizes (it has
+    its own dev and test files)."""
+    langs = CORPUS["target_langs"]
+    for pair in cfg.data.pairs:
+        src, _, tgt = pair.partition("-")
+        if not ((src == "en" and tgt in langs) or (tgt == "en" and src in langs)):
+            raise ConfigError(f"data.pairs: the demo's corpus has en<->{', en<->'.join(langs)}; "
+                              f"got {pair!r}")
+    for field in ("dev_per_domain", "test_per_domain"):
+        if getattr(cfg.data, field) != getattr(recipe.data, field):
+            raise ConfigError(f"data.{field}: the demo's corpus comes with its own dev and test "
+                              f"sets ({CORPUS['dev_per_domain']} / {CORPUS['test_per_domain']} "
+                              "sentences per domain and direction); leave it unset")
+
+
+PREPARE_FIELDS = ("pairs", "domains", "vocab_size", "max_len", "eval_max_len", "max_chars",
+                  "domain_tags", "lang_tags", "tokenizer", "spm_model_type", "spm_max_sentences",
+                  "prompt_template")
 """The data.* fields `prepare` reads: a workdir's corpus is reused only where they match."""
 
 
@@ -122,20 +139,24 @@ def _data_settings(cfg) -> dict[str, Any]:
             **{f"data.{k}": data[k] for k in PREPARE_FIELDS}}
 
 
-def _check_reused_data(workdir: Path, cfg) -> None:
-    """Refuse a workdir whose corpus was made or prepared with other settings (it would be
-    reused silently, the model built from its manifest, not from the overrides)."""
-    from moe_train.utils.atomic import write_json
+DATA_SETTINGS = "data-settings.json"
+"""Written once the corpus is made and prepared: what it was made with."""
 
-    path, now = workdir / "data-settings.json", json.loads(json.dumps(_data_settings(cfg)))
-    if path.is_file():
-        then = read_json_object(path, "the demo's data settings (JSON object)", ConfigError)
-        for key, value in now.items():
-            if then.get(key) != value:
-                raise ConfigError(f"demo --workdir {workdir}: its corpus was made with {key} "
-                                  f"{then.get(key)!r}, not {value!r}; use another --workdir "
-                                  "(or remove this one)")
-    write_json(path, now)
+
+def _reusable_data(workdir: Path, cfg) -> bool:
+    """Whether the workdir's corpus and prepared data can be reused: made and prepared to the
+    end (its settings file is written last) with these settings. Other settings are refused
+    (the model would be built from the old manifest, not from the overrides)."""
+    path, now = workdir / DATA_SETTINGS, json.loads(json.dumps(_data_settings(cfg)))
+    if not path.is_file():
+        return False  # none made, or a run stopped before it was prepared: made again
+    then = read_json_object(path, "the demo's data settings (JSON object)", ConfigError)
+    for key, value in now.items():  # a key an older demo did not record: its default then
+        if key in then and then[key] != value:
+            raise ConfigError(f"demo --workdir {workdir}: its corpus was made with {key} "
+                              f"{then.get(key)!r}, not {value!r}; use another --workdir "
+                              "(or remove this one)")
+    return True
 
 
 def _data(workdir: Path, cfg) -> Path:
@@ -143,20 +164,26 @@ def _data(workdir: Path, cfg) -> Path:
     from moe_train.data.corpus import discover
     from moe_train.data.prepare import prepare
     from moe_train.data.synthetic_dir import write_synthetic
+    from moe_train.utils.atomic import write_json
 
-    _check_reused_data(workdir, cfg)
-    data_dir = workdir / "data"
-    if not (data_dir / "domains.json").is_file():
+    data_dir, prepared = workdir / "data", Path(cfg.data.prepared_dir)
+    reuse = _reusable_data(workdir, cfg)
+    if not (reuse and (data_dir / "domains.json").is_file()):
         _say(f"generating the synthetic corpus in {data_dir}")
         write_synthetic(data_dir, overwrite=True, seed=cfg.train.seed, **CORPUS)
-    prepared = Path(cfg.data.prepared_dir)
-    if not (prepared / "manifest.json").is_file():
+        reuse = False
+    if not (reuse and (prepared / "manifest.json").is_file()):
         _say(f"preparing (sentencepiece + shards) into {prepared}")
-        manifest = prepare(discover(data_dir, pairs=cfg.data.pairs), prepared, cfg.data,
-                           seed=cfg.train.seed)
+        manifest = prepare(discover(data_dir, pairs=cfg.data.pairs, domains=cfg.data.domains),
+                           prepared, cfg.data, seed=cfg.train.seed, overwrite=True)
         sizes = {k: v["sentences"] for k, v in manifest["splits"].items()}
         _say(f"{sizes} pairs in {', '.join(cfg.data.pairs)}, vocabulary "
              f"{manifest['vocab_size']}")
+        for split in ("dev", "test"):
+            if not manifest["splits"].get(split, {}).get("sentences"):
+                raise ConfigError(f"data: the demo's {split} split holds no sentences after "
+                                  "preparing (data.eval_max_len or data.max_len too small?)")
+    write_json(workdir / DATA_SETTINGS, json.loads(json.dumps(_data_settings(cfg))))
     return prepared
 
 
@@ -197,18 +224,21 @@ def _extraction(workdir: Path, inf, test, cfg, rt) -> dict[str, Any]:
     out = write_extraction(workdir / f"extracted-{EXTRACT_TASK}", ext, inf.manifest,
                            inf.source, report)
     sub = load_for_inference(out)
-    args = (test, inf.vocab, rt, inf.cfg.eval, cfg.data.max_tokens)
+    args = (test, inf.vocab, rt, cfg.eval, cfg.data.max_tokens)
     full_hyps = translate_dataset(inf.model, *args, indices=indices)
     sub_hyps = translate_dataset(sub.model, *args, indices=indices)
     same = sum(full_hyps[i] == sub_hyps[i] for i in indices)
+    empty = sum(not full_hyps[i].strip() for i in indices)
     _say(f"extracted the {EXTRACT_TASK} sub-network into {out}")
     print(format_report(report))
-    identical = same == len(indices) and len(indices) > 0
+    # empty translations are equal whatever the weights: they alone would prove nothing
+    identical = same == len(indices) and 0 < len(indices) != empty
+    why = f" ({empty} of the full model's translations are empty)" if empty else ""
     _say(f"extraction check: {same}/{len(indices)} {EXTRACT_TASK} test sentences translated "
-         f"identically by the sub-network (beam {inf.cfg.eval.beam}): "
+         f"identically by the sub-network (beam {cfg.eval.beam}){why}: "
          f"{'PASS' if identical else 'FAIL'}")
     return {"task": EXTRACT_TASK, "sentences": len(indices), "identical": same,
-            "passed": identical, "out": str(out), **report}
+            "empty": empty, "passed": identical, "out": str(out), **report}
 
 
 def run_demo(workdir: Path, minutes: float | None = None, overrides: list[str] | None = None
@@ -227,6 +257,7 @@ def run_demo(workdir: Path, minutes: float | None = None, overrides: list[str] |
     check_workdir(workdir)
     workdir = workdir.resolve()
     cfg = demo_config(workdir, minutes, overrides or [])
+    _check_corpus_overrides(cfg, demo_config(workdir, minutes, []))
     from moe_train.eval.params import count_parameters
 
     # the model on the meta device, with the corpus's languages and domains: a bad override
@@ -243,17 +274,23 @@ def run_demo(workdir: Path, minutes: float | None = None, overrides: list[str] |
     _say(f"training a hybrid MoE: encoder {routing_words(cfg, 'encoder')} over "
          f"{cfg.moe.side_experts('encoder')} experts, decoder {routing_words(cfg, 'decoder')} "
          f"over {cfg.moe.side_experts('decoder')} experts, "
-         f"{cfg.train.max_steps} steps ({cfg.train.max_minutes} min guard)")
+         f"{cfg.train.max_steps} steps ("
+         + (f"{cfg.train.max_minutes:g} min guard)" if cfg.train.max_minutes else
+            "no time guard)"))
     summary = run_training(cfg, resume=True)
-    if summary["step"] < cfg.train.max_steps:
-        _say(f"NOTE: the {cfg.train.max_minutes} min guard stopped training at step "
+    if summary.get("stopped_early"):
+        _say(f"NOTE: early stopping ended training at step {summary['step']} of "
+             f"{cfg.train.max_steps} (the export is step "
+             f"{summary.get('exported_step', summary['step'])})")
+    elif summary["step"] < cfg.train.max_steps:
+        _say(f"NOTE: the {cfg.train.max_minutes:g} min guard stopped training at step "
              f"{summary['step']} of {cfg.train.max_steps}; scores are of a shorter run")
 
     _say("evaluating the test set with beam search")
     rt = ParallelRuntime()
     inf = load_for_inference(Path(cfg.checkpoint.dir) / "export")
     test = nonempty_split(prepared, "test")
-    metrics, _ = evaluate_dataset(inf.model, test, inf.vocab, inf.manifest, rt, inf.cfg.eval,
+    metrics, _ = evaluate_dataset(inf.model, test, inf.vocab, inf.manifest, rt, cfg.eval,
                                   cfg.data.max_tokens)
     print(format_groups(metrics, "pairs", "direction"))
     print(format_groups(metrics, "domains", "domain"))

@@ -120,6 +120,11 @@ CASES: dict[str, Case] = {
     # demo: a bad override fails before the corpus is made
     "demo_k_above_the_experts": Case(["demo", "--workdir", "{tmp}/dm", "moe.num_experts=3",
                                       "moe.k=4"], ("moe.k", "at most moe.num_experts (3)")),
+    "demo_pair_outside_its_corpus": Case(["demo", "--workdir", "{tmp}/dm",
+                                          "data.pairs=[en-de,en-es]"],
+                                         ("data.pairs", "en<->de, en<->fr", "'en-es'")),
+    "demo_test_size_override": Case(["demo", "--workdir", "{tmp}/dm", "data.test_per_domain=5"],
+                                    ("data.test_per_domain", "its own dev and test sets")),
     "demo_without_its_extracted_direction": Case(["demo", "--workdir", "{tmp}/dm",
                                                   "data.pairs=[de-en,en-fr]"],
                                                  ("data.pairs", "en-de sub-network")),

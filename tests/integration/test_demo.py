@@ -44,6 +44,11 @@ def test_demo_command_end_to_end(tmp_path):
 
     work = tmp_path / "demo-work"
     args = ["demo", "--workdir", str(work), "--minutes", "2", *SHRINK]
+    # A first run that fails while preparing (after making the corpus) must not leave settings
+    # that refuse the corrected run (it said "its corpus was made with data.vocab_size 20").
+    failed = run_cli([*args, "data.vocab_size=20"], cwd=tmp_path, check=False, timeout=300)
+    assert failed.returncode == 2 and "data.vocab_size: 20 is too small" in failed.stderr
+    assert (work / "data").is_dir() and not (work / "data-settings.json").exists()
     out = run_cli(args, cwd=tmp_path, timeout=600).stdout
 
     rows = _table(out)
@@ -107,3 +112,29 @@ def test_demo_bad_override_is_one_line_error(tmp_path):
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and "no_such_field" in lines[0]
     assert not (tmp_path / "w" / "data").exists()  # nothing generated before the config is valid
+
+
+def test_demo_names_what_ended_training(tmp_path, monkeypatch, capsys):
+    """Early stopping is not the time guard; --minutes 0 is no guard at all."""
+    import pytest
+
+    import moe_train.commands as commands
+    import moe_train.demo as demo
+    import moe_train.train.export as export
+
+    class Evaluating(Exception):
+        pass
+
+    def stop(*args, **kwargs):
+        raise Evaluating
+
+    monkeypatch.setattr(demo, "_data", lambda workdir, cfg: tmp_path)
+    monkeypatch.setattr(commands, "run_training", lambda cfg, resume: {
+        "step": 4, "stopped_early": True, "exported_step": 2})
+    monkeypatch.setattr(export, "load_for_inference", stop)
+    with pytest.raises(Evaluating):
+        demo.run_demo(tmp_path / "w", minutes=0)
+    out = capsys.readouterr().out
+    assert "600 steps (no time guard)" in out
+    assert "NOTE: early stopping ended training at step 4 of 600 (the export is step 2)" in out
+    assert "guard stopped" not in out
