@@ -228,7 +228,7 @@ class StageContext:
                               f"`moe-train pipeline {self.recipe} --stage {stage}` first")
         return self.stage_dir(stage)
 
-    def _stage_provenance(self) -> dict[str, Any]:
+    def stage_provenance(self) -> dict[str, Any]:
         """The process's provenance with the running stage's start, end and wall time."""
         started = self._stage_started or self.process_provenance["started_at"]
         return finish_provenance(dict(self.process_provenance, started_at=started))
@@ -243,7 +243,7 @@ class StageContext:
         # equal, so the stages that read the old output see that it changed.
         summary = summary | {"record_id": uuid.uuid4().hex,
                              "made_from": made_from(stage, cfg, inputs, self.recipe),
-                             "provenance": self._stage_provenance()}
+                             "provenance": self.stage_provenance()}
         if self.rt.is_main:
             write_json(self.stage_dir(stage) / DONE, summary)
         self.release(stage)

@@ -65,6 +65,9 @@ def run(ctx: StageContext) -> dict[str, Any]:
         "steps": moa.distill_steps,
         "batch_sentences": min(moa.distill_batch_sentences, len(labels_N)),
         "final_loss": final_loss,
+        # both measured on the rows the gate was fitted to (no held-out rows: the evaluate
+        # stage scores the gate on the test set)
+        "measured_on": "training rows",
         "cluster_accuracy": float((predicted_N == labels_N).mean()),
         "gate_vs_domains": cluster_report(predicted_N, meta["domain"], domains,
                                           moa.num_clusters)}, ctx.cfg)

@@ -159,10 +159,13 @@ def random_routing(inf: InferenceModel):
 
 
 def backbone_cache_key(export: Path, prepared: Path, split: str, ecfg: EvalConfig,
-                       eval_sentences: int, max_tokens: int) -> dict[str, Any]:
+                       eval_sentences: int, max_tokens: int, rnd_seed: int | None = None,
+                       device: str = "cpu", code: dict[str, Any] | None = None
+                       ) -> dict[str, Any]:
     """What the backbone's test scores depend on: the export's content (weights, config,
-    tokenizer), the prepared split's content and manifest, every decode setting, and the
-    sacreBLEU version that scores them."""
+    tokenizer), the prepared split's content and manifest, every decode setting, the seed of
+    the RND label shuffle, the device, the code (`code`: the git commit and whether the tree
+    was dirty) and the sacreBLEU version that scores them."""
     import sacrebleu
 
     prepared = Path(prepared)
@@ -173,14 +176,18 @@ def backbone_cache_key(export: Path, prepared: Path, split: str, ecfg: EvalConfi
             "sacrebleu": sacrebleu.__version__,
             "decode": {"beam": ecfg.beam, "lenpen": ecfg.lenpen, "max_len_a": ecfg.max_len_a,
                        "max_len_b": ecfg.max_len_b, "max_sentences": ecfg.max_sentences,
-                       "max_tokens": max_tokens, "sentences_per_domain": eval_sentences}}
+                       "max_tokens": max_tokens, "sentences_per_domain": eval_sentences},
+            "rnd_seed": rnd_seed, "device": device, "code": code}
 
 
 def cached_scores(cache_dir: Path, key: dict[str, Any], compute: Callable[[], dict[str, Any]],
-                  write: bool = True) -> dict[str, Any]:
-    """The scores stored under `key` in `cache_dir` (``"cached": true``), else `compute()`'s,
-    stored there when `write` (``"cached": false``). An entry is used only when its whole key
-    matches: any change of checkpoint, data or decode settings computes again."""
+                  write: bool = True, measured_by: dict[str, Any] | None = None
+                  ) -> dict[str, Any]:
+    """The scores stored under `key` in `cache_dir` (``"cached": true``, with the
+    ``measured_by`` provenance of the process that computed them), else `compute()`'s,
+    stored there with `measured_by` when `write` (``"cached": false``). An entry is used only
+    when its whole key matches: any change of checkpoint, data or decode settings computes
+    again."""
     name = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     path = Path(cache_dir) / f"{name}.json"
     if path.is_file():
@@ -190,10 +197,10 @@ def cached_scores(cache_dir: Path, key: dict[str, Any], compute: Callable[[], di
             stored = None  # a damaged entry: computed again and replaced
         if isinstance(stored, dict) and stored.get("key") == key and \
                 isinstance(stored.get("scores"), dict):
-            return dict(stored["scores"], cached=True)
+            return dict(stored["scores"], cached=True, measured_by=stored.get("measured_by"))
     scores = compute()
     if write:
-        write_json(path, {"key": key, "scores": scores})
+        write_json(path, {"key": key, "scores": scores, "measured_by": measured_by})
     return dict(scores, cached=False)
 
 
@@ -269,10 +276,14 @@ def run(ctx: StageContext) -> dict[str, Any]:
         if name != "backbone":
             result[name] = scores(inf)
             continue
+        git = ctx.process_provenance.get("git") or {}
         key = backbone_cache_key(backbone_export, cfg.data.prepared_dir, "test", ecfg,
-                                 moa.eval_sentences, cfg.data.max_tokens)
+                                 moa.eval_sentences, cfg.data.max_tokens, rnd_seed=moa.seed,
+                                 device=rt.device.type, code={k: git.get(k) for k in
+                                                              ("commit", "dirty")})
         result[name] = cached_scores(ctx.stage_dir("backbone") / CACHE_DIR, key,
-                                     lambda inf=inf: scores(inf), write=rt.is_main)
+                                     lambda inf=inf: scores(inf), write=rt.is_main,
+                                     measured_by=ctx.stage_provenance())
         result["backbone_cache_key"] = key
     out = ctx.stage_dir(STAGE)
     hypotheses = {name: result[name].pop("hypotheses") for name in models}
@@ -304,6 +315,6 @@ def run(ctx: StageContext) -> dict[str, Any]:
         if rt.is_main:
             _write_table(out / "routing", name, report)
     result["routing"] = routing
-    if rt.is_main:
-        write_json(out / "eval.json", result)
+    if rt.is_main:  # what it measured, and where and by what command
+        write_json(out / "eval.json", result | {"provenance": ctx.stage_provenance()})
     return ctx.finish(STAGE, result, ctx.cfg)

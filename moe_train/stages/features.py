@@ -13,13 +13,15 @@ evaluation: clustering never reads it).
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
 from moe_train.data.batching import eval_batches
-from moe_train.data.shards import ShardedDataset
+from moe_train.config.schema import ExperimentConfig
+from moe_train.data.shards import MANIFEST, ShardedDataset, read_manifest
 from moe_train.errors import ConfigError
 from moe_train.eval.decode import batch_context
 from moe_train.parallel.collectives import all_gather_object, barrier
@@ -92,6 +94,39 @@ def check_label_free(manifest: dict[str, Any], where: Any) -> None:
         raise ConfigError(f"data.domain_tags: {where} starts every source with its domain tag, "
                           "which label-free features would read; prepare the data without "
                           "domain tags")
+
+
+def check_recipe_config(cfg: ExperimentConfig) -> None:
+    """What the features and cluster stages would refuse, decided from the config and the
+    prepared data's manifest before the backbone trains (they were found only after it had):
+    domain-tagged sources, unknown anchor domains, anchors without a dev split, more clusters
+    than sentences, a Birch sample too large."""
+    from moe_train.stages.cluster import BIRCH_MAX_SENTENCES
+
+    moa, data = cfg.moa, cfg.data
+    if not (Path(data.prepared_dir) / MANIFEST).is_file():
+        return  # the backbone stage names the missing data
+    manifest = read_manifest(data.prepared_dir)
+    check_label_free(manifest, data.prepared_dir)
+    domains, splits = list(manifest["domains"]), manifest["splits"]
+    anchors = 0
+    if moa.anchors_per_domain:
+        unknown = sorted(set(moa.anchor_domains) - set(domains))
+        if unknown:
+            raise ConfigError(f"moa.anchor_domains: unknown domain {unknown[0]!r} (the data "
+                              f"has: {', '.join(domains)})")
+        if "dev" not in splits:
+            raise ConfigError(f"moa.anchors_per_domain: anchors come from the dev split, which "
+                              f"{data.prepared_dir} does not have")
+        anchors = moa.anchors_per_domain * len(moa.anchor_domains or domains)
+    sampled = min(int(splits["train"]["sentences"]), moa.sample_size)
+    if moa.num_clusters > sampled + anchors:
+        raise ConfigError(f"moa.num_clusters: expected at most the {sampled + anchors} "
+                          f"sentences the features stage will sample, got {moa.num_clusters}")
+    if moa.clusterer == "birch" and sampled > BIRCH_MAX_SENTENCES:
+        raise ConfigError(f"moa.sample_size: Birch needs at most {BIRCH_MAX_SENTENCES} "
+                          f"sentences (its last step is quadratic in memory), the features will "
+                          f"have {sampled}; lower moa.sample_size or use gmm / kmeans")
 
 
 def run(ctx: StageContext) -> dict[str, Any]:

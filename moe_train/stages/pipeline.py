@@ -67,9 +67,11 @@ def run_pipeline(ctx: StageContext, recipe: str = "moa", stage: str | None = Non
     ctx = recipe_context(ctx, recipe)
     if recipe == "gad":  # what the later stages need, before the first one trains
         gad.check_recipe_config(ctx.cfg)
-    elif recipe == "moa":
-        adapters.check_recipe_config(ctx)
     order = recipe_stages(ctx, recipe)
+    if recipe == "moa":
+        adapters.check_recipe_config(ctx)
+        if "features" in order:
+            features.check_recipe_config(ctx.cfg)
     if stage is not None:
         if stage not in order and recipe == "moa":  # gad's optional tag stage says why itself
             raise ConfigError(f"--stage: {stage} is not a stage of this config's moa recipe "

@@ -52,7 +52,7 @@ def test_second_call_is_cached_and_equal(fake_run):
     assert decode.calls == 1
     assert first["cached"] is False and second["cached"] is True
     assert {k: v for k, v in first.items() if k != "cached"} == \
-        {k: v for k, v in second.items() if k != "cached"}
+        {k: v for k, v in second.items() if k not in ("cached", "measured_by")}
     assert len(key["checkpoint_sha256"]) == 64 and len(key["test_data_sha256"]) == 64
 
 
@@ -75,6 +75,31 @@ def test_any_key_change_decodes_again(fake_run, change):
         settings[change] = {"beam": 5, "lenpen": 0.6, "max_len_b": 20}[change]
     again = cached_scores(tmp / "cache", _key(export, prepared, **settings), decode)
     assert decode.calls == 2 and again["cached"] is False
+
+
+def test_a_reused_entry_names_the_run_that_measured_it(fake_run):
+    tmp, export, prepared = fake_run
+    decode, key = Decoder(), _key(export, prepared, beam=4)
+    first = cached_scores(tmp / "cache", key, decode, measured_by={"command": ["first"]})
+    assert "measured_by" not in first  # measured by this process: its own provenance
+    again = cached_scores(tmp / "cache", key, decode, measured_by={"command": ["second"]})
+    assert again["cached"] is True and again["measured_by"] == {"command": ["first"]}
+
+
+@pytest.mark.parametrize("change", [{"rnd_seed": 2}, {"device": "cuda"},
+                                    {"code": {"commit": "b" * 40, "dirty": False}}])
+def test_the_rnd_seed_device_and_code_are_in_the_key(fake_run, change):
+    tmp, export, prepared = fake_run
+    decode = Decoder()
+    base = {"rnd_seed": 1, "device": "cpu", "code": {"commit": "a" * 40, "dirty": False}}
+
+    def key(**kw):
+        return backbone_cache_key(export, prepared, "test", EvalConfig(beam=4), 100, 3000,
+                                  **{**base, **kw})
+
+    cached_scores(tmp / "cache", key(), decode)
+    assert cached_scores(tmp / "cache", key(), decode)["cached"] is True
+    assert cached_scores(tmp / "cache", key(**change), decode)["cached"] is False
 
 
 def test_other_splits_do_not_touch_the_key(fake_run):
