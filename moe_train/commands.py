@@ -177,6 +177,9 @@ def cmd_train(args: argparse.Namespace) -> int:
             extra = json.loads(path.read_text(encoding="utf-8"))
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise ConfigError(f"{path}: not a readable DeepSpeed JSON config ({exc})") from None
+        except RecursionError:
+            raise ConfigError(f"{path}: nested too deeply to read; expected a DeepSpeed JSON "
+                              "config") from None
         if not isinstance(extra, dict):
             raise ConfigError(f"{path}: expected a JSON object (DeepSpeed config keys), got "
                               f"{type(extra).__name__}")
@@ -396,7 +399,9 @@ def _check_evaluate_inputs(args: argparse.Namespace) -> None:
 
 def cmd_evaluate(args: argparse.Namespace) -> int:
     from moe_train.data.corpus import STDIN, read_text_input
+    from moe_train.utils.provenance import provenance
 
+    prov = provenance()  # --json's start time and duration cover the whole command
     _check_evaluate_inputs(args)
     if args.src or args.ref:  # raw text is checked before the model loads
         if str(args.src) == str(args.ref) == STDIN:
@@ -407,7 +412,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     from moe_train.eval.evaluate import evaluate_dataset, format_table
     from moe_train.eval.metrics import corpus_metrics, group_target
     from moe_train.train.export import load_for_inference
-    from moe_train.utils.provenance import finish, provenance
+    from moe_train.utils.provenance import finish
     from moe_train.utils.atomic import atomic_path, check_out_file, lines_text, write_target
 
     inputs = {"--src": args.src, "--ref": args.ref, "--checkpoint": args.checkpoint,
@@ -448,7 +453,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
                   "decoding": {k: getattr(ecfg, k) for k in ("beam", "lenpen", "max_len_a",
                                                               "max_len_b")},
                   **metrics}
-        record = {**result, "provenance": finish(provenance())}  # the file: where it came from
+        record = {**result, "provenance": finish(prov)}  # the file: where it came from
         texts = {"--hyps": lines_text(ordered),
                  "--json": json.dumps(record, indent=2, sort_keys=True) + "\n"}
         with contextlib.ExitStack() as stack:  # both files are renamed once both are written

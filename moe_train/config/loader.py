@@ -186,6 +186,9 @@ def _read_one(path: Path) -> tuple[dict[str, Any], Path | None]:
         raise ConfigError(f"{where}: {problem}") from None
     except UnicodeDecodeError:
         raise ConfigError(f"{path}: expected UTF-8 text") from None
+    except RecursionError:
+        raise ConfigError(f"{path}: nested too deeply to read; expected a YAML config "
+                          "mapping") from None
     except OSError as exc:  # e.g. no read permission
         raise ConfigError(f"{path}: cannot read it ({exc.strerror}); expected a readable YAML "
                           "config file") from None

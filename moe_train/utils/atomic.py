@@ -241,7 +241,7 @@ def atomic_dir(final: str | os.PathLike, overwrite: bool = False) -> Iterator[Pa
     symlink is kept and the directory it leads to replaced (`--out latest -> runs/7`), as
     `atomic_path` does for a file.
     """
-    final = Path(final)
+    final = Path(os.path.abspath(final))  # `.` has no name to put a temporary beside
     if final.is_symlink():
         final = Path(os.path.realpath(final))
     if _not_a_file(final):
@@ -249,6 +249,7 @@ def atomic_dir(final: str | os.PathLike, overwrite: bool = False) -> Iterator[Pa
     final.parent.mkdir(parents=True, exist_ok=True)
     _recover(final)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent))
+    _, held = _hold(tmp)  # another run's _recover leaves a directory being written alone
     os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes 0700; other ranks/users may read it
     try:
         with write_errors_naming(final, tmp):
@@ -267,6 +268,8 @@ def atomic_dir(final: str | os.PathLike, overwrite: bool = False) -> Iterator[Pa
         _fsync_dir(final.parent)
     finally:
         _remove(tmp)  # after a swap, the previous content
+        if held is not None:
+            os.close(held)
 
 
 _AT_FDCWD = -100
@@ -309,9 +312,38 @@ def _recover(final: Path) -> None:
         os.replace(old, final)
     elif old.exists():
         _remove(old)
+    own = re.compile(rf"\.{re.escape(final.name)}\.[a-z0-9_]{{8}}\.tmp")  # not `NAME.x`'s
     for stale in final.parent.glob(f".{glob.escape(final.name)}.*.tmp"):
-        if stale.is_dir() and not stale.is_symlink():
+        if not (own.fullmatch(stale.name) and stale.is_dir() and not stale.is_symlink()):
+            continue
+        busy, held = _hold(stale)
+        if busy:
+            continue  # a live run is writing it
+        try:
             shutil.rmtree(stale, ignore_errors=True)
+        finally:
+            if held is not None:
+                os.close(held)
+
+
+def _hold(directory: Path) -> tuple[bool, int | None]:
+    """(busy, fd): an exclusive lock on `directory`, held by the open descriptor `fd` (close
+    it when done; None where locks are not available); busy when another process holds it."""
+    import fcntl
+
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return False, None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return True, None
+    except OSError:  # no flock on this file system
+        os.close(fd)
+        return False, None
+    return False, fd
 
 
 def remove_stale_temporaries(root: Path) -> list[Path]:
@@ -418,6 +450,10 @@ def check_out_dir(out_dir: str | os.PathLike, flag: str, marker: str, what: str,
     refused, never deleted."""
     out_dir = Path(out_dir)
     resolved = out_dir.resolve()
+    cwd = Path.cwd().resolve()
+    if resolved == cwd or resolved in cwd.parents:  # replaced whole, under the command's feet
+        raise DataError(f"{flag} {out_dir}: is the working directory or one above it; choose "
+                        "a new directory")
     for source in sources:
         src = Path(source).resolve()
         if resolved == src or resolved in src.parents:

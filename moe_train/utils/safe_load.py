@@ -13,6 +13,8 @@ import json
 import logging
 import os
 import re
+import zipfile
+import zlib
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -58,6 +60,8 @@ def read_json(path: str | os.PathLike, what: str = "JSON file",
     except json.JSONDecodeError as exc:
         raise error(f"{path}: line {exc.lineno} column {exc.colno}: {exc.msg}; "
                     f"expected {what}") from None
+    except RecursionError:
+        raise error(f"{path}: nested too deeply to read; expected {what}") from None
     except OSError as exc:
         raise _unreadable(path, what, exc, error) from None
 
@@ -164,7 +168,7 @@ def load_array(path: str | os.PathLike, what: str, kind: str, ndim: int,
     path = require_file(path, what, error)
     try:
         array = np.load(path, allow_pickle=False)
-    except (OSError, ValueError, EOFError) as exc:
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile, zlib.error) as exc:
         raise _unreadable(path, what, exc, error) from None
     kinds = "iu" if kind == "i" else kind
     if not isinstance(array, np.ndarray) or array.ndim != ndim or array.dtype.kind not in kinds \
@@ -190,7 +194,7 @@ def load_arrays(path: str | os.PathLike, what: str, keys: Iterable[str], rows: i
             raise error(f"{path}: a single array, not an .npz archive; expected {what}")
         with loaded as npz:
             arrays = {k: npz[k] for k in npz.files}
-    except (OSError, ValueError, EOFError) as exc:
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile, zlib.error) as exc:
         raise _unreadable(path, what, exc, error) from None
     for key in keys:
         a = arrays.get(key)

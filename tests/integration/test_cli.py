@@ -128,6 +128,8 @@ def test_prepare_train_evaluate_translate(tiny_corpus, tmp_path):
     record = json.loads((tmp_path / "m.json").read_text())
     assert record["all"] == result["all"]
     assert "evaluate" in record["provenance"]["command"] and record["provenance"]["git"]["commit"]
+    # timed from the command's start (loading and decoding 40 sentences), not from the write
+    assert record["provenance"]["wall_seconds"] >= 1, record["provenance"]
     assert result["data"]["split"] == "test" and result["data"]["prepared"]  # what was scored
     assert result["decoding"]["beam"] == 2 and "lenpen" in result["decoding"]
     assert domains  # the generator recorded its domains

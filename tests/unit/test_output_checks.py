@@ -6,7 +6,9 @@ DeepSpeed rejects are each one line naming the place, never a traceback or lost 
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
+import re
 import stat
 import sys
 import threading
@@ -24,6 +26,19 @@ HF = {"model_type": "qwen2_moe", "vocab_size": 64, "hidden_size": 16, "num_hidde
       "num_attention_heads": 2, "intermediate_size": 32, "moe_intermediate_size": 8,
       "shared_expert_intermediate_size": 8, "num_experts": 4, "num_experts_per_tok": 2,
       "max_position_embeddings": 32}
+
+
+def test_out_dir_is_never_the_working_directory_or_above_it(tmp_path, monkeypatch) -> None:
+    """`--out .` (or `..`) passed the checks, then failed after all the work (a ValueError
+    traceback: '.' has no name; EBUSY for '..')."""
+    work = tmp_path / "empty"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    for out in (".", "..", str(work)):
+        with pytest.raises(DataError, match=rf"^--out {re.escape(out)}: is the working "
+                                            "directory or one above it"):
+            check_out_dir(out, "--out", "average.json", "average")
+    assert check_out_dir("sub", "--out", "average.json", "average") == Path("sub")
 
 
 def test_out_dir_new_empty_or_own_earlier_output(tmp_path) -> None:
@@ -124,15 +139,24 @@ def test_atomic_dir_recovers_what_a_killed_write_left(tmp_path) -> None:
     final = tmp_path / "export"
     (tmp_path / ".export.old").mkdir()
     (tmp_path / ".export.old" / "weights").write_text("previous")
-    for name in (".export.a1b2.tmp", ".export.c3d4.tmp"):
+    for name in (".export.a1b2c3d4.tmp", ".export.c3d4_e5f.tmp"):
         (tmp_path / name).mkdir()
         (tmp_path / name / "weights").write_text("half")
     (tmp_path / ".exports.x.tmp").mkdir()  # another output's: not ours to remove
-    with atomic_dir(final, overwrite=True) as tmp:
-        assert (final / "weights").read_text() == "previous"  # put back before the work
-        (tmp / "weights").write_text("new")
+    (tmp_path / ".export.bf16.k2m4p6q8.tmp").mkdir()  # nor is output export.bf16's
+    live = tmp_path / ".export.zz99yy88.tmp"  # nor one a live run is writing (it holds it)
+    live.mkdir()
+    fd = os.open(live, os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+        with atomic_dir(final, overwrite=True) as tmp:
+            assert (final / "weights").read_text() == "previous"  # put back before the work
+            (tmp / "weights").write_text("new")
+    finally:
+        os.close(fd)
     assert (final / "weights").read_text() == "new"
-    assert sorted(p.name for p in tmp_path.iterdir()) == [".exports.x.tmp", "export"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        ".export.bf16.k2m4p6q8.tmp", ".export.zz99yy88.tmp", ".exports.x.tmp", "export"]
 
 
 def test_atomic_dir_keeps_a_symlink_and_replaces_its_target(tmp_path) -> None:
@@ -530,3 +554,32 @@ def test_a_killed_writers_temporaries_are_removed_and_nothing_else(tmp_path) -> 
     removed = remove_stale_temporaries(tmp_path)
     assert sorted(map(str, removed)) == sorted([f, d, latest])
     assert all(p.exists() for p in keep) and not any(Path(p).exists() for p in (f, d, latest))
+
+
+def test_deeply_nested_json_or_yaml_and_damaged_npz_are_one_line_errors(tmp_path) -> None:
+    """A RecursionError from a deeply nested file, and zipfile / zlib errors from a damaged
+    .npz, used to escape the readers as tracebacks."""
+    import numpy as np
+
+    from moe_train.config.loader import read_yaml
+    from moe_train.errors import CheckpointError, ConfigError
+    from moe_train.utils.safe_load import load_array, load_arrays, read_json
+
+    deep = tmp_path / "deep.json"
+    deep.write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(CheckpointError, match=r"deep.json: nested too deeply to read"):
+        read_json(deep)
+    deep_yaml = tmp_path / "deep.yaml"
+    deep_yaml.write_text("a: " + "[" * 100_000 + "]" * 100_000 + "\n")
+    with pytest.raises(ConfigError, match=r"deep.yaml: nested too deeply to read"):
+        read_yaml(deep_yaml)
+    good = tmp_path / "meta.npz"
+    np.savez(good, split=np.arange(40), index=np.arange(40))
+    data = good.read_bytes()
+    broken = tmp_path / "broken.npz"
+    for damaged in (data[:len(data) // 2], data[:60] + bytes(40) + data[100:]):
+        broken.write_bytes(damaged)
+        with pytest.raises(CheckpointError, match="broken.npz"):
+            load_arrays(broken, "the features' metadata", ["split", "index"], 40)
+        with pytest.raises(CheckpointError, match="broken.npz"):
+            load_array(broken, "labels", "i", 1)
