@@ -197,14 +197,43 @@ class SharedRouter(nn.Module):
     def forward(self, x_TD: Tensor, rctx: RoutingContext | None = None) -> Routing:
         key = None if rctx is None else rctx.sentence_repr_BD
         if key is not None and self._memo is not None:
-            ref, T, training, routing = self._memo
+            ref, T, training, routing, drawn = self._memo
             if ref() is key and T == x_TD.size(0) and training == self.training:
+                if drawn is not None and _same_states(_rng_states(x_TD), drawn[0]):
+                    # A checkpointed layer that made this decision is recomputed in backward
+                    # from the random state it started with: move the generators on as the
+                    # decision's draws (noise, jitter, Gumbel) did, so the dropout after it
+                    # draws what it drew in the forward.
+                    _set_rng_states(x_TD, drawn[1])
                 return dataclasses.replace(routing, aux_losses={})
         # Later layers reuse this decision, so its tensors are saved outside any activation
         # checkpoint: a checkpointed layer that made it is recomputed in backward, finds the
         # memo, and must save what its first run saved (none of these).
+        before = _rng_states(x_TD) if self.training else None
         with torch.autograd.graph.saved_tensors_hooks(_as_is, _as_is):
             routing = self.inner.route(x_TD, rctx)
+        drawn = None
+        if before is not None:
+            after = _rng_states(x_TD)
+            drawn = None if _same_states(before, after) else (before, after)
         self._memo = None if key is None else (weakref.ref(key), x_TD.size(0), self.training,
-                                                routing)
+                                                routing, drawn)
         return routing
+
+
+def _rng_states(x: Tensor) -> list[Tensor]:
+    """The states of the generators a draw for `x` may use: the CPU's, and x's GPU's."""
+    states = [torch.get_rng_state()]
+    if x.is_cuda:
+        states.append(torch.cuda.get_rng_state(x.device))
+    return states
+
+
+def _set_rng_states(x: Tensor, states: list[Tensor]) -> None:
+    torch.set_rng_state(states[0])
+    if x.is_cuda:
+        torch.cuda.set_rng_state(states[1], x.device)
+
+
+def _same_states(a: list[Tensor], b: list[Tensor]) -> bool:
+    return len(a) == len(b) and all(torch.equal(s, t) for s, t in zip(a, b))

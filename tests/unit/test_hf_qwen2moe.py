@@ -192,17 +192,29 @@ def test_config_errors_name_the_field() -> None:
         tiny("data.max_len=100", "data.max_tokens=199")
 
 
-@pytest.mark.parametrize("arch", ["hf_qwen2_moe", "seq2seq"])
+SHARED_ROUTERS = {  # one decision for all of a side's layers, made with random draws
+    "sentence_jitter": ["moe.decoder_router=sentence", "moe.k=1"],
+    "sentence_noisy": ["moe.decoder_router=sentence", "moe.k=1", "moe.noisy_gating=true",
+                       "moe.jitter_eps=0"],
+    "gumbel_adapters": ["moe.num_experts=0", "moe.jitter_eps=0", "adapters.num_experts=4",
+                        "adapters.router=gumbel", "adapters.dim=8", "adapters.dropout=0.3"],
+}
+
+
+@pytest.mark.parametrize("arch", ["hf_qwen2_moe", "seq2seq", *SHARED_ROUTERS])
 def test_activation_checkpointing_gives_the_same_gradients(arch: str) -> None:
     """model.activation_checkpointing recomputes layers in backward: same loss, same gradients
-    (dropout and routing noise replayed)."""
+    (dropout and routing noise replayed). A shared sentence-level decision is made once, by
+    the first layer: its recomputation must move the generators on as the decision's draws did
+    (the dropout after it drew other masks: gradients of another network)."""
     grads = []
     for checkpointing in (False, True):
-        if arch == "seq2seq":
+        if arch != "hf_qwen2_moe":
             cfg = load_config(None, [
                 "model.d_model=32", "model.n_heads=4", "model.ffn_dim=48",
                 "model.encoder_layers=2", "model.decoder_layers=2", "model.dropout=0.2",
                 "moe.num_experts=4", "moe.k=2", "moe.jitter_eps=0.1",
+                *SHARED_ROUTERS.get(arch, []),
                 f"model.activation_checkpointing={checkpointing}"])
         else:
             cfg = tiny(f"model.activation_checkpointing={checkpointing}", "moe.jitter_eps=0.1")
@@ -210,7 +222,7 @@ def test_activation_checkpointing_gives_the_same_gradients(arch: str) -> None:
         model = build_model(cfg, {"vocab_size": V, "pad_id": 0}).train()
         ids = torch.randint(1, V, (3, 8), generator=torch.Generator().manual_seed(1))
         torch.manual_seed(7)
-        if arch == "seq2seq":
+        if arch != "hf_qwen2_moe":
             from moe_train.models.context import ForwardContext
 
             out = model(ids, ids, ForwardContext(src_pad_mask_BS=ids.eq(0)))
