@@ -51,7 +51,7 @@ from moe_train.parallel.optim_state import (adam_step, dense_params, has_unfused
                                              save_param_state)
 from moe_train.parallel.runtime import ParallelRuntime
 from moe_train.train.ds_load import weights_only_loads
-from moe_train.utils.atomic import atomic_path, write_errors_naming, write_json
+from moe_train.utils.atomic import atomic_path, replace_dir, write_errors_naming, write_json
 from moe_train.utils.safe_load import load_torch
 from moe_train.utils.tensor_source import TensorSource
 from moe_train.utils.tensor_store import TensorStoreWriter, has_store, index_path, open_store
@@ -244,7 +244,10 @@ def save_checkpoint(engine: Any, rt: ParallelRuntime, ckpt_dir: str | Path, step
     ckpt_dir = Path(ckpt_dir)
     tag = step_tag(step)
     final = ckpt_dir / tag
-    if _pointer(ckpt_dir) == tag:  # same answer on every rank: nothing changes before the barrier
+    # Saved already, with the same state: nothing to write (same answer on every rank, so
+    # nothing changes before the barrier). With other state (a validation since: a stop signal
+    # at the last step saved it first, or a resume at max_steps) it is saved again, whole.
+    if _pointer(ckpt_dir) == tag and _same_meta(final, meta):
         if rt.is_main:
             _rotate(ckpt_dir, keep_last, tag, keep)  # a run killed before rotating
         barrier(rt)
@@ -276,17 +279,21 @@ def save_checkpoint(engine: Any, rt: ParallelRuntime, ckpt_dir: str | Path, step
     return final
 
 
+def _same_meta(tag_dir: Path, meta: dict[str, Any]) -> bool:
+    """Whether the step's meta.json holds `meta` (as JSON)."""
+    try:
+        return read_meta(tag_dir) == json.loads(json.dumps(meta))
+    except CheckpointError:
+        return False
+
+
 def _publish(ckpt_dir: Path, tmp_dir: Path, final: Path, tag: str, step: int, keep_last: int,
              keep: Collection[str]) -> None:
     """Rank 0: the complete temporary directory renamed to `final`, `latest` pointed at it,
-    older steps rotated out."""
+    older steps rotated out. A `final` already there (torn, left by a killed run, or this
+    step saved again with newer state) is replaced in one swap where the file system can."""
     _test_hook("before_rename", step)
-    if final.exists():  # torn, or left by a killed run; `latest` does not name it
-        trash = ckpt_dir / f".trash-{tag}"
-        shutil.rmtree(trash, ignore_errors=True)
-        os.replace(final, trash)
-        shutil.rmtree(trash, ignore_errors=True)
-    os.replace(tmp_dir, final)
+    replace_dir(tmp_dir, final)
     _fsync(ckpt_dir)
     _test_hook("before_latest", step)
     _write_synced(ckpt_dir / "latest", tag + "\n")

@@ -454,6 +454,12 @@ class Trainer:
         finally:
             self.monitor.close()
 
+    def _say_plateau(self) -> None:
+        best = self.early.state()
+        self.monitor.print(f"| early stop at step {self.step}: {best['metric']} best "
+                           f"{best['best']:.4f} at step {best['best_step']}, no improvement "
+                           f"in {self.cfg.train.patience} validations")
+
     def _stop(self, signum: int, checkpoint: Path) -> None:
         """End the run for a stop signal, `checkpoint` saved: one log line, then Preempted."""
         stop = Preempted(signum, self.step, checkpoint)
@@ -516,15 +522,12 @@ class Trainer:
             pause_s = time.time() - paused_at
             self.window.end_pause()
             paused += pause_s
+            if plateau:  # before the time limit: a run that plateaued has ended either way
+                self._say_plateau()
+                stopped_early = True
+                break
             if out_of_time:
                 self.monitor.print(f"| time limit of {tc.max_minutes} min reached at step {self.step}")
-                break
-            if plateau:
-                best = early.state()
-                self.monitor.print(f"| early stop at step {self.step}: {best['metric']} best "
-                                   f"{best['best']:.4f} at step {best['best_step']}, no "
-                                   f"improvement in {tc.patience} validations")
-                stopped_early = True
                 break
         self.loop_ended = True  # what follows runs on every rank, then rank 0 writes
         wall = time.time() - start
@@ -538,8 +541,11 @@ class Trainer:
                                to_tensorboard=not before)
         self.validated_step = self.step  # before a new best's checkpoint of this step is written
         if not done_here and not before:  # off the schedule (time limit, max_steps): best only
-            self._note_validation(final, scheduled=bool(tc.validate_every)
-                                  and self.step % tc.validate_every == 0)
+            if self._note_validation(final, scheduled=bool(tc.validate_every)
+                                     and self.step % tc.validate_every == 0) \
+                    and not stopped_early:  # the final scheduled validation plateaued
+                self._say_plateau()
+                stopped_early = True
         path = self.save()
         source = self.checkpoints.restore_best(path)
         if source != path:

@@ -254,22 +254,30 @@ def atomic_dir(final: str | os.PathLike, overwrite: bool = False) -> Iterator[Pa
     try:
         with write_errors_naming(final, tmp):
             yield tmp
-        if final.exists():
-            if not overwrite:
-                raise FileExistsError(f"{final}: already exists")
-            if not _exchange(tmp, final):  # no atomic swap here: move aside, then rename
-                old = final.with_name(f".{final.name}.old")
-                _remove(old)
-                os.replace(final, old)
-                os.replace(tmp, final)
-                _remove(old)
-        else:
-            os.replace(tmp, final)
+        if final.exists() and not overwrite:
+            raise FileExistsError(f"{final}: already exists")
+        replace_dir(tmp, final)
         _fsync_dir(final.parent)
     finally:
         _remove(tmp)  # after a swap, the previous content
         if held is not None:
             os.close(held)
+
+
+def replace_dir(new: Path, final: Path) -> None:
+    """Put the directory `new` at `final`, removing what was there: in one atomic swap where
+    the file system has one (a reader of `final` sees the old or the new content, never
+    neither), else moved aside first (`_recover` puts it back if killed in between)."""
+    if not final.exists():
+        os.replace(new, final)
+    elif _exchange(new, final):
+        _remove(new)  # after the swap: the previous content
+    else:
+        old = final.with_name(f".{final.name}.old")
+        _remove(old)
+        os.replace(final, old)
+        os.replace(new, final)
+        _remove(old)
 
 
 _AT_FDCWD = -100

@@ -189,3 +189,76 @@ def test_a_final_best_checkpoint_records_its_validation(tiny_prepared, tmp_path)
     acc = EventAccumulator(str(tmp_path / "tb"))
     acc.Reload()
     assert [e.step for e in acc.Scalars("dev/loss")] == [2, 4]
+
+
+PLATEAU = ["train.validate_every=3", "train.patience=2", "train.early_stop_metric=loss",
+           "train.min_delta=1e9", "checkpoint.save_every=50", "train.bleu_sentences=4",
+           "data.max_tokens=400"]
+"""Validations at 3, 6, 9, ...: the first sets the best, which nothing beats (min_delta), so
+patience 2 ends the run at step 9."""
+
+
+def test_a_plateau_at_the_last_scheduled_validation_ends_the_run_early(tiny_prepared, tmp_path):
+    """Reached at max_steps, it is still early stopping: said, and recorded, so a resume with
+    a larger max_steps says the run ended (it skipped training without a word, and replaced
+    ended.json with an empty run's figures)."""
+    overrides = debug_overrides(tiny_prepared, tmp_path, *PLATEAU)
+    proc = run_cli(["train", "--config", CONFIG, *overrides, "train.max_steps=9"], cwd=ROOT)
+    assert "| early stop at step 9: dev/loss best" in proc.stdout, proc.stdout[-2000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1])["stopped_early"] is True
+    ended = json.loads((tmp_path / "ckpt" / "ended.json").read_text())
+    again = run_cli(["train", "--config", CONFIG, "--resume", *overrides, "train.max_steps=20"],
+                    cwd=ROOT)
+    assert "the run already ended at step 9 (early stop)" in again.stdout, again.stdout[-2000:]
+    assert json.loads((tmp_path / "ckpt" / "ended.json").read_text()) == ended
+
+
+def test_a_signal_at_the_last_step_keeps_the_final_validation_for_the_resume(tiny_prepared,
+                                                                             tmp_path):
+    """SIGTERM during step 6 of 6 saves step 6 before its final validation; the resume
+    validates it and must write that into step 6's checkpoint (it kept the old state, so a
+    later resume with max_steps 12 trained past the plateau at step 9)."""
+    from tests.conftest import cli_env
+
+    script = tmp_path / "signal_at_6.py"
+    script.write_text(
+        "import os, signal, sys\n"
+        "from moe_train.train.trainer import Trainer\n"
+        "step = Trainer.train_step\n"
+        "def signalled(self):\n"
+        "    out = step(self)\n"
+        "    if self.step == 6:\n"
+        "        os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    return out\n"
+        "Trainer.train_step = signalled\n"
+        "from moe_train.cli import main\n"
+        "sys.exit(main(sys.argv[1:]))\n")
+    overrides = debug_overrides(tiny_prepared, tmp_path, *PLATEAU)
+    import subprocess
+    import sys
+
+    stopped = subprocess.run([sys.executable, str(script), "train", "--config", CONFIG,
+                              *overrides, "train.max_steps=6"], cwd=ROOT, env=cli_env(),
+                             capture_output=True, text=True, timeout=300)
+    assert stopped.returncode == 143, stopped.stderr[-2000:]
+    assert read_meta(tmp_path / "ckpt" / "step_00000006")["validated_step"] == 3
+    run_cli(["train", "--config", CONFIG, "--resume", *overrides, "train.max_steps=6"], cwd=ROOT)
+    meta = read_meta(tmp_path / "ckpt" / "step_00000006")
+    assert meta["validated_step"] == 6 and meta["early_stop"]["bad"] == 1, meta["early_stop"]
+    on = run_cli(["train", "--config", CONFIG, "--resume", *overrides, "train.max_steps=12"],
+                 cwd=ROOT)
+    assert "| early stop at step 9: dev/loss best" in on.stdout, on.stdout[-2000:]
+
+
+def test_a_plateau_on_the_step_the_time_limit_ends_is_early_stopping(tiny_prepared, tmp_path):
+    overrides = debug_overrides(tiny_prepared, tmp_path, "train.validate_every=1",
+                                "train.patience=1", "train.early_stop_metric=loss",
+                                "train.min_delta=1e9", "checkpoint.save_every=50",
+                                "train.bleu_sentences=4", "data.max_tokens=400")
+    run_cli(["train", "--config", CONFIG, *overrides, "train.max_steps=1"], cwd=ROOT)
+    proc = run_cli(["train", "--config", CONFIG, "--resume", *overrides, "train.max_steps=10",
+                    "train.max_minutes=1e-6"], cwd=ROOT)
+    assert "| early stop at step 2" in proc.stdout and "time limit" not in proc.stdout, \
+        proc.stdout[-2000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1])["stopped_early"] is True
+    assert (tmp_path / "ckpt" / "ended.json").is_file()
