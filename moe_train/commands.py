@@ -397,6 +397,18 @@ def _check_evaluate_inputs(args: argparse.Namespace) -> None:
     args.split = args.split or "test"
 
 
+def _is_stdout(path: str | Path) -> bool:
+    """Whether `path` is the file standard output writes to (/dev/stdout, /proc/self/fd/1,
+    or the file stdout was redirected to): written there, it would overwrite the output."""
+    if os.path.abspath(path) in ("/dev/stdout", "/dev/fd/1", "/proc/self/fd/1"):
+        return True
+    try:
+        return os.path.realpath(path) != os.devnull and os.path.samestat(
+            os.fstat(sys.stdout.fileno()), os.stat(path))
+    except (OSError, ValueError, AttributeError):  # no such file yet, or no real stdout
+        return False
+
+
 def cmd_evaluate(args: argparse.Namespace) -> int:
     from moe_train.data.corpus import STDIN, read_text_input
     from moe_train.utils.provenance import provenance
@@ -418,9 +430,9 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     inputs = {"--src": args.src, "--ref": args.ref, "--checkpoint": args.checkpoint,
               "--prepared": args.prepared}
     for flag, path in (("--hyps", args.hyps), ("--json", args.json)):
-        if path == "-":  # not a file named "-", nor mixed into the scores printed there
-            raise ConfigError(f"{flag}: expected a file path, got '-' (standard output "
-                              "holds evaluate's scores)")
+        if path == "-" or (path and _is_stdout(path)):  # mixed into the scores printed there
+            raise ConfigError(f"{flag}: expected a file path, got {path!r}: standard output "
+                              "holds evaluate's scores")
     outputs = {flag: check_out_file(path, flag, inputs)
                for flag, path in (("--hyps", args.hyps), ("--json", args.json)) if path}
     files = [p.resolve() for p in outputs.values() if not write_target(p)[1]]  # not /dev/null

@@ -399,11 +399,31 @@ def _remove(path: Path) -> None:
             path.unlink()
 
 
+def _check_names(path: Path, flag: str) -> None:
+    """Each component of `path` short enough for its file system (a longer one is ENAMETOOLONG
+    from the first stat, or from the write after all the work)."""
+    full = Path(os.path.abspath(path))
+    if len(os.fsencode(full)) >= 4096:
+        raise DataError(f"{flag} {str(path)[:60]}...: the path is too long (PATH_MAX 4096 bytes)")
+    try:
+        limit = os.pathconf("/", "PC_NAME_MAX")
+    except (OSError, ValueError):
+        limit = 255
+    for part in full.parts[1:]:
+        if len(os.fsencode(part)) > limit:
+            raise DataError(f"{flag} {str(path)[:60]}...: a name of {len(os.fsencode(part))} "
+                            f"bytes; expected at most {limit} per file or directory name")
+
+
 def check_parent_writable(path: Path, flag: str) -> None:
     """The nearest existing ancestor of `path` is a directory this process may write into."""
+    _check_names(path, flag)
     parent = path.absolute().parent
     try:
         while not parent.exists():
+            if parent.is_symlink():  # a link to nothing: mkdir would fail there after the work
+                raise DataError(f"{flag} {path}: {parent} links to {os.readlink(parent)}, "
+                                "which does not exist")
             parent = parent.parent
     except OSError as exc:
         raise DataError(f"{flag} {path}: cannot check {parent} ({exc.strerror})") from None
@@ -429,6 +449,7 @@ def check_out_file(path: str | os.PathLike, flag: str,
     if str(path) == "":
         raise DataError(f"{flag}: expected a file path, got an empty string")
     path = Path(path)
+    _check_names(path, flag)
     if path.is_dir():
         raise DataError(f"{flag} {path}: is a directory; expected a file path")
     for in_flag, source in (inputs or {}).items():
@@ -457,6 +478,7 @@ def check_out_dir(out_dir: str | os.PathLike, flag: str, marker: str, what: str,
     and neither one of the command's `sources` nor a directory above one. Anything else is
     refused, never deleted."""
     out_dir = Path(out_dir)
+    _check_names(out_dir, flag)
     resolved = out_dir.resolve()
     cwd = Path.cwd().resolve()
     if resolved == cwd or resolved in cwd.parents:  # replaced whole, under the command's feet
@@ -487,6 +509,7 @@ def check_dir_setting(path: str | os.PathLike, field: str) -> None:
     if str(path) == "":
         return
     path = Path(path)
+    _check_names(path, field)
     if path.is_dir():  # written into: it must be writable itself, whatever its parent is
         if not os.access(path, os.W_OK | os.X_OK):
             raise DataError(f"{field}: cannot write into {path}")

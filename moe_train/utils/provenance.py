@@ -39,8 +39,13 @@ def git_state(repo: Path = REPO) -> dict[str, Any]:
     """Commit, dirty flag and changed paths of `repo`; commit None (and why) when it is not a
     git checkout or git is missing."""
     try:
+        top = Path(_git("rev-parse", "--show-toplevel", repo=repo).strip()).resolve()
+        if top != Path(repo).resolve():  # an installed copy inside some other checkout
+            raise subprocess.SubprocessError(f"the enclosing checkout is {top}, not this code's")
         commit = _git("rev-parse", "HEAD", repo=repo).strip()
-        status = _git("status", "--porcelain", repo=repo).splitlines()
+        # untracked files count whatever the user's git config says (status.showUntrackedFiles)
+        status = _git("status", "--porcelain", "--untracked-files=normal",
+                      "--ignore-submodules=none", repo=repo).splitlines()
     except (OSError, subprocess.SubprocessError) as err:
         reason = getattr(err, "stderr", None) or str(err)
         note = f"not a git checkout: {repo} ({reason.strip().splitlines()[-1:]})"

@@ -7,6 +7,7 @@ The CLI cases call `moe_train.cli.main` in this process (no subprocess: each tes
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 
@@ -348,6 +349,22 @@ def test_evaluate_outputs_are_files_not_standard_output(capsys, tmp_path, flag) 
     _fails_cleanly(capsys, ["evaluate", "--checkpoint", str(tmp_path / "ck"), flag, "-"],
                    f"{flag}: expected a file path, got '-'")
     assert not (Path.cwd() / "-").exists()
+    # nor standard output by another name: it overwrote the table printed there
+    _fails_cleanly(capsys, ["evaluate", "--checkpoint", str(tmp_path / "ck"), flag,
+                            "/dev/stdout"], f"{flag}: expected a file path, got '/dev/stdout'")
+
+
+def test_evaluate_refuses_the_file_standard_output_goes_to(tmp_path, monkeypatch, capsys):
+    """`evaluate --json res.txt > res.txt`: the JSON would overwrite the printed scores."""
+    import io
+
+    from moe_train.commands import _is_stdout
+
+    out = tmp_path / "res.txt"
+    with open(out, "w") as f:
+        monkeypatch.setattr("sys.stdout", io.TextIOWrapper(io.FileIO(os.dup(f.fileno()), "w")))
+        assert _is_stdout(out) and _is_stdout("/dev/stdout")
+        assert not _is_stdout(tmp_path / "other.txt") and not _is_stdout(os.devnull)
 
 
 @pytest.mark.parametrize("args,needle", [

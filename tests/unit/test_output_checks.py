@@ -583,3 +583,25 @@ def test_deeply_nested_json_or_yaml_and_damaged_npz_are_one_line_errors(tmp_path
             load_arrays(broken, "the features' metadata", ["split", "index"], 40)
         with pytest.raises(CheckpointError, match="broken.npz"):
             load_array(broken, "labels", "i", 1)
+
+
+def test_overlong_names_and_links_to_nothing_are_refused_before_the_work(tmp_path) -> None:
+    """A 300-byte name passed the checks (or raised ENAMETOOLONG from the first stat), and an
+    ancestor that links to nothing passed too: both failed after the work, as tracebacks."""
+    from moe_train.utils.atomic import check_dir_setting, check_out_file
+
+    long = "x" * 300
+    with pytest.raises(DataError, match="a name of 300 bytes; expected at most"):
+        check_out_file(tmp_path / "sub" / long / "out.txt", "--output")
+    with pytest.raises(DataError, match="a name of 300 bytes"):
+        check_out_file(tmp_path / long, "--output")
+    with pytest.raises(DataError, match="a name of 300 bytes"):
+        check_out_dir(tmp_path / long, "--out", "x.json", "x")
+    with pytest.raises(DataError, match="a name of 300 bytes"):
+        check_dir_setting(tmp_path / long, "checkpoint.dir")
+    (tmp_path / "data").symlink_to(tmp_path / "nowhere")
+    for check in (lambda p: check_out_dir(p, "--out", "x.json", "x"),
+                  lambda p: check_out_file(p / "f.txt", "--out"),
+                  lambda p: check_dir_setting(p, "--out")):
+        with pytest.raises(DataError, match=r"data links to .*nowhere, which does not exist"):
+            check(tmp_path / "data" / "corpus")

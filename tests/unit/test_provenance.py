@@ -41,6 +41,25 @@ def test_git_state_follows_commits_and_edits(tmp_path):
     assert sorted(dirty["dirty_paths"]) == ["a.py", "new.py"]
 
 
+@needs_git
+def test_an_installed_copy_inside_another_checkout_is_not_that_checkout(tmp_path, monkeypatch):
+    """Installed under a project's .venv (site-packages), the code is not the enclosing
+    checkout's: recorded as no commit, not that project's commit and clean state. Untracked
+    files count whatever the git config says."""
+    monkeypatch.delenv(SOURCE_COMMIT_ENV, raising=False)
+    _git(tmp_path, "init", "-q")
+    (tmp_path / "a.py").write_text("x = 1\n")
+    _git(tmp_path, "add", "a.py")
+    _git(tmp_path, "commit", "-q", "-m", "one")
+    site = tmp_path / ".venv" / "lib" / "site-packages"
+    site.mkdir(parents=True)
+    state = git_state(site)
+    assert state["commit"] is None and "the enclosing checkout is" in state["note"]
+    _git(tmp_path, "config", "status.showUntrackedFiles", "no")
+    (tmp_path / "patch.py").write_text("")
+    assert git_state(tmp_path)["dirty"] is True
+
+
 def test_not_a_checkout_gives_null_commit_and_says_why(tmp_path, monkeypatch):
     monkeypatch.delenv(SOURCE_COMMIT_ENV, raising=False)
     state = git_state(tmp_path)
