@@ -415,6 +415,25 @@ def _check_names(path: Path, flag: str) -> None:
                             f"bytes; expected at most {limit} per file or directory name")
 
 
+def mount_points() -> set[str]:
+    """The mount points of this process (/proc/self/mountinfo; empty where there is none)."""
+    try:
+        text = Path("/proc/self/mountinfo").read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return set()
+    # field 5 is the mount point, with spaces and such escaped as octal (\040)
+    return {re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), line.split()[4])
+            for line in text.splitlines() if len(line.split()) > 4}
+
+
+def _check_not_a_mount(path: Path, flag: str) -> None:
+    """An output replaced by a rename cannot be a mount point (a volume, a bind-mounted file):
+    the rename fails with EBUSY, after all the work."""
+    if path.exists() and str(path.resolve()) in mount_points():
+        raise DataError(f"{flag} {path}: is a mount point, which an output cannot replace; "
+                        "choose a path inside it")
+
+
 def check_parent_writable(path: Path, flag: str) -> None:
     """The nearest existing ancestor of `path` is a directory this process may write into."""
     _check_names(path, flag)
@@ -467,6 +486,7 @@ def check_out_file(path: str | os.PathLike, flag: str,
         return path
     if path.is_symlink() and not target.parent.is_dir():
         raise DataError(f"{flag} {path}: links to {target}, whose directory does not exist")
+    _check_not_a_mount(target, flag)
     check_parent_writable(target, flag)
     return path
 
@@ -479,6 +499,7 @@ def check_out_dir(out_dir: str | os.PathLike, flag: str, marker: str, what: str,
     refused, never deleted."""
     out_dir = Path(out_dir)
     _check_names(out_dir, flag)
+    _check_not_a_mount(out_dir, flag)
     resolved = out_dir.resolve()
     cwd = Path.cwd().resolve()
     if resolved == cwd or resolved in cwd.parents:  # replaced whole, under the command's feet

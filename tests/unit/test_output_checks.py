@@ -605,3 +605,32 @@ def test_overlong_names_and_links_to_nothing_are_refused_before_the_work(tmp_pat
                   lambda p: check_dir_setting(p, "--out")):
         with pytest.raises(DataError, match=r"data links to .*nowhere, which does not exist"):
             check(tmp_path / "data" / "corpus")
+
+
+def test_a_mount_point_is_refused_as_an_output(tmp_path, monkeypatch) -> None:
+    """A volume or a bind-mounted file passed the checks; the final rename onto it then failed
+    with EBUSY, after all the work."""
+    import moe_train.utils.atomic as atomic
+    from moe_train.utils.atomic import check_out_file
+
+    volume, bound = tmp_path / "volume", tmp_path / "bound.json"
+    volume.mkdir()
+    bound.write_text("{}")
+    monkeypatch.setattr(atomic, "mount_points", lambda: {str(volume), str(bound), "/"})
+    with pytest.raises(DataError, match=r"--out .*volume: is a mount point"):
+        check_out_dir(volume, "--out", "x.json", "x")
+    with pytest.raises(DataError, match=r"--json .*bound.json: is a mount point"):
+        check_out_file(bound, "--json")
+    assert check_out_dir(volume / "run", "--out", "x.json", "x") == volume / "run"
+    assert check_out_file(tmp_path / "other.json", "--json") == tmp_path / "other.json"
+
+
+def test_mount_points_unescape_their_names(tmp_path, monkeypatch) -> None:
+    import moe_train.utils.atomic as atomic
+
+    info = tmp_path / "mountinfo"
+    info.write_text("36 35 98:0 / /mnt/my\\040disk rw,noatime master:1 - ext3 /dev/root rw\n")
+    real = Path.read_text
+    monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: real(
+        info if str(self) == "/proc/self/mountinfo" else self, *a, **k))
+    assert atomic.mount_points() == {"/mnt/my disk"}
