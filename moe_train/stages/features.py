@@ -108,7 +108,7 @@ def check_recipe_config(cfg: ExperimentConfig) -> None:
         return  # the backbone stage names the missing data
     manifest = read_manifest(data.prepared_dir)
     check_label_free(manifest, data.prepared_dir)
-    domains, splits = list(manifest["domains"]), manifest["splits"]
+    domains, splits = list(manifest.get("domains", [])), manifest.get("splits", {})
     anchors = 0
     if moa.anchors_per_domain:
         unknown = sorted(set(moa.anchor_domains) - set(domains))
@@ -119,7 +119,8 @@ def check_recipe_config(cfg: ExperimentConfig) -> None:
             raise ConfigError(f"moa.anchors_per_domain: anchors come from the dev split, which "
                               f"{data.prepared_dir} does not have")
         anchors = moa.anchors_per_domain * len(moa.anchor_domains or domains)
-    sampled = min(int(splits["train"]["sentences"]), moa.sample_size)
+    sampled = min(int(splits.get("train", {}).get("sentences", moa.sample_size)),
+                  moa.sample_size)
     if moa.num_clusters > sampled + anchors:
         raise ConfigError(f"moa.num_clusters: expected at most the {sampled + anchors} "
                           f"sentences the features stage will sample, got {moa.num_clusters}")

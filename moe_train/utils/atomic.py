@@ -501,15 +501,15 @@ def check_out_dir(out_dir: str | os.PathLike, flag: str, marker: str, what: str,
     _check_names(out_dir, flag)
     _check_not_a_mount(out_dir, flag)
     resolved = out_dir.resolve()
-    cwd = Path.cwd().resolve()
-    if resolved == cwd or resolved in cwd.parents:  # replaced whole, under the command's feet
-        raise DataError(f"{flag} {out_dir}: is the working directory or one above it; choose "
-                        "a new directory")
     for source in sources:
         src = Path(source).resolve()
         if resolved == src or resolved in src.parents:
             raise DataError(f"{flag} {out_dir}: is or contains the input {source}; "
                             "choose a new directory")
+    cwd = Path.cwd().resolve()
+    if resolved == cwd or resolved in cwd.parents:  # replaced whole, under the command's feet
+        raise DataError(f"{flag} {out_dir}: is the working directory or one above it; choose "
+                        "a new directory")
     try:
         if out_dir.exists():
             if not out_dir.is_dir():
