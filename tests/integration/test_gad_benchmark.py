@@ -8,11 +8,14 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from tests.conftest import ROOT, cli_env
 
 SYSTEMS = {"MIX", "TAG", "TAG_CLF", "AD_ORACLE", "AD_CLF", "GAD"}
 
 
+@pytest.mark.benchmark_smoke
 def test_quick_run(tmp_path) -> None:
     from moe_train.data.synthetic import generate_synthetic
 

@@ -80,6 +80,7 @@ def test_decode_throughput_sweep_only(tmp_path) -> None:
 
 
 @pytest.mark.skipif(not SHARED_DATA.is_dir(), reason="../shared OPUS data absent")
+@pytest.mark.benchmark_smoke
 def test_multilingual_quick(tmp_path) -> None:
     ext = tmp_path / "ext" / "EMEA"  # an external test set: 5 de-en pairs of one domain
     ext.mkdir(parents=True)

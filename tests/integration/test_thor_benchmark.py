@@ -10,9 +10,12 @@ import sys
 
 import numpy as np
 
+import pytest
+
 from tests.conftest import ROOT, cli_env
 
 
+@pytest.mark.benchmark_smoke
 def test_quick_run(tmp_path) -> None:
     from moe_train.data.synthetic import generate_synthetic
 
