@@ -365,11 +365,13 @@ def convert_from_hf(model_dir: str | Path, out_dir: str | Path, trim_to: int | N
     hf = read_json_object(cfg_path, "a Hugging Face config.json")
     cfg = config_from_hf(hf, cfg_path)
     source = hf_source(model_dir, cfg)
-    from moe_train.train.init_from import check_shapes
+    from moe_train.train.export import check_weights
+    from moe_train.train.init_from import check_shapes, model_shapes
 
-    check_shapes(_model_shapes(cfg), source.shapes, model_dir)  # before any tensor is read
+    shapes_of = _shape_model(cfg)  # on the meta device, built once for both checks
+    check_shapes(model_shapes(shapes_of), source.shapes, model_dir)  # before any read
     state = source.materialize()
-    check_state(cfg, state, model_dir)
+    check_weights(shapes_of, state, model_dir)  # and the values' types
     manifest = _manifest(cfg, hf, model_dir)
     kept = settings = None
     if trim_to is not None:
@@ -526,12 +528,6 @@ def _shape_model(cfg: ExperimentConfig) -> torch.nn.Module:
     from moe_train.models.build import shape_model
 
     return shape_model(cfg, {"vocab_size": cfg.qwen.vocab_size, "pad_id": 0})
-
-
-def _model_shapes(cfg: ExperimentConfig) -> dict[str, Shape]:
-    from moe_train.train.init_from import model_shapes
-
-    return model_shapes(_shape_model(cfg))
 
 
 def check_state(cfg: ExperimentConfig, state: dict[str, Tensor], source: Path) -> None:
