@@ -12,7 +12,7 @@ import re
 import signal
 import sys
 
-from moe_train.errors import MACHINE_ERRNOS, MoeTrainError, PeerFailed
+from moe_train.errors import MACHINE_ERRNOS, MoeTrainError, OutOfMemory, PeerFailed
 from moe_train.train.preempt import Preempted
 from moe_train.eval.limits import MAX_BEAM, MAX_LENPEN
 from moe_train.utils.cli_args import (OneLineParser, byte_size, float_in, int_at_least,
@@ -336,7 +336,8 @@ def main(argv: list[str] | None = None) -> int:
     except MoeTrainError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    except PeerFailed as exc:  # another rank's error line says what went wrong
+    except (PeerFailed, OutOfMemory) as exc:  # another rank's error line says what went wrong;
+        # the machine's memory, not the file
         print(f"error: {exc}", file=sys.stderr)
         return 1
     except Preempted as exc:  # a scheduler's SIGTERM / SIGUSR1: saved, not an error

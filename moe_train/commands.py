@@ -305,6 +305,9 @@ def cmd_average(args: argparse.Namespace) -> int:
     check_out_dir(args.out, "--out", AVERAGE_REPORT, "average", sources=paths)
     inputs = resolve_inputs(paths)
     report = write_average(inputs, args.out, prov)
+    for again, first in report.get("identical_inputs", []):
+        print(f"warning: {again} holds the same weights as {first} (an export and the step it "
+              "was written from?); the average counts them twice", file=sys.stderr)
     names = ", ".join(f"step {i.step}" if i.step is not None else str(i.path) for i in inputs)
     print(f"| averaged {len(inputs)} checkpoints ({names}) -> {args.out}")
     _json_line({"out": str(args.out), **report})

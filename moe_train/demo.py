@@ -301,7 +301,9 @@ def run_demo(workdir: Path, minutes: float | None = None, overrides: list[str] |
     write_json(workdir / "test_metrics.json", metrics)
     tokens_per_s = summary["train_tokens_per_s"]  # None: no step trained by any run here
     _say(f"done in {(time.time() - t0) / 60:.1f} min | {summary['step']} steps | "
-         + (f"{tokens_per_s:.0f} target tokens/s" if tokens_per_s else "no training measured"))
+         + (f"{tokens_per_s:.0f} target tokens/s" if tokens_per_s else "no training measured")
+         + (" (trained by an earlier run; this one only evaluated)"
+            if summary.get("already_ended") else ""))
     _say(f"work directory: {workdir}")
     _say(f"  checkpoint:  {cfg.checkpoint.dir} (export: {summary['export']})")
     _say(f"  routing:     {routing} (CSV tables and PNG heatmaps per MoE layer)")

@@ -36,3 +36,19 @@ class PeerFailed(Exception):
     """Another rank failed where this one did not (rank 0 alone writes a checkpoint's metadata
     and the export: a full disk there): this rank stops too, in one line pointing at that
     rank's error (status 1), instead of training on alone or waiting for it forever."""
+
+
+class OutOfMemory(Exception):
+    """The machine ran out of memory reading a file (a checkpoint larger than what is free):
+    one line naming the file and the allocation that failed, status 1, never blamed on the
+    file as bad input."""
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """Whether `exc` is an allocation failure: Python's MemoryError, or torch's CPU / CUDA
+    allocator refusing (a RuntimeError, torch.OutOfMemoryError on CUDA)."""
+    if isinstance(exc, MemoryError):
+        return True
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and (
+        "can't allocate memory" in text or "out of memory" in text.lower())

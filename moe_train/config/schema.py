@@ -216,7 +216,10 @@ class TrainConfig:
     max_steps: int = 100_000
     """Optimizer steps to train for."""
     max_minutes: float = 0.0
-    """Stop (with a checkpoint) after this much wall-clock time; 0 means no limit."""
+    """Stop training (with a checkpoint) once this much wall-clock time has passed; 0 means no
+    limit. The final validation (with BLEU), save and export follow it: leave them a margin
+    under a scheduler's limit (the run's last line says how long they took). In a pipeline
+    the limit is the stage's budget: a stage it stops is finished, as at max_steps."""
     seed: int = 1
     """Seed for parameters, dropout and data order."""
     log_every: int = 50

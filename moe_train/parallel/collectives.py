@@ -6,8 +6,9 @@ branches for the single-process debug mode.
 
 from __future__ import annotations
 
+import contextlib
 import math
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -107,6 +108,20 @@ def raise_if_any_rank_failed(rt: ParallelRuntime, failed: BaseException | None,
     if failed is not None:
         raise failed
     raise PeerFailed(peer_message)
+
+
+@contextlib.contextmanager
+def agreed_exit(rt: ParallelRuntime, peer_message: str) -> Iterator[None]:
+    """A block some ranks may fail in (rank 0's fit or write): every rank leaves it together,
+    the block's end a barrier. If any rank failed, it raises its own error there and the
+    others PeerFailed(`peer_message`), instead of waiting at the next collective for a rank
+    that is gone."""
+    failed: BaseException | None = None
+    try:
+        yield
+    except Exception as exc:  # noqa: BLE001  (raised below, once every rank knows)
+        failed = exc
+    raise_if_any_rank_failed(rt, failed, peer_message)
 
 
 def step_is_finite(rt: ParallelRuntime, loss: float | Tensor,

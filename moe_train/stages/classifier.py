@@ -19,7 +19,7 @@ from torch import nn
 
 from moe_train.data.shards import ShardedDataset, nonempty_split
 from moe_train.errors import ConfigError
-from moe_train.parallel.collectives import barrier
+from moe_train.parallel.collectives import agreed_exit
 from moe_train.stages.classifier_core import (DomainClassifier, EncoderClassifier,
                                               TfidfClassifier, domain_report, source_docs)
 from moe_train.stages.common import StageContext
@@ -56,11 +56,12 @@ def _fit(ctx: StageContext, train: ShardedDataset, num_domains: int) -> tuple[
     if rt.is_main:  # a file of the other kind, left by a run killed before it finished
         (out / (HEAD if g.classifier == "tfidf" else TFIDF)).unlink(missing_ok=True)
     if g.classifier == "tfidf":  # scikit-learn is single-process: rank 0 fits, the rest load
-        if rt.is_main:
-            out.mkdir(parents=True, exist_ok=True)
-            TfidfClassifier.fit(source_docs(train, every_N), train.domain_ids, num_domains,
-                                g.tfidf_ngrams).save(out / TFIDF)
-        barrier(rt)
+        with agreed_exit(rt, f"stage {STAGE}: rank 0 failed fitting the classifier (its error "
+                         "line says why)"):
+            if rt.is_main:
+                out.mkdir(parents=True, exist_ok=True)
+                TfidfClassifier.fit(source_docs(train, every_N), train.domain_ids, num_domains,
+                                    g.tfidf_ngrams).save(out / TFIDF)
         return TfidfClassifier.load(out / TFIDF), {"ngrams": g.tfidf_ngrams}, None
     backbone = load_for_inference(ctx.require("backbone", STAGE) / "checkpoints" / "export",
                                   rt.device)
@@ -70,9 +71,11 @@ def _fit(ctx: StageContext, train: ShardedDataset, num_domains: int) -> tuple[
     clf.head, loss = fit_probe(nn.Linear(features_ND.shape[1], num_domains), features_ND,
                                train.domain_ids, g.classifier_steps, g.classifier_lr,
                                g.classifier_batch_sentences, ctx.cfg.moa.seed, rt)
-    if rt.is_main:
-        out.mkdir(parents=True, exist_ok=True)
-        clf.save(out / HEAD)
+    with agreed_exit(rt, f"stage {STAGE}: rank 0 failed saving the classifier (its error line "
+                     "says why)"):
+        if rt.is_main:
+            out.mkdir(parents=True, exist_ok=True)
+            clf.save(out / HEAD)
     return clf, {"steps": g.classifier_steps, "final_loss": loss}, \
         predict_probs(clf.head, features_ND)
 
@@ -90,10 +93,12 @@ def run(ctx: StageContext) -> dict[str, Any]:
         probs_NC = train_probs_NC if split == "train" and train_probs_NC is not None else \
             clf.predict_proba(dataset, np.arange(len(dataset), dtype=np.int64))
         reports[split] = domain_report(probs_NC.argmax(1), dataset.domain_ids, domains)
-        if ctx.rt.is_main:
-            with atomic_path(out / probs_file(split)) as tmp:
-                with open(tmp, "wb") as f:
-                    np.save(f, probs_NC.astype(np.float32))
+        with agreed_exit(ctx.rt, f"stage {STAGE}: rank 0 failed writing {probs_file(split)} "
+                         "(its error line says why)"):
+            if ctx.rt.is_main:
+                with atomic_path(out / probs_file(split)) as tmp:
+                    with open(tmp, "wb") as f:
+                        np.save(f, probs_NC.astype(np.float32))
     summary = {"kind": clf.kind, **fit_info, "dev": reports["dev"],
                "train_micro_f1": reports["train"]["micro_f1"],
                "test_micro_f1": reports["test"]["micro_f1"],

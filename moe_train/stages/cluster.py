@@ -14,7 +14,7 @@ import numpy as np
 
 from moe_train.data.shards import read_manifest
 from moe_train.errors import CheckpointError, ConfigError
-from moe_train.parallel.collectives import broadcast_object
+from moe_train.parallel.collectives import agreed_exit, broadcast_object
 from moe_train.stages.cluster_core import (FittedClusterer, cluster_report, fit_clusterer,
                                            load_clusterer)
 from moe_train.stages.common import StageContext
@@ -42,28 +42,33 @@ def run(ctx: StageContext) -> dict[str, Any]:
         raise ConfigError(f"moa.sample_size: Birch needs at most {BIRCH_MAX_SENTENCES} "
                           f"sentences (its last step is quadratic in memory), the features "
                           f"have {len(features_ND)}; lower moa.sample_size or use gmm / kmeans")
-    out = ctx.stage_dir(STAGE)
-    summary: dict[str, Any] | None = None
-    if ctx.rt.is_main:
-        fitted = fit_clusterer(features_ND, moa.num_clusters, moa.clusterer, moa.pca_dim, moa.seed,
-                               moa.standardize, moa.cluster_inits, moa.whiten, moa.unit_norm)
-        labels_N = fitted.predict(features_ND)
-        out.mkdir(parents=True, exist_ok=True)
-        fitted.save(out / CLUSTERER)
-        with atomic_path(out / LABELS) as tmp:
-            with open(tmp, "wb") as f:
-                np.save(f, labels_N)
-        domains = _domain_names(ctx)
-        sampled = meta["split"] == 0
-        summary = {"method": moa.clusterer, "num_clusters": moa.num_clusters,
-                   "standardize": moa.standardize, "whiten": moa.whiten,
-                   "unit_norm": moa.unit_norm, "inits": moa.cluster_inits,
-                   "pca_dim": fitted.dims, "sentences": int(len(labels_N)),
-                   "all": cluster_report(labels_N, meta["domain"], domains, moa.num_clusters),
-                   "sampled_only": cluster_report(labels_N[sampled], meta["domain"][sampled],
-                                                  domains, moa.num_clusters)}
+    with agreed_exit(ctx.rt, f"stage {STAGE}: rank 0 failed fitting the clusterer (its error "
+                     "line says why)"):
+        summary = _fit_and_save(ctx, features_ND, meta) if ctx.rt.is_main else None
     summary = broadcast_object(ctx.rt, summary)
     return ctx.finish(STAGE, summary, ctx.cfg)
+
+
+def _fit_and_save(ctx: StageContext, features_ND: np.ndarray, meta: dict[str, np.ndarray]
+                  ) -> dict[str, Any]:
+    """Rank 0's work: fit the clusterer, label every feature row, save both; the summary."""
+    moa, out = ctx.cfg.moa, ctx.stage_dir(STAGE)
+    fitted = fit_clusterer(features_ND, moa.num_clusters, moa.clusterer, moa.pca_dim, moa.seed,
+                           moa.standardize, moa.cluster_inits, moa.whiten, moa.unit_norm)
+    labels_N = fitted.predict(features_ND)
+    out.mkdir(parents=True, exist_ok=True)
+    fitted.save(out / CLUSTERER)
+    with atomic_path(out / LABELS) as tmp:
+        with open(tmp, "wb") as f:
+            np.save(f, labels_N)
+    domains = _domain_names(ctx)
+    sampled = meta["split"] == 0
+    return {"method": moa.clusterer, "num_clusters": moa.num_clusters,
+            "standardize": moa.standardize, "whiten": moa.whiten, "unit_norm": moa.unit_norm,
+            "inits": moa.cluster_inits, "pca_dim": fitted.dims, "sentences": int(len(labels_N)),
+            "all": cluster_report(labels_N, meta["domain"], domains, moa.num_clusters),
+            "sampled_only": cluster_report(labels_N[sampled], meta["domain"][sampled], domains,
+                                           moa.num_clusters)}
 
 
 def _domain_names(ctx: StageContext) -> list[str]:

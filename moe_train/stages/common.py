@@ -26,7 +26,7 @@ from moe_train.config.schema import EvalConfig, ExperimentConfig
 from moe_train.data.prepare import tokenizer_files
 from moe_train.data.shards import read_manifest
 from moe_train.errors import CheckpointError, ConfigError, DataError
-from moe_train.parallel.collectives import barrier
+from moe_train.parallel.collectives import agreed_exit, barrier
 from moe_train.parallel.runtime import ParallelRuntime
 from moe_train.stages.record import differences, made_from, stale_error
 from moe_train.train.checkpoint import latest_tag, read_meta
@@ -244,10 +244,11 @@ class StageContext:
         summary = summary | {"record_id": uuid.uuid4().hex,
                              "made_from": made_from(stage, cfg, inputs, self.recipe),
                              "provenance": self.stage_provenance()}
-        if self.rt.is_main:
-            write_json(self.stage_dir(stage) / DONE, summary)
+        with agreed_exit(self.rt, f"stage {stage}: rank 0 failed writing "
+                         f"{self.stage_dir(stage) / DONE} (its error line says why)"):
+            if self.rt.is_main:
+                write_json(self.stage_dir(stage) / DONE, summary)
         self.release(stage)
-        barrier(self.rt)
         return summary
 
 

@@ -17,6 +17,7 @@ import torch
 from moe_train.data.shards import read_manifest
 from moe_train.errors import CheckpointError
 from moe_train.moe.moa_router import MoAGate
+from moe_train.parallel.collectives import agreed_exit
 from moe_train.stages.cluster import load_cluster
 from moe_train.stages.cluster_core import cluster_report
 from moe_train.stages.common import StageContext
@@ -57,10 +58,12 @@ def run(ctx: StageContext) -> dict[str, Any]:
     predicted_N = gate_labels(gate_module, features_ND)
     domains = list(read_manifest(ctx.cfg.data.prepared_dir)["domains"])
     out = ctx.stage_dir(STAGE)
-    if rt.is_main:
-        out.mkdir(parents=True, exist_ok=True)
-        with atomic_path(out / GATE) as tmp:
-            torch.save({k: v.cpu() for k, v in gate_module.state_dict().items()}, tmp)
+    with agreed_exit(rt, f"stage {STAGE}: rank 0 failed saving the gate (its error line says "
+                     "why)"):
+        if rt.is_main:
+            out.mkdir(parents=True, exist_ok=True)
+            with atomic_path(out / GATE) as tmp:
+                torch.save({k: v.cpu() for k, v in gate_module.state_dict().items()}, tmp)
     return ctx.finish(STAGE, {
         "steps": moa.distill_steps,
         "batch_sentences": min(moa.distill_batch_sentences, len(labels_N)),

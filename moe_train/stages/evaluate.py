@@ -47,6 +47,7 @@ from moe_train.eval.routing_stats import plot_heatmap, table_csv
 from moe_train.moe.adapters import AdapterSlot
 from moe_train.moe.moa_router import MoAGate, RandomSentenceRouter, SharedRouter
 from moe_train.moe.routing import RoutingContext
+from moe_train.parallel.collectives import agreed_exit
 from moe_train.stages.cluster import load_cluster
 from moe_train.stages.cluster_core import cluster_report
 from moe_train.stages.common import StageContext, load_matching, moa_stages, quality_decoding
@@ -127,16 +128,17 @@ def sentence_router_labels(inf: InferenceModel, features_ND: np.ndarray) -> np.n
 
 def learned_routing(routed: InferenceModel, backbone: InferenceModel, features_ND: np.ndarray,
                     encode: Callable[[torch.nn.Module], np.ndarray]
-                    ) -> tuple[str, np.ndarray] | None:
-    """(name, top-1 expert per sentence) of the routed model's own sentence router, or None.
+                    ) -> tuple[str, np.ndarray, int] | None:
+    """(name, top-1 expert per sentence, its number of experts) of the routed model's own
+    sentence router, or None.
     Its input is the routed model's pooled encoder output: the backbone's `features_ND` when
     the routed model is the backbone, else `encode(routed.model)` (adapters on the encoder, or
     an encoder trained further, change it)."""
     if not sentence_routers(routed.model, encoder=False):
         return None
     own_ND = features_ND if routed is backbone else encode(routed.model)
-    return (f"router_{sentence_routers(routed.model, encoder=False)[0].name}",
-            sentence_router_labels(routed, own_ND))
+    router = sentence_routers(routed.model, encoder=False)[0]
+    return f"router_{router.name}", sentence_router_labels(routed, own_ND), router.inner.num_experts
 
 
 @contextmanager
@@ -287,10 +289,6 @@ def run(ctx: StageContext) -> dict[str, Any]:
         result["backbone_cache_key"] = key
     out = ctx.stage_dir(STAGE)
     hypotheses = {name: result[name].pop("hypotheses") for name in models}
-    if rt.is_main:
-        _write_lines(hypotheses_file(out, "references"), [test.raw_tgt(int(i)) for i in idx])
-        for name, lines in hypotheses.items():
-            _write_lines(hypotheses_file(out, name), lines)
     if "adapters" in result:
         result["extra_parameters"] = result["adapters"]["parameters"] - \
             result["backbone"]["parameters"]
@@ -300,21 +298,28 @@ def run(ctx: StageContext) -> dict[str, Any]:
 
     features_ND = encode(backbone.model)
     true_N = test.domain_ids[idx]
-    assignments: dict[str, np.ndarray] = {}
+    # {name: (group per sentence, number of groups)}: a group no test sentence went to
+    # keeps its row of zeros in the table
+    assignments: dict[str, tuple[np.ndarray, int]] = {}
     if clusterer is not None:
-        assignments["clusterer"] = clusterer.predict(features_ND)
+        assignments["clusterer"] = clusterer.predict(features_ND), moa.num_clusters
     if gate is not None:
-        assignments["distilled_gate"] = gate_labels(gate, features_ND)
+        assignments["distilled_gate"] = gate_labels(gate, features_ND), moa.num_clusters
     learned = learned_routing(models.get("adapters", backbone), backbone, features_ND, encode)
     if learned is not None:
-        assignments[learned[0]] = learned[1]
-    routing: dict[str, Any] = {}
-    for name, labels_N in assignments.items():
-        report = cluster_report(labels_N, true_N, domains, max(int(labels_N.max()) + 1, 1))
-        routing[name] = {k: report[k] for k in ("pur", "nmi", "table")}
+        assignments[learned[0]] = learned[1], learned[2]
+    reports = {name: cluster_report(labels_N, true_N, domains, groups)
+               for name, (labels_N, groups) in assignments.items()}
+    result["routing"] = {name: {k: report[k] for k in ("pur", "nmi", "table")}
+                         for name, report in reports.items()}
+    with agreed_exit(rt, f"stage {STAGE}: rank 0 failed writing its results (its error line "
+                     "says why)"):
         if rt.is_main:
-            _write_table(out / "routing", name, report)
-    result["routing"] = routing
-    if rt.is_main:  # what it measured, and where and by what command
-        write_json(out / "eval.json", result | {"provenance": ctx.stage_provenance()})
+            _write_lines(hypotheses_file(out, "references"), [test.raw_tgt(int(i)) for i in idx])
+            for name, lines in hypotheses.items():
+                _write_lines(hypotheses_file(out, name), lines)
+            for name, report in reports.items():
+                _write_table(out / "routing", name, report)
+            # what it measured, and where and by what command
+            write_json(out / "eval.json", result | {"provenance": ctx.stage_provenance()})
     return ctx.finish(STAGE, result, ctx.cfg)

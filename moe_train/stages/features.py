@@ -24,7 +24,7 @@ from moe_train.config.schema import ExperimentConfig
 from moe_train.data.shards import MANIFEST, ShardedDataset, read_manifest
 from moe_train.errors import ConfigError
 from moe_train.eval.decode import batch_context
-from moe_train.parallel.collectives import all_gather_object, barrier
+from moe_train.parallel.collectives import agreed_exit, all_gather_object
 from moe_train.stages.common import StageContext
 from moe_train.train.export import load_for_inference
 from moe_train.utils.atomic import atomic_path
@@ -154,16 +154,17 @@ def run(ctx: StageContext) -> dict[str, Any]:
         index.append(idx)
         domain.append(dataset.domain_ids[idx])
     out = ctx.stage_dir(STAGE)
-    if ctx.rt.is_main:
-        out.mkdir(parents=True, exist_ok=True)
-        with atomic_path(out / FEATURES) as tmp:
-            with open(tmp, "wb") as f:
-                np.save(f, np.concatenate(feats))
-        with atomic_path(out / META) as tmp:
-            with open(tmp, "wb") as f:
-                np.savez(f, split=np.concatenate(split), index=np.concatenate(index),
-                         domain=np.concatenate(domain))
-    barrier(ctx.rt)
+    with agreed_exit(ctx.rt, f"stage {STAGE}: rank 0 failed writing the features (its error "
+                     "line says why)"):
+        if ctx.rt.is_main:
+            out.mkdir(parents=True, exist_ok=True)
+            with atomic_path(out / FEATURES) as tmp:
+                with open(tmp, "wb") as f:
+                    np.save(f, np.concatenate(feats))
+            with atomic_path(out / META) as tmp:
+                with open(tmp, "wb") as f:
+                    np.savez(f, split=np.concatenate(split), index=np.concatenate(index),
+                             domain=np.concatenate(domain))
     return ctx.finish(STAGE, {"sentences": int(sum(len(i) for i in index)),
                               "sampled": int(len(index[0])),
                               "anchors": int(sum(len(i) for i in index[1:])),

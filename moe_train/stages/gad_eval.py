@@ -28,6 +28,7 @@ from moe_train.errors import ConfigError
 from moe_train.eval.decode import batch_context, translate_dataset
 from moe_train.eval.metrics import corpus_metrics
 from moe_train.moe.gated_router import GatedRouter
+from moe_train.parallel.collectives import agreed_exit
 from moe_train.stages.classifier import load_classifier, load_probs
 from moe_train.stages.classifier_core import DomainClassifier
 from moe_train.stages.common import StageContext, quality_decoding
@@ -211,8 +212,10 @@ def run(ctx: StageContext) -> dict[str, Any]:
     clf = load_classifier(ctx, STAGE, backbone_model=models["backbone"].model)
     result = evaluate_split(ctx, models, test, _tag_test(ctx, test),
                             load_probs(ctx, "test", STAGE), clf)
-    if ctx.rt.is_main:
-        write_json(ctx.stage_dir(STAGE) / "eval.json", result)
+    with agreed_exit(ctx.rt, f"stage {STAGE}: rank 0 failed writing eval.json (its error line "
+                     "says why)"):
+        if ctx.rt.is_main:
+            write_json(ctx.stage_dir(STAGE) / "eval.json", result)
     return ctx.finish(STAGE, result, ctx.cfg)
 
 

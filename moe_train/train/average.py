@@ -23,6 +23,7 @@ checkpoints, then extract.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -34,6 +35,7 @@ from moe_train.data.prepare import tokenizer_files
 from moe_train.errors import CheckpointError, ConfigError
 from moe_train.eval.extract import read_experts_kept
 from moe_train.models.build import shape_model
+from moe_train.models.hf_config import HF_SPECIAL_IDS
 from moe_train.train.checkpoint import consolidated_state_dict, list_tags, read_meta, verify
 from moe_train.train.export import (check_weights, export_inference, export_streamed,
                                     load_export_weights, read_parts)
@@ -124,6 +126,9 @@ def check_same_model(inputs: Sequence[AveragedInput]) -> None:
         their_data = vocabulary_identity(other.manifest)
         differ += [f"manifest {k} {data[k]!r} vs {their_data[k]!r}" for k in data
                    if data[k] != their_data[k]]
+        if first.manifest.get(HF_SPECIAL_IDS) != other.manifest.get(HF_SPECIAL_IDS):
+            differ.append(f"manifest {HF_SPECIAL_IDS} {first.manifest.get(HF_SPECIAL_IDS)!r} "
+                          f"vs {other.manifest.get(HF_SPECIAL_IDS)!r}")
         differ += [f"tokenizer file {name}" for name, blob in files.items()
                    if not (other.path / name).is_file()
                    or (other.path / name).read_bytes() != blob]
@@ -156,16 +161,38 @@ def _kept_experts_differ(first: AveragedInput, other: AveragedInput) -> list[str
             "full checkpoints, then extract)" for layer in layers]
 
 
-def average_weights(inputs: Sequence[AveragedInput]) -> dict[str, torch.Tensor]:
+def average_weights(inputs: Sequence[AveragedInput], same: list[tuple[Path, Path]] | None = None
+                    ) -> dict[str, torch.Tensor]:
     """The mean of the inputs' float weights (float64 sum, one division, fp32 result); their
-    non-float tensors, which must be equal. One input's weights are held at a time."""
+    non-float tensors, which must be equal. One input's weights are held at a time.
+    `same` collects (input, earlier input) whose weights are identical: an export and the
+    step it was written from are two paths to one checkpoint, which the mean counts twice."""
     first = inputs[0]
-    total = {k: v.double() if v.is_floating_point() else v.clone()
-             for k, v in first.weights().items()}
+    state = first.weights()
+    digests = {_digest(state): first.path}
+    total = {k: v.double() if v.is_floating_point() else v.clone() for k, v in state.items()}
+    del state
     for item in inputs[1:]:
-        _add(total, item.weights(), item, first)  # its weights go when _add returns
+        state = item.weights()
+        digest = _digest(state)
+        if digest in digests and same is not None:
+            same.append((item.path, digests[digest]))
+        digests.setdefault(digest, item.path)
+        _add(total, state, item, first)
+        del state  # one input's weights at a time
     n = len(inputs)
     return {k: v.div_(n).float() if v.is_floating_point() else v for k, v in total.items()}
+
+
+def _digest(state: dict[str, torch.Tensor]) -> str:
+    """A digest of the weights' names, shapes, dtypes and bytes."""
+    h = hashlib.blake2b(digest_size=16)
+    for name in sorted(state):
+        t = state[name].detach()
+        h.update(f"{name}:{t.dtype}:{tuple(t.shape)};".encode())
+        if t.numel():
+            h.update(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
 
 
 def _add(total: dict[str, torch.Tensor], state: dict[str, torch.Tensor], item: AveragedInput,
@@ -200,12 +227,15 @@ def write_average(inputs: Sequence[AveragedInput], out_dir: str | Path,
     prov = prov or provenance()
     check_same_model(inputs)
     newest = inputs[-1]  # the last given: with --last, the newest step
-    state = average_weights(inputs)
+    same: list[tuple[Path, Path]] = []
+    state = average_weights(inputs, same)
     # the export's config must take these weights
     check_weights(shape_model(newest.cfg, newest.manifest), state, Path(out_dir))
     report = {"format": "moe_train-average-1", "count": len(inputs),
               "inputs": [{"path": str(Path(item.path).resolve()), "kind": item.kind,
                           "step": item.step} for item in inputs]}
+    if same:  # kept (a copy averaged with itself is a valid check), but said
+        report["identical_inputs"] = [[str(a), str(b)] for a, b in same]
     recorded = {**report, "provenance": finish(prov)}  # average.json: its origin too
     # a model converted from a Hugging Face directory without tokenizer files has none
     tokenizer = [p for p in tokenizer_files(newest.path, newest.manifest) if p.is_file()]

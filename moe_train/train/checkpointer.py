@@ -89,9 +89,17 @@ class Checkpointer:
                                    load_extra=self._load_experts, log=self.log)
 
     def adopt_best(self, tag: str | None) -> None:
-        """Keep a resumed run's best checkpoint, if it is still complete."""
-        if tag and self.keeps_best and verify(self.dir / tag) is None:
+        """Keep a resumed run's best checkpoint, if it is still complete; say so when it is
+        not (rotated away while export_best was off, or damaged): the export is then the best
+        of the validations from here on, or the last step."""
+        if not tag or not self.keeps_best:
+            return
+        if verify(self.dir / tag) is None:
             self.best_tag = tag
+        else:
+            self.log(f"| export_best: the best validation's checkpoint {self.dir / tag} is "
+                     "gone or incomplete (rotated away while export_best was off?); the export "
+                     "will be the best validation from here on, or the last step")
 
     def mark_best(self, step: int) -> bool:
         """`step` set a new best: remember its tag; True when it must be saved now."""

@@ -487,7 +487,7 @@ class Trainer:
                                f"({'early stop' if ended.get('stopped_early') else 'max_steps'});"
                                f" nothing to train, its summary is in "
                                f"{self.checkpoints.dir / ENDED}")
-            return ended
+            return ended | {"already_ended": True}  # its figures are the earlier run's
         # killed after its last save, before the end record: a plateau stays a plateau
         stopped_early = self.resumed and early.plateaued
         while self.step < tc.max_steps and not stopped_early:
@@ -530,7 +530,8 @@ class Trainer:
                 self.monitor.print(f"| time limit of {tc.max_minutes} min reached at step {self.step}")
                 break
         self.loop_ended = True  # what follows runs on every rank, then rank 0 writes
-        wall = time.time() - start
+        ending = time.time()
+        wall = ending - start
         elapsed = wall - paused  # the training steps alone
         (tokens,) = all_reduce_floats(self.rt, train_tokens_local)
         done_here = validated_at == self.step  # validated in the loop: add only BLEU
@@ -553,11 +554,14 @@ class Trainer:
             self.monitor.print(f"| export: the best validation, step {best['best_step']} "
                                f"({best['metric']} {best['best']:.4f}), not step {self.step}")
         export = self.checkpoints.export(source)
-        self.monitor.print(f"| saved {path}" + (f" | exported {export}" if export else ""))
+        end_s = time.time() - ending
+        self.monitor.print(f"| saved {path}" + (f" | exported {export}" if export else "")
+                           + f" | final validation, save and export took {end_s:.1f} s")
         exported: dict[str, Any] = {"exported_step": self.step}
         if source != path:
             exported = {"exported_step": early.best_step, "exported_dev": early.best_values}
         summary = {"step": self.step, "train_seconds": elapsed, "wall_seconds": wall,
+                   "end_seconds": end_s,
                    "stopped_early": stopped_early,
                    **({"early_stop": early.state()} if tc.patience else {}), **exported,
                    "train_tokens_per_s": tokens / elapsed if tokens and elapsed > 0 else None,

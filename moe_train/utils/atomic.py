@@ -248,7 +248,10 @@ def atomic_dir(final: str | os.PathLike, overwrite: bool = False) -> Iterator[Pa
         raise FileExistsError(f"{final}: is neither a directory nor a file; not replacing it")
     final.parent.mkdir(parents=True, exist_ok=True)
     _recover(final)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent))
+    try:
+        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent))
+    except OSError as exc:  # a full disk or a read-only directory: name the output
+        raise OSError(exc.errno, exc.strerror, str(final)) from exc
     _, held = _hold(tmp)  # another run's _recover leaves a directory being written alone
     os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes 0700; other ranks/users may read it
     try:

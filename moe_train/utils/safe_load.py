@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from moe_train.errors import CheckpointError, MoeTrainError
+from moe_train.errors import CheckpointError, MoeTrainError, OutOfMemory, is_out_of_memory
 from moe_train.utils.atomic import atomic_path
 
 log = logging.getLogger(__name__)
@@ -34,8 +34,13 @@ def _first_line(exc: BaseException) -> str:
     return text.splitlines()[0][:200] if text else "no message"
 
 
-def _unreadable(path: Path, what: str, exc: BaseException,
-                error: type[MoeTrainError] = CheckpointError) -> MoeTrainError:
+def unreadable(path: Path, what: str, exc: BaseException,
+                error: type[MoeTrainError] = CheckpointError) -> Exception:
+    """The one-line error for `path` failing to load: the machine's when it ran out of memory
+    (status 1), else `error` saying the file is not a readable `what` (status 2)."""
+    if is_out_of_memory(exc):
+        return OutOfMemory(f"{path}: out of memory reading it as {what} "
+                           f"({type(exc).__name__}: {_first_line(exc)})")
     return error(f"{path}: not a readable {what} ({type(exc).__name__}: {_first_line(exc)})")
 
 
@@ -63,7 +68,7 @@ def read_json(path: str | os.PathLike, what: str = "JSON file",
     except RecursionError:
         raise error(f"{path}: nested too deeply to read; expected {what}") from None
     except OSError as exc:
-        raise _unreadable(path, what, exc, error) from None
+        raise unreadable(path, what, exc, error) from None
 
 
 def read_json_object(path: str | os.PathLike, what: str = "JSON object",
@@ -94,6 +99,8 @@ def load_torch(path: str | os.PathLike, what: str = "torch file",
         with torch.serialization.safe_globals(list(safe_globals)):
             return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
     except Exception as exc:  # noqa: BLE001  (torch.load raises many types on bad data)
+        if is_out_of_memory(exc):
+            raise unreadable(path, what, exc) from None
         text = str(exc)
         refused = re.search(r"(Unsupported global: GLOBAL \S+|unsupported GLOBAL \S+)", text)
         if refused:  # a class or function reference: the file wants to run code
@@ -106,7 +113,7 @@ def load_torch(path: str | os.PathLike, what: str = "torch file",
         if "Weights only load failed" in text:  # never pass on its advice to unpickle
             raise CheckpointError(f"{path}: refused by weights-only loading; expected {what} "
                                   "of tensors and plain values") from None
-        raise _unreadable(path, what, exc) from None
+        raise unreadable(path, what, exc) from None
 
 
 def load_tensors(path: str | os.PathLike, what: str = "weights file") -> dict[str, torch.Tensor]:
@@ -119,7 +126,7 @@ def load_tensors(path: str | os.PathLike, what: str = "weights file") -> dict[st
         try:
             state = load_file(path, device="cpu")
         except Exception as exc:  # noqa: BLE001  (SafetensorError, OSError, ...)
-            raise _unreadable(path, what, exc) from None
+            raise unreadable(path, what, exc) from None
     else:
         state = load_torch(path, what)
     if not isinstance(state, dict) or not all(
@@ -168,8 +175,8 @@ def load_array(path: str | os.PathLike, what: str, kind: str, ndim: int,
     path = require_file(path, what, error)
     try:
         array = np.load(path, allow_pickle=False)
-    except (OSError, ValueError, EOFError, zipfile.BadZipFile, zlib.error) as exc:
-        raise _unreadable(path, what, exc, error) from None
+    except (OSError, ValueError, EOFError, MemoryError, zipfile.BadZipFile, zlib.error) as exc:
+        raise unreadable(path, what, exc, error) from None
     kinds = "iu" if kind == "i" else kind
     if not isinstance(array, np.ndarray) or array.ndim != ndim or array.dtype.kind not in kinds \
             or (rows is not None and len(array) != rows):
@@ -194,8 +201,8 @@ def load_arrays(path: str | os.PathLike, what: str, keys: Iterable[str], rows: i
             raise error(f"{path}: a single array, not an .npz archive; expected {what}")
         with loaded as npz:
             arrays = {k: npz[k] for k in npz.files}
-    except (OSError, ValueError, EOFError, zipfile.BadZipFile, zlib.error) as exc:
-        raise _unreadable(path, what, exc, error) from None
+    except (OSError, ValueError, EOFError, MemoryError, zipfile.BadZipFile, zlib.error) as exc:
+        raise unreadable(path, what, exc, error) from None
     for key in keys:
         a = arrays.get(key)
         if a is None or a.ndim != 1 or a.dtype.kind not in "iu" or len(a) != rows:
@@ -224,7 +231,7 @@ def load_skops(path: str | os.PathLike, trusted: Iterable[str], what: str = "sko
     try:
         untrusted = sio.get_untrusted_types(file=path)
     except Exception as exc:  # noqa: BLE001  (BadZipFile, KeyError, JSON errors, ...)
-        raise _unreadable(path, what, exc) from None
+        raise unreadable(path, what, exc) from None
     refused = sorted(set(untrusted) - set(trusted))
     if refused:
         raise CheckpointError(f"{path}: holds untrusted types {', '.join(refused)}; expected "
@@ -234,7 +241,7 @@ def load_skops(path: str | os.PathLike, trusted: Iterable[str], what: str = "sko
     try:
         return sio.load(path, trusted=trusted)
     except Exception as exc:  # noqa: BLE001
-        raise _unreadable(path, what, exc) from None
+        raise unreadable(path, what, exc) from None
 
 
 def check_sklearn_version(path: str | os.PathLike, saved: Any) -> None:

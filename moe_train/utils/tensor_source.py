@@ -16,8 +16,10 @@ from typing import Callable, Sequence
 from torch import Tensor
 
 from moe_train.errors import CheckpointError, MoeTrainError
+from moe_train.utils.safe_load import unreadable
 
 Shape = tuple[int, ...]
+WHAT = "weights file (name -> tensor)"
 
 
 @dataclass
@@ -76,7 +78,7 @@ def safetensors_source(paths: Sequence[Path]) -> TensorSource:
         except MoeTrainError:
             raise
         except Exception as exc:  # noqa: BLE001  (SafetensorError, OSError)
-            raise _unreadable(path, exc) from None
+            raise unreadable(path, WHAT, exc) from None
 
     def read(name: str) -> Tensor:
         path = home[name]
@@ -84,14 +86,7 @@ def safetensors_source(paths: Sequence[Path]) -> TensorSource:
             with safe_open(str(path), framework="pt", device="cpu") as f:
                 return f.get_tensor(name)
         except Exception as exc:  # noqa: BLE001
-            raise _unreadable(path, exc) from None
+            raise unreadable(path, WHAT, exc) from None
 
     where = str(paths[0].parent if len(paths) > 1 else paths[0])
     return TensorSource(shapes, read, where)
-
-
-def _unreadable(path: Path, exc: BaseException) -> CheckpointError:
-    text = str(exc).strip()
-    return CheckpointError(f"{path}: not a readable weights file (name -> tensor) "
-                           f"({type(exc).__name__}: {text.splitlines()[0][:200] if text else ''})")
-

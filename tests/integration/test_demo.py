@@ -78,7 +78,8 @@ def test_demo_command_end_to_end(tmp_path):
     ckpt = work / "checkpoints"
     assert tail[1] == f"[demo]   checkpoint:  {ckpt} (export: {ckpt / 'export'})", tail
     assert "NOTE" not in out  # the step budget ended training, not the time guard
-    assert re.search(r"\[demo\] done in [\d.]+ min \| 6 steps \|", out)
+    assert re.search(r"\[demo\] done in [\d.]+ min \| 6 steps \| \d+ target tokens/s$", out,
+                     re.M), out[-3000:]
     assert (ckpt / "latest").read_text().strip() == "step_00000006"
     assert (ckpt / "step_00000006").is_dir()
     inf = load_for_inference(ckpt / "export")  # the export the table came from loads back
@@ -89,6 +90,8 @@ def test_demo_command_end_to_end(tmp_path):
     again = run_cli(args, cwd=tmp_path, timeout=600).stdout
     assert "[demo] generating" not in again and "[demo] preparing" not in again
     assert "resume from step 6" in again, again[-3000:]
+    assert re.search(r"\[demo\] done in [\d.]+ min \| 6 steps \| \d+ target tokens/s \(trained "
+                     r"by an earlier run; this one only evaluated\)", again), again[-3000:]
     assert _table(again) == rows  # same export, same deterministic beam search
     assert "extraction check: 75/75" in again
     assert (ckpt / "latest").read_text().strip() == "step_00000006"

@@ -2,6 +2,7 @@
 weights (train.export_best), or the last step's when that is off (CPU)."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -27,6 +28,10 @@ def test_training_stops_after_patience_validations_without_a_gain(tiny_prepared,
     # training time leaves out the three validations (greedy BLEU) and the checkpoints
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
     assert 0 < summary["train_seconds"] < summary["wall_seconds"] - 0.05
+    # what follows the loop is timed apart, for a margin under a scheduler's limit
+    said = re.search(r"\| saved \S+ \| exported \S+ \| final validation, save and export took "
+                     r"([\d.]+) s", out)
+    assert said and 0 < summary["end_seconds"] and f"{summary['end_seconds']:.1f}" == said[1]
     assert (tmp_path / "ckpt" / "latest").read_text().strip() == "step_00000015"
     assert (tmp_path / "ckpt" / "export" / "model.safetensors").is_file()
     assert read_meta(tmp_path / "ckpt" / "step_00000015")["step"] == 15
@@ -47,7 +52,7 @@ def test_training_stops_after_patience_validations_without_a_gain(tiny_prepared,
     again = run_cli(["train", "--config", CONFIG, "--resume", *overrides], cwd=ROOT)
     assert "| resume: the run already ended at step 15 (early stop)" in again.stdout, \
         again.stdout[-2000:]
-    assert json.loads(again.stdout.strip().splitlines()[-1]) == summary
+    assert json.loads(again.stdout.strip().splitlines()[-1]) == summary | {"already_ended": True}
     assert (tmp_path / "ckpt" / "latest").read_text().strip() == "step_00000015"
     assert (tmp_path / "ckpt" / "export" / "model.safetensors").stat().st_mtime_ns == export_mtime
     # killed in its export, before ended.json: the resumed run trains no step, validates

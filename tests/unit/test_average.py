@@ -74,13 +74,22 @@ def test_the_export_holds_the_exact_mean_and_loads(exports, tmp_path, capsys):
     assert json.loads((out / AVERAGE_REPORT).read_text())["count"] == 2
 
 
-def test_a_checkpoint_averaged_with_its_copy_is_itself_bit_for_bit(exports, tmp_path):
+def test_a_checkpoint_averaged_with_its_copy_is_itself_bit_for_bit(exports, tmp_path, capsys):
     paths, states = exports
     copy = tmp_path / "copy"
     shutil.copytree(paths[0], copy)
     assert main(["average", str(paths[0]), str(copy), "--out", str(tmp_path / "avg")]) == 0
     got = load_export_weights(tmp_path / "avg")
     assert all(torch.equal(got[k], v) for k, v in states[0].items())
+    # done, but said: two paths to one checkpoint (an export and its step) count twice
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"warning: {copy} holds the same weights as {paths[0]} (an export and the step "
+                   "it was written from?); the average counts them twice"], err
+    report = json.loads((tmp_path / "avg" / AVERAGE_REPORT).read_text())
+    assert report["identical_inputs"] == [[str(copy), str(paths[0])]]
+    assert main(["average", str(paths[0]), str(paths[1]), "--out", str(tmp_path / "avg2")]) == 0
+    assert "warning" not in capsys.readouterr().err
+    assert "identical_inputs" not in json.loads((tmp_path / "avg2" / AVERAGE_REPORT).read_text())
 
 
 def test_other_architecture_vocabulary_or_tokenizer_is_refused(exports, tiny_prepared, tmp_path,
@@ -106,6 +115,13 @@ def test_other_architecture_vocabulary_or_tokenizer_is_refused(exports, tiny_pre
     (vocab / "manifest.json").write_text(json.dumps(manifest))
     err = refused(["average", str(paths[0]), str(vocab), "--out", str(tmp_path / "a")], capsys)
     assert "manifest domains" in err
+    special = tmp_path / "special"  # converted models: the special ids --to-hf writes back
+    shutil.copytree(paths[1], special)
+    manifest = json.loads((special / "manifest.json").read_text())
+    manifest["hf_special_ids"] = {"eos_token_id": [2, 7]}
+    (special / "manifest.json").write_text(json.dumps(manifest))
+    err = refused(["average", str(paths[0]), str(special), "--out", str(tmp_path / "a")], capsys)
+    assert "manifest hf_special_ids None vs {'eos_token_id': [2, 7]}" in err, err
     assert not (tmp_path / "a").exists()
 
 
@@ -203,7 +219,7 @@ def test_average_json_times_the_whole_command(exports, tmp_path, monkeypatch, ca
     paths, _ = exports
     real = average.average_weights
     monkeypatch.setattr(average, "average_weights",
-                        lambda inputs: (time.sleep(1.5), real(inputs))[1])
+                        lambda inputs, same=None: (time.sleep(1.5), real(inputs, same))[1])
     assert main(["average", str(paths[0]), str(paths[1]), "--out", str(tmp_path / "a")]) == 0
     prov = json.loads((tmp_path / "a" / AVERAGE_REPORT).read_text())["provenance"]
     assert prov["wall_seconds"] >= 1 and prov["started_at"] != prov["finished_at"]
@@ -230,6 +246,7 @@ def test_extracted_sub_networks_must_keep_the_same_experts(tiny_prepared, tmp_pa
     shutil.copytree(tmp_path / "a_de", tmp_path / "a_de2")
     assert main(["average", str(tmp_path / "a_de"), str(tmp_path / "a_de2"), "--out",
                  str(tmp_path / "avg")]) == 0
+    assert "holds the same weights" in capsys.readouterr().err  # a copy: said, not refused
     err = refused(["average", str(tmp_path / "a"), str(tmp_path / "a_de"), "--out",
                    str(tmp_path / "avg2")], capsys)
     assert "not the same model" in err

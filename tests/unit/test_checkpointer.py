@@ -40,12 +40,15 @@ def test_resumed_best_is_adopted_only_when_complete(tmp_path, monkeypatch):
     complete = {"step_00000010"}
     monkeypatch.setattr(ckpt_mod, "verify",
                         lambda tag_dir: None if Path(tag_dir).name in complete else "incomplete")
+    said = []
+    cp.log = said.append
     cp.adopt_best("step_00000020")
     assert cp.best_tag is None
+    assert len(said) == 1 and "step_00000020 is gone or incomplete" in said[0], said
     cp.adopt_best(None)
     assert cp.best_tag is None
     cp.adopt_best("step_00000010")
-    assert cp.best_tag == "step_00000010"
+    assert cp.best_tag == "step_00000010" and len(said) == 1
     off = _checkpointer(tmp_path, "train.export_best=false", "train.patience=3")
     off.adopt_best("step_00000010")
     assert off.best_tag is None

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from moe_train.errors import ConfigError
-from moe_train.models.hf_io import config_from_hf
+from moe_train.models.hf_config import config_from_hf
 
 HF = {"model_type": "qwen2_moe", "vocab_size": 64, "hidden_size": 16, "num_hidden_layers": 2,
       "num_attention_heads": 2, "intermediate_size": 32, "moe_intermediate_size": 8,

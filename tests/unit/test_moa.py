@@ -372,10 +372,11 @@ def test_evaluation_finds_the_sentence_router_of_adapters_and_of_ffn_experts(kin
         return -x_ND.numpy()
 
     backbone = SimpleNamespace(model=plain, cfg=cfg)
-    name, own = learned_routing(inf, backbone, x_ND.numpy(), encode)
+    name, own, groups = learned_routing(inf, backbone, x_ND.numpy(), encode)
     assert name == "router_sentence" and encoded == [model]
+    assert groups == 4  # adapters.num_experts or moe.num_experts: every row, used or not
     assert own.tolist()[3:] == [2, 2, 2] and 2 not in own.tolist()[:3]
-    name, same = learned_routing(inf, inf, x_ND.numpy(), encode)
+    name, same, _ = learned_routing(inf, inf, x_ND.numpy(), encode)
     assert len(encoded) == 1 and same.tolist() == labels.tolist()
     assert learned_routing(backbone, backbone, x_ND.numpy(), encode) is None
 

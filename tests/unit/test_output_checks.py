@@ -570,3 +570,13 @@ def test_mount_points_unescape_their_names(tmp_path, monkeypatch) -> None:
     monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: real(
         info if str(self) == "/proc/self/mountinfo" else self, *a, **k))
     assert atomic.mount_points() == {"/mnt/my disk"}
+
+
+def test_a_directory_that_cannot_be_started_names_the_output(tmp_path, monkeypatch) -> None:
+    """A full disk when `atomic_dir` makes its temporary directory: the error names the output
+    the user asked for, not the hidden temporary that never existed."""
+    monkeypatch.setattr("moe_train.utils.atomic.tempfile.mkdtemp", _raise_enospc)
+    with pytest.raises(OSError) as err:
+        with atomic_dir(tmp_path / "out"):
+            pass
+    assert err.value.errno == errno.ENOSPC and err.value.filename == str(tmp_path / "out")

@@ -333,3 +333,60 @@ def test_load_torch_maps_a_zip_file_and_reads_a_legacy_one_whole(tmp_path) -> No
     for name in ("new.pt", "old.pt"):
         got = load_torch(tmp_path / name, "model states", mmap=True)
         assert torch.equal(got["module"]["w"], state["module"]["w"]), name
+
+
+@pytest.mark.parametrize("failure", [
+    MemoryError(),
+    RuntimeError("[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: can't allocate "
+                 "memory: you tried to allocate 68719476736 bytes. Error code 12"),
+])
+def test_running_out_of_memory_is_the_machines_error_not_a_bad_file(tmp_path, monkeypatch,
+                                                                   capsys, failure):
+    """A file too large for the free memory is reported as that (status 1), not as a bad file
+    (status 2: the user would delete a good checkpoint); the safetensors, torch, numpy and
+    lazy (Hugging Face shard) readers alike."""
+    import numpy as np
+    import safetensors.torch
+
+    from moe_train.cli import main
+    from moe_train.errors import OutOfMemory
+    from moe_train.utils import tensor_source
+    from moe_train.utils.safe_load import load_array, save_tensors
+
+    def fail(*args, **kwargs):
+        raise failure
+
+    st, pt, npy = tmp_path / "w.safetensors", tmp_path / "w.pt", tmp_path / "a.npy"
+    save_tensors(st, {"w": torch.ones(2)})
+    torch.save({"w": torch.ones(2)}, pt)
+    np.save(npy, np.ones(3))
+    monkeypatch.setattr(safetensors.torch, "load_file", fail)
+    monkeypatch.setattr(torch, "load", fail)
+    monkeypatch.setattr(np, "load", lambda *a, **k: (_ for _ in ()).throw(MemoryError()))
+    for load in (lambda: load_tensors(st), lambda: load_tensors(pt),
+                 lambda: load_array(npy, "features", "f", 1)):
+        with pytest.raises(OutOfMemory, match="out of memory reading it as"):
+            load()
+    import safetensors
+
+    monkeypatch.setattr(safetensors, "safe_open", fail)
+    with pytest.raises(OutOfMemory, match=str(st)):
+        tensor_source.safetensors_source([st])
+    # a bad file stays bad input
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(b"garbage")
+    monkeypatch.undo()
+    with pytest.raises(CheckpointError, match="not a readable"):
+        load_tensors(bad)
+    # the CLI: one line, status 1
+    monkeypatch.setattr(torch, "load", fail)
+    monkeypatch.setattr(safetensors.torch, "load_file", fail)
+    export = tmp_path / "export"
+    export.mkdir()
+    save_tensors(export / "model.safetensors", {"w": torch.ones(2)})
+    monkeypatch.setattr("moe_train.commands.cmd_params", lambda args: load_tensors(
+        export / "model.safetensors") and 0)
+    assert main(["params", "--checkpoint", str(export)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: {export / 'model.safetensors'}: out of "
+                                               "memory reading it as weights file"), err
