@@ -146,11 +146,12 @@ def run_training(cfg, resume: bool) -> dict[str, Any]:
     """Train under whatever launcher started this process; returns the run summary."""
     from moe_train.data.prepare import check_fits_model, check_prompt_template
 
-    # Before DeepSpeed starts: missing or too long data fails fast.
+    # Before DeepSpeed starts: missing, too long or otherwise prompted data fails fast.
+    check_prompt_template(cfg.data.prepared_dir,
+                          cfg.data.prompt_template if cfg.decoder_only else "")
     if cfg.decoder_only:  # prompt and target are one sequence
         check_fits_model(cfg.data.prepared_dir, cfg.qwen.max_position_embeddings,
                          field="qwen.max_position_embeddings")
-        check_prompt_template(cfg.data.prepared_dir, cfg.data.prompt_template)
     else:
         cls_positions = int(cfg.uses_thor)  # THOR prepends a [CLS] to every source
         check_fits_model(cfg.data.prepared_dir, cfg.model.max_positions - cls_positions)

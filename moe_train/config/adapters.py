@@ -146,6 +146,8 @@ class MoAConfig:
                      "adapter_steps", "eval_sentences", "eval_beam"):
             _expect(getattr(self, name) >= 1, f"moa.{name}", "a positive integer",
                     getattr(self, name))
+        _expect(0 <= self.seed < 2**32, "moa.seed", "an integer in 0..4294967295 (numpy's "
+                "and scikit-learn's seed range)", self.seed)
         _expect(self.anchors_per_domain >= 0, "moa.anchors_per_domain",
                 "a non-negative integer", self.anchors_per_domain)
         _expect(isinstance(self.anchor_domains, list), "moa.anchor_domains",

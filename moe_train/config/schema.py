@@ -254,6 +254,8 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         _positive(self, "train", "max_steps", "log_every")
+        _check(0 <= self.seed < 2**32, "train.seed", "an integer in 0..4294967295 (numpy's and "
+               "sentencepiece's seed range)", self.seed)
         for name in ("validate_every", "bleu_every", "bleu_sentences", "max_minutes",
                      "patience", "min_delta"):
             _check(getattr(self, name) >= 0, f"train.{name}", "a non-negative number",

@@ -152,6 +152,13 @@ def discover(data_dir: str | os.PathLike, pairs: Iterable[str] = (), domains: It
     if not result:
         raise DataError(f"{root}: no corpus matches data.pairs={pairs} data.domains={domains} "
                         f"splits={splits}")
+    used = {c.domain for c in result}
+    for domain in domains:  # asked for by name: it must take part, not vanish from the data
+        if domain not in used:
+            has = sorted({f"{k[1]}-{k[2]}" for k in found if k[0] == domain})
+            raise DataError(f"data.domains: {domain!r} has no corpus of data.pairs "
+                            f"{', '.join(pairs)} (its files are {', '.join(has)}); drop it or "
+                            "add one of its pairs")
     return sorted(result, key=_sort_key)
 
 
@@ -272,5 +279,7 @@ def read_pairs(files: CorpusFiles, max_chars: int) -> tuple[list[str], list[str]
 def collapse_spaces(line: str) -> str:
     """The one normalisation of text before tokenization, in training data and in what is
     translated alike: runs of any Unicode whitespace become one space, ends stripped (stray line
-    separators inside a line, \r \v \f U+0085 U+2028..., go too)."""
-    return " ".join(line.split())
+    separators inside a line, \r \v \f U+0085 U+2028..., go too), and byte-order marks
+    (U+FEFF, left mid-file where files were concatenated) removed: sentencepiece drops them, so
+    a reference keeping one could never be matched."""
+    return " ".join(line.replace("\ufeff", "").split())

@@ -49,7 +49,7 @@ from moe_train.data.shards import MANIFEST, RAW_TEXT_SPLITS, ShardedDataset, rea
 from moe_train.data.vocab import Vocab, domain_tag, lang_tag, \
     train_sentencepiece
 from moe_train.errors import ConfigError, DataError
-from moe_train.utils.atomic import atomic_dir, check_parent_writable, write_json
+from moe_train.utils.atomic import atomic_dir, check_out_dir, write_json
 from moe_train.utils.provenance import digest_tree
 
 MANIFEST_VERSION = 1
@@ -93,13 +93,18 @@ def check_fits_model(prepared_dir: str | os.PathLike, max_positions: int,
 
 
 def check_prompt_template(prepared_dir: str | os.PathLike, template: str) -> None:
-    """Refuse to train a decoder-only model with another data.prompt_template than the one its
-    prepared prompts were filled with: translate fills the model's, which would then not be
-    what it learned."""
+    """Refuse to train with another data.prompt_template than the one the prepared prompts
+    were filled with ('' for none): a decoder-only model (whose config always has one) would
+    learn other prompts than translate fills, and on data prepared without one it would be
+    batched and checked as if source and target were two sequences; an encoder-decoder
+    ('') would be budgeted as if they were one. Data written before the field: not checked."""
     stored = load_manifest(prepared_dir).get("data_config", {}).get("prompt_template")
-    if stored and stored != template:
-        raise ConfigError(f"data.prompt_template: {prepared_dir} was prepared with {stored!r}; "
-                          f"expected the same template, got {template!r} (or prepare again)")
+    if stored is not None and stored != template:
+        raise ConfigError(f"data.prompt_template: {prepared_dir} was prepared with "
+                          f"{stored or 'none'!r}; expected the same template, got "
+                          f"{template or 'none'!r} (a decoder-only model needs data prepared "
+                          "with its template, an encoder-decoder data prepared without one; "
+                          "or prepare again)")
 
 
 def load_vocab(prepared_dir: str | os.PathLike) -> Vocab | HFTokenizer:
@@ -153,21 +158,13 @@ def check_model_data(model_dir: Path, model_manifest: dict[str, Any], prepared: 
     return model_manifest
 
 
-def _check_out_dir(out_dir: Path, overwrite: bool) -> None:
-    """Refuse to clobber prepared data (unless `overwrite`) or anything that is not ours, and a
-    place where the directory cannot be made (before any work)."""
-    if not out_dir.exists():
-        check_parent_writable(out_dir, "--out")
-        return
-    if not out_dir.is_dir():
-        raise DataError(f"{out_dir}: exists and is not a directory")
-    if (out_dir / MANIFEST).is_file():
-        if not overwrite:
-            raise DataError(f"{out_dir}: already holds prepared data; use --overwrite "
-                            "to replace it")
-    elif any(out_dir.iterdir()):
-        raise DataError(f"{out_dir}: exists, is not empty and holds no {MANIFEST}; refusing to "
-                        "replace it")
+def _check_out_dir(out_dir: Path, overwrite: bool, sources: list[Path]) -> None:
+    """Before any work: refuse to clobber prepared data (unless `overwrite`), anything that is
+    not ours, the corpus itself, a mount point or the working directory, and a place where
+    the directory cannot be made (`utils.atomic.check_out_dir`)."""
+    check_out_dir(out_dir, "--out", MANIFEST, "prepare", sources)
+    if (out_dir / MANIFEST).is_file() and not overwrite:
+        raise DataError(f"{out_dir}: already holds prepared data; use --overwrite to replace it")
 
 
 def _group(corpora: list[CorpusFiles]) -> dict[str, dict[str, CorpusFiles]]:
@@ -242,17 +239,21 @@ def _drop_held_out_sources(texts: dict[str, dict[str, Pairs]], langs: dict[str, 
     return dropped
 
 
-def _check_no_tags(files: CorpusFiles, pairs: Pairs, tags: list[str], kept_for: str) -> None:
+def _check_no_tags(files: CorpusFiles, pairs: Pairs, tags: list[str], kept_for: str,
+                   normalized: bool = False) -> None:
     """No sentence holds a control piece of this vocabulary: a tag (``<2de>``, ``<dom:law>``) of
     sentencepiece, which matches its user-defined pieces inside any text, or a special token
     (``<|endoftext|>``) of a Hugging Face tokenizer, which does the same. Such a sentence would
-    carry a control token (a target language, a domain, an end of text) the model obeys."""
+    carry a control token (a target language, a domain, an end of text) the model obeys.
+    `normalized`: also as sentencepiece reads the line (NFKC: full-width ``＜2en＞`` is the
+    tag; only a non-ASCII line can change)."""
     found = re.compile("|".join(map(re.escape, tags))) if tags else None
     if found is None:
         return
     for path, lines in zip((files.src, files.tgt), pairs):
         for line_no, line in enumerate(lines, start=1):
-            hit = found.search(line)
+            hit = found.search(line) or (normalized and not line.isascii()
+                                         and found.search(_norm(line)))
             if hit:
                 raise DataError(f"{path}:{line_no}: holds {hit.group()!r}, which this vocabulary "
                                 f"keeps for {kept_for}; remove or reword it")
@@ -303,7 +304,7 @@ def prepare(corpora: list[CorpusFiles], out_dir: str | os.PathLike, data_cfg: Da
     complete). Prints nothing.
     """
     out_dir = Path(out_dir)
-    _check_out_dir(out_dir, overwrite)
+    _check_out_dir(out_dir, overwrite, [p for files in corpora for p in (files.src, files.tgt)])
     groups = _group(corpora)
     for files in corpora:  # each domain is one <dom:NAME> piece of the vocabulary
         if not valid_domain(files.domain):  # and names the shard files: no "/", "..", spaces
@@ -329,7 +330,8 @@ def prepare(corpora: list[CorpusFiles], out_dir: str | os.PathLike, data_cfg: Da
         texts[name] = {split: read_pairs(files, data_cfg.max_chars)
                        for split, files in by_split.items()}
         for split, files in by_split.items():
-            _check_no_tags(files, texts[name][split], tags, kept_for)
+            _check_no_tags(files, texts[name][split], tags, kept_for,
+                           normalized=not data_cfg.tokenizer)
         carved[name] = _carve(train_files[name], texts[name], data_cfg, seed)
     dropped = _drop_held_out_sources(texts, {n: (f.src_lang, f.tgt_lang)
                                              for n, f in train_files.items()})

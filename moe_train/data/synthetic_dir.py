@@ -9,7 +9,7 @@ from typing import Any
 
 from moe_train.data.synthetic import check_counts, generate_synthetic
 from moe_train.errors import ConfigError
-from moe_train.utils.atomic import atomic_dir, check_parent_writable
+from moe_train.utils.atomic import atomic_dir, check_out_dir
 
 _SIGNATURE = inspect.signature(generate_synthetic)
 
@@ -33,20 +33,12 @@ def write_synthetic(out_dir: str | os.PathLike, overwrite: bool = False,
     anything is created, and the parent directories this call creates are removed again if
     it fails."""
     out = Path(out_dir)
-    replace = False
-    if out.exists():
-        if not out.is_dir():
-            raise ConfigError(f"synth --out {out}: exists and is not a directory")
-        replace = not any(out.iterdir())
-        if not replace:
-            if not (out / "domains.json").is_file():
-                raise ConfigError(f"synth --out {out}: exists, is not empty and holds no "
-                                  "synthetic corpus (domains.json); refusing to replace it")
-            if not overwrite:
-                raise ConfigError(f"synth --out {out}: already holds a synthetic corpus; use "
-                                  "--overwrite to replace it")
-            replace = True
-    check_parent_writable(out, "synth --out")
+    # a mount point, the working directory, a file, a directory of something else: refused
+    check_out_dir(out, "synth --out", "domains.json", "synthetic corpus")
+    replace = out.exists()  # empty, or an earlier corpus
+    if replace and (out / "domains.json").is_file() and not overwrite:
+        raise ConfigError(f"synth --out {out}: already holds a synthetic corpus; use "
+                          "--overwrite to replace it")
     check_options(**options)
     missing = [p for p in out.absolute().parents if not p.exists()]  # deepest first
     try:

@@ -233,10 +233,13 @@ def save_param_state(params: dict[str, nn.Parameter], optimizer: Any,
             writer.add(keys[k], value)
 
 
-def dense_params(model: nn.Module, skip: set[int]) -> dict[str, nn.Parameter]:
-    """The trainable parameters of `model` not in `skip` (the experts), by name."""
+def dense_params(model: nn.Module, skip: set[int], frozen: bool = False
+                 ) -> dict[str, nn.Parameter]:
+    """The trainable parameters of `model` not in `skip` (the experts), by name; with
+    `frozen`, the frozen ones too (under ZeRO-3 their values exist only as partitions: DeepSpeed's
+    model states hold empty placeholders for them)."""
     return {name: p for name, p in model.named_parameters()
-            if p.requires_grad and id(p) not in skip}
+            if (p.requires_grad or frozen) and id(p) not in skip}
 
 
 def param_aliases(model: nn.Module, params: dict[str, nn.Parameter]) -> dict[str, str]:
@@ -256,13 +259,15 @@ def legacy_state_source(state: dict[str, Any], where: str) -> TensorSource:
 
 
 def load_dense_state(model: nn.Module, optimizer: Any, src: TensorSource, step: float,
-                     skip: set[int]) -> None:
+                     skip: set[int], frozen: bool = False) -> None:
     """Set every trainable parameter not in `skip` and its moments from `src` (local: each
-    rank writes its partition; tensors read one at a time)."""
-    for name, p in dense_params(model, skip).items():
+    rank writes its partition; tensors read one at a time); with `frozen`, the frozen ones
+    too, which must then be there (ZeRO-3 saves them)."""
+    for name, p in dense_params(model, skip, frozen).items():
         keys = state_keys(name)
         if keys["value"] not in src.shapes:
-            raise CheckpointError(f"{src.where}: no optimizer state for parameter {name!r}")
+            what = "value" if not p.requires_grad else "optimizer state"
+            raise CheckpointError(f"{src.where}: no {what} for parameter {name!r}")
         if src.shapes[keys["value"]] != tuple(full_shape(p)):
             raise CheckpointError(f"{src.where}: parameter {name!r} has shape "
                                   f"{src.shapes[keys['value']]}, the model needs "

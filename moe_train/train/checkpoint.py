@@ -47,10 +47,10 @@ from moe_train.parallel.collectives import barrier, raise_if_any_rank_failed
 from moe_train.parallel.expert_checkpoint import expert_modules, full_expert_state
 from moe_train.parallel.optim_state import (adam_step, dense_params, has_unfused_masters,
                                              is_zero_partitioned, legacy_state_source,
-                                             load_dense_state, param_aliases,
+                                             param_aliases,
                                              save_param_state)
 from moe_train.parallel.runtime import ParallelRuntime
-from moe_train.train.ds_load import weights_only_loads
+from moe_train.parallel.zero3 import is_zero3
 from moe_train.utils.atomic import atomic_path, replace_dir, write_errors_naming, write_json
 from moe_train.utils.safe_load import load_torch
 from moe_train.utils.tensor_source import TensorSource
@@ -366,7 +366,7 @@ def _write_step(engine: Any, rt: ParallelRuntime, tmp_dir: Path, meta: dict[str,
         def dense() -> None:
             experts = {id(p) for _, m in expert_modules(engine.module) for p in m.parameters()}
             writer = TensorStoreWriter(tmp_dir, DENSE_STORE, active=rt.is_main)
-            params = dense_params(engine.module, experts)
+            params = dense_params(engine.module, experts, frozen=is_zero3(engine.optimizer))
             # ZeRO 0 in 16-bit: the masters only (DeepSpeed's own files hold the moments)
             save_param_state(params, engine.optimizer, writer, moments=partitioned)
             writer.close({"step": adam_step(engine.optimizer), "lr_scheduler": {
@@ -423,66 +423,6 @@ def _deferred_engine_writes(engine: Any) -> Iterator[None]:
 
 
 # ---------------------------------------------------------------------- load
-def load_checkpoint(engine: Any, rt: ParallelRuntime, ckpt_dir: str | Path,
-                    tag: str | None = None, load_extra: Callable[[Path], None] | None = None,
-                    log: Callable[[str], None] = print) -> dict[str, Any]:
-    """Restore engine state, this rank's RNG state, and return our metadata.
-
-    Expert tensors are not in DeepSpeed's module states (see parallel/expert_checkpoint.py):
-    the module loads non-strictly and `load_extra(tag_dir)` restores them. Under ZeRO 1/2 at
-    another world size or ep size, DeepSpeed loads the module only (its optimizer partitions do
-    not fit) and the per-parameter Adam state of optim_dense and the expert files is set.
-    """
-    ckpt_dir = Path(ckpt_dir)
-    tag = tag or latest_tag(ckpt_dir, warn=lambda m: log(f"warning: {m}"))
-    if tag is None:
-        raise CheckpointError(f"{ckpt_dir}: no checkpoint to resume from (no complete step)")
-    tag_dir = ckpt_dir / tag
-    why = verify(tag_dir)
-    if why is not None:
-        raise CheckpointError(f"{tag_dir}: not a complete checkpoint ({why})")
-    meta = read_meta(tag_dir)
-    try:
-        old_world = int(meta.get("world_size", 1))
-        old_ep = int(meta.get("config", {}).get("moe", {}).get("ep_size", 1))
-    except (TypeError, ValueError, AttributeError):
-        raise CheckpointError(f"{tag_dir}: meta.json's world_size or config.moe.ep_size is not "
-                              "an integer; expected the metadata a save writes") from None
-    same_world = old_world == rt.world_size
-    portable = is_zero_partitioned(engine.optimizer) and not (same_world and old_ep == rt.ep_size)
-    with weights_only_loads(engine):  # DeepSpeed itself would unpickle its files
-        path, _ = engine.load_checkpoint(str(ckpt_dir), tag=tag,
-                                         load_optimizer_states=not portable,
-                                         load_lr_scheduler_states=not portable,
-                                         load_module_only=portable,
-                                         load_module_strict=load_extra is None)
-    if path is None:
-        raise CheckpointError(f"{tag_dir}: DeepSpeed could not load this checkpoint")
-    if portable:
-        _load_dense(engine, tag_dir)
-        log(f"| resume: ZeRO optimizer state of world {old_world} / ep_size {old_ep} "
-            f"resharded to world {rt.world_size} / ep_size {rt.ep_size}")
-    if load_extra is not None:
-        load_extra(tag_dir)
-    rng_file = tag_dir / f"rng_rank{rt.rank}.pt"
-    if same_world and rng_file.is_file():
-        state = load_torch(rng_file, "RNG states")
-        try:
-            if not isinstance(state, dict):
-                raise TypeError(f"a {type(state).__name__}")
-            set_rng_state(state)
-        except (KeyError, TypeError, ValueError, RuntimeError, AttributeError) as exc:
-            raise CheckpointError(f"{rng_file}: not the RNG states a checkpoint holds "
-                                  f"({type(exc).__name__}: {exc}); expected python, numpy and "
-                                  "torch generator states") from None
-    else:
-        seed_rng(int(meta["config"]["train"]["seed"]) + rt.rank)
-        log(f"| resume: checkpoint written at world size {old_world}, resumed at "
-            f"{rt.world_size}: fresh RNG streams seeded from train.seed + rank; bitwise "
-            "continuation holds only at the same world size")
-    return meta
-
-
 def read_dense_state(tag_dir: Path) -> tuple[TensorSource, dict[str, Any]] | None:
     """(lazy per-parameter fp32 values and moments, {step, lr_scheduler}) of a ZeRO 1-3
     checkpoint: the optim_dense store, or the optim_dense.pt of older checkpoints; None when
@@ -495,24 +435,6 @@ def read_dense_state(tag_dir: Path) -> tuple[TensorSource, dict[str, Any]] | Non
     state = load_torch(path, "per-parameter optimizer state")
     return legacy_state_source(state, str(path)), {k: state[k] for k in ("step", "lr_scheduler")
                                                     if k in state}
-
-
-def _load_dense(engine: Any, tag_dir: Path) -> None:
-    dense = read_dense_state(tag_dir)
-    if dense is None:
-        raise CheckpointError(f"{tag_dir / DENSE_STORE}.index.json: missing; this checkpoint "
-                              "cannot be resumed at another world size or ep size (resume with "
-                              "the world size it was saved at)")
-    src, meta = dense
-    experts = {id(p) for _, m in expert_modules(engine.module) for p in m.parameters()}
-    load_dense_state(engine.module, engine.optimizer, src, float(meta.get("step", 0.0)), experts)
-    sched = engine.lr_scheduler
-    if sched is None:
-        return
-    sched.last_epoch = meta["lr_scheduler"]["last_epoch"]
-    for group, base, fn in zip(sched.optimizer.param_groups, sched.base_lrs, sched.lr_lambdas):
-        group["lr"] = base * fn(sched.last_epoch)
-    sched._last_lr = [g["lr"] for g in sched.optimizer.param_groups]
 
 
 def read_meta(tag_dir: str | Path) -> dict[str, Any]:

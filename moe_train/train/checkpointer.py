@@ -21,8 +21,9 @@ from moe_train.parallel.expert_parallel import without_deepspeed_moe_checkpointi
 from moe_train.parallel.runtime import ParallelRuntime
 from moe_train.parallel.optim_state import master_tensors
 from moe_train.parallel.zero3 import is_partitioned
-from moe_train.train.checkpoint import (latest_tag, load_checkpoint, read_meta, save_checkpoint,
+from moe_train.train.checkpoint import (latest_tag, read_meta, save_checkpoint,
                                         step_tag, verify)
+from moe_train.train.checkpoint_load import load_checkpoint
 from moe_train.train.export import export_inference, export_streamed
 from moe_train.train.resume import check_resume_config, check_resume_data
 from moe_train.utils.atomic import write_json

@@ -84,12 +84,20 @@ def export_streamed(out_dir: str | Path, tensors: Iterable[tuple[str, torch.Tens
             pass
         return None
     out_dir = Path(out_dir)
-    with atomic_dir(out_dir, overwrite=True) as tmp:
-        writer = TensorStoreWriter(tmp, EXPORT_STORE)
-        for name, t in tensors:
-            writer.add(name, t.float() if t.is_floating_point() else t)
-        writer.close({"format": EXPORT_FORMAT})
-        _write_export_files(tmp, cfg, manifest, tokenizer, extra_json)
+    remaining = iter(tensors)
+    try:
+        with atomic_dir(out_dir, overwrite=True) as tmp:
+            writer = TensorStoreWriter(tmp, EXPORT_STORE)
+            for name, t in remaining:
+                writer.add(name, t.float() if t.is_floating_point() else t)
+            writer.close({"format": EXPORT_FORMAT})
+            _write_export_files(tmp, cfg, manifest, tokenizer, extra_json)
+    except Exception:
+        # a failed write (a full disk): the other ranks are still in the gathers, so take
+        # part in them to the end, then fail (their agreement after the export says why)
+        for _ in remaining:
+            pass
+        raise
     return out_dir
 
 

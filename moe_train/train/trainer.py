@@ -530,6 +530,7 @@ class Trainer:
                 self.monitor.print(f"| time limit of {tc.max_minutes} min reached at step {self.step}")
                 break
         self.loop_ended = True  # what follows runs on every rank, then rank 0 writes
+        self.window.begin_pause()  # the final validation and save are not the window's time
         ending = time.time()
         wall = ending - start
         elapsed = wall - paused  # the training steps alone

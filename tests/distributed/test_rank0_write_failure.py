@@ -58,11 +58,21 @@ PATCHES = {
               "    return orig(path, tensors, metadata=metadata)\n"
               "m.save_tensors = patched\n"),
 }
-EXTRA = {"shard": ["optim.zero_stage=1"], "script": ["optim.zero_stage=1"]}
+PATCHES["export3"] = (  # ZeRO-3 streams the export: rank 0 fails before the gathers begin
+    "import tempfile\n"
+    "orig = tempfile.mkdtemp\n"
+    "def patched(*args, prefix=None, **kwargs):\n"
+    "    if prefix == '.export.':\n"
+    "        raise OSError(errno.ENOSPC, 'No space left on device', str(kwargs.get('dir')))\n"
+    "    return orig(*args, prefix=prefix, **kwargs)\n"
+    "tempfile.mkdtemp = patched\n")
+EXTRA = {"shard": ["optim.zero_stage=1"], "script": ["optim.zero_stage=1"],
+         "export3": ["optim.zero_stage=3",
+                     "deepspeed.zero_optimization.stage3_param_persistence_threshold=0"]}
 """Overrides a case needs beside the common ones."""
 
 
-@pytest.mark.parametrize("where", ["export", "save", "deepspeed", "script", "shard"])
+@pytest.mark.parametrize("where", ["export", "export3", "save", "deepspeed", "script", "shard"])
 def test_a_rank0_write_failure_stops_every_rank_in_one_line(tiny_prepared, tmp_path, where):
     script = tmp_path / "run.py"
     script.write_text("import errno, sys\n" + PATCHES[where] +
@@ -78,7 +88,7 @@ def test_a_rank0_write_failure_stops_every_rank_in_one_line(tiny_prepared, tmp_p
     assert ranks.returncode != 0 and time.time() - start < 250, text[-3000:]
     assert "Traceback" not in text, text[-3000:]
     ckpt = tmp_path / "ckpt"
-    if where == "export":
+    if where in ("export", "export3"):
         assert f"error: {ckpt / 'export'}: No space left on device" in text, text[-3000:]
         assert f"error: {ckpt}: another rank failed at the end of training" in text
     elif where in ("deepspeed", "script", "shard"):  # before: the ranks waited in different

@@ -266,3 +266,21 @@ def test_a_plateau_on_the_step_the_time_limit_ends_is_early_stopping(tiny_prepar
         proc.stdout[-2000:]
     assert json.loads(proc.stdout.strip().splitlines()[-1])["stopped_early"] is True
     assert (tmp_path / "ckpt" / "ended.json").is_file()
+
+
+def test_the_saved_log_window_holds_training_time_only(tiny_prepared, tmp_path):
+    """The final validation (greedy BLEU of 40 sentences up to 200 tokens here) and save come
+    after the loop: a resumed run's first log line divides the window's tokens by its seconds,
+    which must not include them (it reported a fraction of the uninterrupted run's tok/s)."""
+    from moe_train.train.log_window import window_file
+    from moe_train.utils.safe_load import load_torch
+
+    overrides = debug_overrides(tiny_prepared, tmp_path, "train.max_steps=3",
+                                "train.log_every=6", "train.validate_every=0",
+                                "train.bleu_sentences=40", "eval.max_len_b=200",
+                                "data.max_tokens=400")
+    proc = run_cli(["train", "--config", CONFIG, *overrides], cwd=ROOT)
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert summary["end_seconds"] > 0.3, summary  # the case: a final validation that costs
+    window = load_torch(window_file(tmp_path / "ckpt" / "step_00000003", 0))
+    assert float(window["seconds"]) <= summary["train_seconds"] + 0.05, (window, summary)

@@ -57,6 +57,9 @@ def test_parse_overrides_nested():
     ("train.bleu_every=15", "train.bleu_every: expected 0 or a multiple of train.validate_every"),
     ("eval.lenpen=400", "eval.lenpen: expected a number from 0 to 10.0"),
     ("eval.beam=1025", "eval.beam: expected at most 1024"),
+    ("train.seed=-1", "train.seed: expected an integer in 0..4294967295"),
+    ("train.seed=4294967296", "train.seed: expected an integer in 0..4294967295"),
+    ("moa.seed=-3", "moa.seed: expected an integer in 0..4294967295"),
 ])
 def test_bad_values_name_the_field(override, message):
     with pytest.raises(ConfigError) as err:

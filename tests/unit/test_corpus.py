@@ -34,9 +34,10 @@ def _error(files: CorpusFiles, max_chars: int = 100) -> str:
 
 def test_read_pairs_strips_newlines_and_normalises_whitespace(tmp_path: Path) -> None:
     files = _pair(tmp_path, "\ufeffHallo  Welt\r\n\tzwei\u00a0Wörter \r\nohne Zeilenende",
-                  "hello world\ntwo words\nno newline at end\n")
+                  "hello world\n\ufefftwo words\nno new\ufeffline at end\n")
     src, tgt = read_pairs(files, max_chars=100)
     assert src == ["Hallo Welt", "zwei Wörter", "ohne Zeilenende"]
+    # a byte-order mark mid-file (concatenated files) goes too: no reference can keep one
     assert tgt == ["hello world", "two words", "no newline at end"]
 
 
@@ -148,6 +149,11 @@ def test_discover_unknown_domain_and_pair(opus: Path) -> None:
     with pytest.raises(DataError) as info:
         discover(opus, pairs=["de-fr"])
     assert str(info.value) == "data.pairs: unknown pair 'de-fr' (found: de-en, en-fr)"
+    # med has only de-en: asked for by name with en-fr only, it would vanish from the data
+    with pytest.raises(DataError) as info:
+        discover(opus, domains=["law", "med"], pairs=["fr-en"])
+    assert str(info.value) == ("data.domains: 'med' has no corpus of data.pairs fr-en (its files "
+                               "are de-en); drop it or add one of its pairs")
     with pytest.raises(DataError, match="unknown pair 'en-fr'"):
         discover(opus, pairs=["en-fr"], domains=["med"])  # exists, but not in the chosen domain
 

@@ -22,8 +22,11 @@ def test_a_sentence_holding_a_tag_piece_is_refused_by_file_and_line(tmp_path: Pa
     lines[4] = "<2fr> is text here"
     law.tgt.write_text("\n".join(lines) + "\n")
     prepare([law], tmp_path / "ok", _cfg(dev_per_domain=3, test_per_domain=3))
-    for line_no, tag in ((7, "<2en>"), (12, "<dom:law>")):
-        lines[line_no - 1] = f"see {tag} here"
+    # full-width brackets: sentencepiece's NFKC reads them as the tag
+    for line_no, tag, written in ((7, "<2en>", "<2en>"), (12, "<dom:law>", "<dom:law>"),
+                                  (9, "<2en>", "\uff1c2en\uff1e"),
+                                  (10, "<dom:law>", "\uff1cdom:law\uff1e")):
+        lines[line_no - 1] = f"see {written} here"
         law.tgt.write_text("\n".join(lines) + "\n")
         with pytest.raises(DataError, match=rf"^{re.escape(str(law.tgt))}:{line_no}: holds "
                                             rf"'{re.escape(tag)}', which this vocabulary keeps"):
