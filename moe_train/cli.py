@@ -16,7 +16,7 @@ from moe_train.errors import MACHINE_ERRNOS, MoeTrainError, OutOfMemory, PeerFai
 from moe_train.train.preempt import Preempted
 from moe_train.eval.limits import MAX_BEAM, MAX_LENPEN
 from moe_train.utils.cli_args import (OneLineParser, byte_size, float_in, int_at_least,
-                                      non_negative_float)
+                                      non_negative_float, path_text)
 from moe_train.utils.std_streams import named_stdout
 
 _LOCAL_RANK_RE = re.compile(r"^--local[_-]rank(=\d+)?$")
@@ -103,14 +103,15 @@ def _add_translate(sub: argparse._SubParsersAction) -> None:
 def _add_evaluate(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("evaluate", help="BLEU/chrF per domain; ends with one JSON line")
     _add_decode_args(p)
-    p.add_argument("--prepared", help="prepared data dir (default: the one the model trained on)")
+    p.add_argument("--prepared", type=path_text,
+                   help="prepared data dir (default: the one the model trained on)")
     p.add_argument("--split", help="prepared split to score (default test)")
-    p.add_argument("--src", help="raw source file (instead of a prepared split)")
-    p.add_argument("--ref", help="raw reference file (with --src)")
+    p.add_argument("--src", type=path_text, help="raw source file (instead of a prepared split)")
+    p.add_argument("--ref", type=path_text, help="raw reference file (with --src)")
     p.add_argument("--tgt-lang", help="target language for --src (multilingual models)")
     _add_raw_labels(p)
-    p.add_argument("--hyps", help="write hypotheses here")
-    p.add_argument("--json", help="also write the metrics JSON here")
+    p.add_argument("--hyps", type=path_text, help="write hypotheses here")
+    p.add_argument("--json", type=path_text, help="also write the metrics JSON here")
 
 
 def _add_demo(sub: argparse._SubParsersAction) -> None:

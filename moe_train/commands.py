@@ -6,6 +6,7 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -140,6 +141,14 @@ def check_dir_settings(cfg, recipe: bool = False) -> None:
               ("logging.tensorboard_dir", cfg.logging.tensorboard_dir)]
     for field, path in fields + ([("moa.workdir", cfg.moa.workdir)] if recipe else []):
         check_dir_setting(path, field)
+    if cfg.logging.tensorboard_dir:  # the export is replaced whole, old steps are rotated away
+        ckpt = Path(cfg.checkpoint.dir).resolve()
+        tb = Path(cfg.logging.tensorboard_dir).resolve()
+        inside = tb.relative_to(ckpt).parts if tb.is_relative_to(ckpt) else ()
+        if inside and (inside[0] == "export" or re.fullmatch(r"(\.tmp-)?step_\d+", inside[0])):
+            raise ConfigError(f"logging.tensorboard_dir: {cfg.logging.tensorboard_dir} is inside "
+                              f"{ckpt / inside[0]}, which the run replaces or removes; expected "
+                              "a directory outside checkpoint.dir's export and steps")
 
 
 def run_training(cfg, resume: bool) -> dict[str, Any]:
@@ -232,12 +241,15 @@ def _prepared_split(inf, prepared_arg: str | None, split: str, raw_text: bool = 
     """The prepared split to score, checked against the model (`check_model_data`: its
     tokenizer, its domain and language lists). `raw_text`: the command also takes sentences
     as --src / --ref (evaluate), which an extracted sub-network's refusal then suggests."""
-    from moe_train.data.prepare import check_model_data
+    from moe_train.data.prepare import check_model_data, check_prompt_template
     from moe_train.data.shards import nonempty_split
 
     prepared = Path(prepared_arg or inf.cfg.data.prepared_dir)
     dataset = nonempty_split(prepared, split)
     inf.manifest = check_model_data(inf.source, inf.manifest, prepared, dataset.manifest)
+    # the prompts the model trained on (as training checks it): another template's are not
+    check_prompt_template(prepared, inf.cfg.data.prompt_template if inf.cfg.decoder_only
+                          else "")
     if inf.cfg.moe.extracted_task:
         from moe_train.eval.extract import serves
 

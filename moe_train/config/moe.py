@@ -240,6 +240,10 @@ class MoEConfig(RouterConfig):
                     value)
             _expect(value % self.ep_size == 0, f"moe.{name}",
                     f"a multiple of moe.ep_size ({self.ep_size})", value)
+            # num_experts 0 is a dense model: a per-side count alone built no expert
+            _expect(not value or self.num_experts, f"moe.{name}",
+                    "0 unless moe.num_experts > 0 (moe.num_experts 0 is a dense model; set it "
+                    "too)", value)
             name = f"{side}_task_table"
             _expect(getattr(self, name) >= 0, f"moe.{name}", "a non-negative number of rows",
                     getattr(self, name))

@@ -35,7 +35,7 @@ import re
 import shutil
 import zlib
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 import numpy as np
 
@@ -247,16 +247,26 @@ def _check_no_tags(files: CorpusFiles, pairs: Pairs, tags: list[str], kept_for: 
     carry a control token (a target language, a domain, an end of text) the model obeys.
     `normalized`: also as sentencepiece reads the line (NFKC: full-width ``＜2en＞`` is the
     tag; only a non-ASCII line can change)."""
+    for path, lines in zip((files.src, files.tgt), pairs):
+        hit = first_tag(lines, tags, normalized)
+        if hit is not None:
+            raise DataError(f"{path}:{hit[0]}: holds {hit[1]!r}, which this vocabulary keeps "
+                            f"for {kept_for}; remove or reword it")
+
+
+def first_tag(lines: Iterable[str], tags: list[str], normalized: bool = False
+              ) -> tuple[int, str] | None:
+    """(line number from 1, the tag) of the first of `lines` holding one of `tags`, None when
+    none does; `normalized`: also as sentencepiece reads the line (see `_check_no_tags`)."""
     found = re.compile("|".join(map(re.escape, tags))) if tags else None
     if found is None:
-        return
-    for path, lines in zip((files.src, files.tgt), pairs):
-        for line_no, line in enumerate(lines, start=1):
-            hit = found.search(line) or (normalized and not line.isascii()
-                                         and found.search(_norm(line)))
-            if hit:
-                raise DataError(f"{path}:{line_no}: holds {hit.group()!r}, which this vocabulary "
-                                f"keeps for {kept_for}; remove or reword it")
+        return None
+    for line_no, line in enumerate(lines, start=1):
+        hit = found.search(line) or (normalized and not line.isascii()
+                                     and found.search(_norm(line)))
+        if hit:
+            return line_no, hit.group()
+    return None
 
 
 def _norm(sentence: str) -> str:

@@ -6,6 +6,7 @@ truncated, each bad choice one ConfigError / DataError line naming its flag."""
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from typing import Any
 
@@ -136,6 +137,27 @@ def raw_text_labels(inf, args: argparse.Namespace):
         num_langs=len(langs))
 
 
+_TAG_PIECE = re.compile(r"<2[^<>\s]+>|<dom:[^<>\s]+>")
+"""Our sentencepiece tag pieces (`data.vocab.lang_tag`, `domain_tag`)."""
+
+
+def _check_no_control_tokens(vocab: Any, lines: list[str], source: str) -> None:
+    """Refuse input text holding a piece the tokenizer reads as a control token wherever it
+    appears (a tag `<2de>` / `<dom:law>`, a special token `<|endoftext|>`), as prepare refuses
+    it in training text: the model would obey it (another domain, an early end)."""
+    from moe_train.data.hf_tokenizer import HFTokenizer
+    from moe_train.data.prepare import first_tag
+
+    hf = isinstance(vocab, HFTokenizer)
+    tags = vocab.special_tokens() if hf else [
+        piece for piece in map(vocab.piece, range(len(vocab))) if _TAG_PIECE.fullmatch(piece)]
+    hit = first_tag(lines, tags, normalized=not hf)
+    if hit is not None:
+        raise DataError(f"{source}:{hit[0]}: holds {hit[1]!r}, which this model's tokenizer "
+                        "reads as a control token (a tag or a special token) the model would "
+                        "obey; remove or reword it")
+
+
 def _warn(message: str) -> None:
     print(f"warning: {message}", file=sys.stderr, flush=True)
 
@@ -146,6 +168,7 @@ def translate_raw(inf, args: argparse.Namespace, source: str, lines: list[str], 
     gets them as the instruction prompts it trained on, an encoder-decoder its source tags."""
     from moe_train.eval.decode import translate_lines
 
+    _check_no_control_tokens(inf.vocab, lines, source)
     if inf.cfg.decoder_only:
         lines, prefix = _prompts(inf, args, lines, source), []
     else:

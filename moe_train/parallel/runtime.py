@@ -145,8 +145,10 @@ which an outgoing connection may be given before rank 0 listens."""
 
 def slurm_port(job: int, step: int = 0) -> int:
     """The rendezvous port every rank of SLURM job `job`, step `step` derives alike: steps of
-    one job (`srun ... &` side by side) get different ports. launch/slurm.sbatch uses step 0's."""
-    return SLURM_PORT_BASE + (job * 100 + step) % SLURM_PORT_SPAN
+    one job (`srun ... &` side by side) get different ports, and so do the first steps of any
+    12000 consecutive job ids (7919 is prime to the span; `job * 100` repeated every 120 ids, so
+    two jobs sharing a first node met on one port). launch/slurm.sbatch uses step 0's."""
+    return SLURM_PORT_BASE + (job * 7919 + step) % SLURM_PORT_SPAN
 
 
 SIZE_VARS = {"deepspeed": "WORLD_SIZE", "torchrun": "WORLD_SIZE", "env": "WORLD_SIZE",

@@ -103,6 +103,14 @@ def byte_size(text: str) -> int:
     return int(size)
 
 
+def path_text(text: str) -> str:
+    """An argparse type: a path, not the empty string (an unset shell variable: `--src ""` was
+    taken as no --src at all, and another set was scored)."""
+    if not text:
+        raise argparse.ArgumentTypeError("expected a path, got an empty string")
+    return text
+
+
 def existing_dir(text: str) -> str:
     """An argparse type: a path that is a directory (returned as given)."""
     if not Path(text).is_dir():

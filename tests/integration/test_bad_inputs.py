@@ -168,7 +168,7 @@ CASES: dict[str, Case] = {
     "prepare_data_with_plain_options": Case(
         ["prepare", "--data", "{tmp}/corpora", "--tgt-lang", "de", "--domain", "law", "--out",
          "{tmp}/out"], ("--domain, --tgt-lang", "go with --src FILE, not --data DIR")),
-    "prepare_over_other_files": Case(prepare(), ("{tmp}/out", "not empty"),
+    "prepare_over_other_files": Case(prepare(), ("{tmp}/out", "holds no manifest.json"),
                                      {**PAIR, "out/mine.txt": "not prepared data\n"}),
     # train: config
     "train_missing_config": Case(["train", "--config", "{tmp}/nope.yaml"],

@@ -60,6 +60,7 @@ def test_parse_overrides_nested():
     ("train.seed=-1", "train.seed: expected an integer in 0..4294967295"),
     ("train.seed=4294967296", "train.seed: expected an integer in 0..4294967295"),
     ("moa.seed=-3", "moa.seed: expected an integer in 0..4294967295"),
+    ("moe.encoder_num_experts=8", "moe.encoder_num_experts: expected 0 unless moe.num_experts"),
 ])
 def test_bad_values_name_the_field(override, message):
     with pytest.raises(ConfigError) as err:
@@ -266,3 +267,16 @@ def test_prompt_template_that_cannot_format_is_refused_at_load(template, tmp_pat
         load_config(path)
     path.write_text("data:\n  prompt_template: 'Translate {src_name}: {source}'\n")
     assert load_config(path).data.prompt_template == "Translate {src_name}: {source}"
+
+
+@pytest.mark.parametrize("flag", ["--src", "--ref", "--prepared", "--hyps", "--json"])
+def test_an_empty_evaluate_path_is_refused_not_taken_as_absent(flag, capsys):
+    """`evaluate --src "$UNSET" --ref "$UNSET"` scored the prepared test split instead, and
+    `--hyps ""` wrote nothing, both with status 0."""
+    from moe_train.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["evaluate", "--checkpoint", "some/export", flag, ""])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_.value.code == 2 and len(err) == 1, err
+    assert f"{flag}: expected a path, got an empty string" in err[0]

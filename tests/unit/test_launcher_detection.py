@@ -42,21 +42,21 @@ CASES = {
     "open mpi with MASTER_ADDR": ({**OPENMPI, "MASTER_ADDR": "n0", "MASTER_PORT": "7"},
                                   "openmpi", 3, 4, 1, 2, None, None),
     "mpich / intel mpi (hydra)": (HYDRA, "mpich", 6, 8, 2, 4, None, None),
-    "srun --mpi=pmi2": (PMI2_SRUN, "mpich", 5, 8, 1, 4, "gpu07", 24200),
-    "srun --mpi=pmix": (PMIX_SRUN, "pmix", 5, 8, 1, 4, "gpu07", 24200),
+    "srun --mpi=pmi2": (PMI2_SRUN, "mpich", 5, 8, 1, 4, "gpu07", 24398),
+    "srun --mpi=pmix": (PMIX_SRUN, "pmix", 5, 8, 1, 4, "gpu07", 24398),
     "pmix alone (size from MPI)": ({"PMIX_RANK": "1", "PMIX_NAMESPACE": "ns"}, "pmix", 1, None, None,
                                    None, None, None),
-    "srun without launcher": (SRUN, "slurm", 5, 8, 1, 4, "gpu07", 24200),
+    "srun without launcher": (SRUN, "slurm", 5, 8, 1, 4, "gpu07", 24398),
     "srun, MASTER_* given": ({**SRUN, "MASTER_ADDR": "m", "MASTER_PORT": "5"}, "slurm", 5, 8, 1, 4, "m", 5),
     "srun, SLURM_NPROCS only": ({"SLURM_STEP_ID": "1", "SLURM_PROCID": "0", "SLURM_NPROCS": "2",
                                  "SLURM_LOCALID": "0", "SLURM_NODELIST": "a,b", "SLURM_JOBID": "3"},
-                                "slurm", 0, 2, 0, None, "a", 20301),  # job 3, step 1
+                                "slurm", 0, 2, 0, None, "a", 31758),  # job 3, step 1
     "srun -n 1": ({**SRUN, "SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "1", "SLURM_NTASKS": "1"},
                   "slurm", 0, 1, 0, 1, "127.0.0.1", None),  # one process: a free local port
     "sbatch script, not a step": (BATCH, "single", 0, 1, 0, 1, "127.0.0.1", None),
     # srun with RANK / WORLD_SIZE set by hand: the node's ranks are SLURM's (all on GPU 0 else)
     "srun with hand-set RANK / WORLD_SIZE": ({**SRUN, "RANK": "5", "WORLD_SIZE": "8"}, "env", 5,
-                                             8, 1, 4, "gpu07", 24200),
+                                             8, 1, 4, "gpu07", 24398),
     # mpirun from the batch script on two nodes: the ranks on the other node run inside the
     # daemons' srun step (1 task); they ask MPI like the ranks on mpirun's node, not SLURM
     # prterun from the batch script: the step's one task is its daemon, not the job's size
@@ -223,6 +223,8 @@ def test_steps_of_one_slurm_job_get_their_own_port_below_the_ephemeral_range():
 
     ports = {slurm_port(job, step) for job in (1, 4242, 10**7 + 3) for step in range(4)}
     assert len(ports) == 12 and all(20000 <= p < 32768 for p in ports)
+    # two jobs on one first node: any 12000 consecutive ids get 12000 ports (job * 100 had 120)
+    assert len({slurm_port(job) for job in range(1000, 13000)}) == 12000
     one, two = ({**SRUN, "SLURM_STEP_ID": str(i), "SLURM_STEPID": str(i)} for i in (0, 1))
     assert detect_launch(one, parse_first_host).master_port != \
         detect_launch(two, parse_first_host).master_port

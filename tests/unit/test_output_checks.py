@@ -580,3 +580,22 @@ def test_a_directory_that_cannot_be_started_names_the_output(tmp_path, monkeypat
         with atomic_dir(tmp_path / "out"):
             pass
     assert err.value.errno == errno.ENOSPC and err.value.filename == str(tmp_path / "out")
+
+
+def test_tensorboard_logs_may_not_live_where_the_run_replaces_directories(tmp_path) -> None:
+    """logging.tensorboard_dir inside checkpoint.dir/export (replaced whole by the export) or a
+    step directory (rotated away) lost every event file without a word."""
+    from moe_train.commands import check_dir_settings
+    from moe_train.config import load_config
+    from moe_train.errors import ConfigError
+
+    ck = tmp_path / "ck"
+    for inside in ("export", "export/tb", "step_00000004/tb"):
+        cfg = load_config(None, [f"checkpoint.dir={ck}",
+                                 f"logging.tensorboard_dir={ck / inside}"])
+        with pytest.raises(ConfigError, match=rf"logging.tensorboard_dir: .* is inside "
+                                              rf".*ck/{inside.split('/')[0]}, which the run"):
+            check_dir_settings(cfg)
+    for fine in (ck / "tb", tmp_path / "tb", ck / "exports"):
+        check_dir_settings(load_config(None, [f"checkpoint.dir={ck}",
+                                              f"logging.tensorboard_dir={fine}"]))

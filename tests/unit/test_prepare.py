@@ -610,3 +610,27 @@ def test_the_prompt_template_must_be_the_data_s(tmp_path: Path,
     del manifest["data_config"]["prompt_template"]  # written before the field: not checked
     (out / "manifest.json").write_text(json.dumps(manifest))
     check_prompt_template(out, DEFAULT_PROMPT)
+
+
+def test_evaluate_scores_prepared_data_only_with_the_model_s_prompts(tiny_prepared, monkeypatch):
+    """evaluate --prepared on a decoder-only model: data whose prompts were filled with another
+    template (or none) is refused as training refuses it, not scored (BLEU 0.20 on prompts
+    the model never saw)."""
+    from types import SimpleNamespace
+
+    import moe_train.data.prepare as prepare_mod
+    from moe_train.commands import _prepared_split
+    from moe_train.data.prompts import DEFAULT_PROMPT
+    from moe_train.errors import ConfigError
+
+    monkeypatch.setattr(prepare_mod, "check_model_data", lambda src, m, prepared, dm: m)
+    qwen = SimpleNamespace(decoder_only=True, data=SimpleNamespace(
+        prompt_template=DEFAULT_PROMPT, prepared_dir=str(tiny_prepared)),
+        moe=SimpleNamespace(extracted_task=""))
+    inf = SimpleNamespace(cfg=qwen, source="model", manifest={})
+    with pytest.raises(ConfigError, match="was prepared with 'none'; expected the same"):
+        _prepared_split(inf, str(tiny_prepared), "test")
+    seq2seq = SimpleNamespace(decoder_only=False, data=qwen.data,
+                              moe=SimpleNamespace(extracted_task=""))
+    assert _prepared_split(SimpleNamespace(cfg=seq2seq, source="model", manifest={}),
+                           str(tiny_prepared), "test") is not None

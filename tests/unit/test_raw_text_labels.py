@@ -171,3 +171,24 @@ def test_a_decoder_only_prompt_leaves_room_for_its_translation():
     assert template_tokens + 2 * (kept + 1) + 1 > 40  # the most words that fit
     assert prompt.endswith("English:")  # the template's tail is kept
     assert fit_prompt(DEFAULT_PROMPT, text, "de", "en", count, limit=5)[1] == 0
+
+
+def test_text_to_translate_may_not_hold_a_control_token(tiny_prepared):
+    """A tag typed in the input (`<dom:law>`, `<2de>`, or full-width as NFKC reads it) became
+    the tag itself and steered the model; prepare refuses it in training text, and so do
+    translate / evaluate --src, naming the input line."""
+    from types import SimpleNamespace
+
+    from moe_train.eval.raw_text import translate_raw
+
+    vocab, manifest = load_vocab(tiny_prepared), load_manifest(tiny_prepared)
+    domain = manifest["domains"][0]
+    inf = SimpleNamespace(vocab=vocab, cfg=SimpleNamespace(decoder_only=False))
+    for tag in (f"<dom:{domain}>", "<2de>", "\uff1c2de\uff1e"):
+        with pytest.raises(DataError, match=r"^in\.txt:2: holds '<(dom:|2de)[^']*>', which this "
+                                            "model's tokenizer reads as a control token"):
+            translate_raw(inf, SimpleNamespace(), "in.txt", ["fine", f"a {tag} b"], None, "cpu")
+    # text that only looks like one is translated
+    from moe_train.eval.raw_text import _check_no_control_tokens
+
+    _check_no_control_tokens(vocab, ["a <2xx> b", "<dom:nowhere>", "<2 de>"], "in.txt")
