@@ -61,11 +61,11 @@ def fit_prompt(template: str, text: str, src_lang: str, tgt_lang: str,
                count: Callable[[str], int], limit: int | None) -> tuple[str, int | None]:
     """The prompt of `text` for a model of `limit` positions, and how many of its words it
     keeps (None: all). A prompt fits when it leaves the model room for a translation as long as
-    the source (`count`: tokens of a text); else the source's words are cut from the end
-    (0 kept: not even its first word fits)."""
+    the source and its eos, which is predicted but never fed (`count`: tokens of a text); else
+    the source's words are cut from the end (0 kept: not even its first word fits)."""
     def tokens(words: list[str]) -> int:
         source = " ".join(words)
-        return count(format_prompt(template, source, src_lang, tgt_lang)) + count(source) + 1
+        return count(format_prompt(template, source, src_lang, tgt_lang)) + count(source)
 
     words = text.split()
     if limit is None or tokens(words) <= limit:

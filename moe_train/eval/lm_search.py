@@ -108,7 +108,9 @@ def lm_max_lengths(model: Any, prompt_mask_BP: Tensor, max_len_a: float, max_len
                    max_new_B: Tensor | None = None) -> Tensor:
     """Per-sentence output length limit (tokens including eos), LongTensor (B,): `max_new_B`
     if given, else floor(max_len_a * src_len_B + max_len_b) (src_len_B: the prompts' real
-    token counts when None); at least 1, and at most the positions the prompt leaves free."""
+    token counts when None); at least 1, and at most the positions the prompt leaves free plus
+    one: the last output (eos) is predicted, never fed, so P prompt tokens in L positions leave
+    room for L - P + 1 outputs (as training fits prompt + target in L)."""
     prompt_len_B = prompt_mask_BP.ne(0).sum(dim=1)
     if max_new_B is not None:
         max_len_B = torch.as_tensor(max_new_B, device=prompt_mask_BP.device).long()
@@ -119,7 +121,7 @@ def lm_max_lengths(model: Any, prompt_mask_BP: Tensor, max_len_a: float, max_len
     max_len_B = max_len_B.clamp(min=1)
     limit = getattr(model, "max_positions", None)
     if limit is not None:
-        max_len_B = torch.minimum(max_len_B, (limit - prompt_len_B).clamp(min=1))
+        max_len_B = torch.minimum(max_len_B, (limit - prompt_len_B + 1).clamp(min=1))
     return max_len_B
 
 

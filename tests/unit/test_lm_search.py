@@ -191,8 +191,13 @@ def test_length_limits_min_len_and_forced_eos(model) -> None:
         assert len(outs[0]) >= 11 and len(outs[1]) >= 11 and len(outs[2]) == 9
     assert greedy(model, rows, max_new_B=torch.tensor([15, 15, 10]), min_len=12) == [
         naive_greedy(model, r, n, 12) for r, n in zip(rows, [15, 15, 10])]
-    # The model's positions cap the limit: 64 positions, a 60-token prompt leaves 4.
-    assert lm_max_lengths(model, torch.ones(1, 60), 1.0, 50).tolist() == [4]
+    # The model's positions cap the limit: 64 positions, a 60-token prompt leaves 4 to feed
+    # and room for a fifth output, the eos, which is never fed.
+    assert lm_max_lengths(model, torch.ones(1, 60), 1.0, 50).tolist() == [5]
+    # and the model takes the last of them: positions 60..63 fed, eos predicted at 63
+    for search in (greedy, lambda m, r, **kw: beam(m, r, 2, **kw)):
+        out = search(model, prompts(9, [60]), min_len=5)  # eos banned before the cap
+        assert [len(o) for o in out] == [4]
     # Default source length: the prompts' real tokens.
     assert lm_max_lengths(model, mask, 1.0, 1).tolist() == [6, 9, 4]
 

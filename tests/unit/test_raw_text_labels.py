@@ -167,8 +167,12 @@ def test_a_decoder_only_prompt_leaves_room_for_its_translation():
     prompt, kept = fit_prompt(DEFAULT_PROMPT, text, "de", "en", count, limit=40)
     template_tokens = count(DEFAULT_PROMPT.format(source="", src_name="German",
                                                   tgt_name="English"))
-    assert 0 < kept < 30 and template_tokens + 2 * kept + 1 <= 40
-    assert template_tokens + 2 * (kept + 1) + 1 > 40  # the most words that fit
+    # the prompt and a translation as long as the source; its eos is predicted, never fed
+    assert 0 < kept < 30 and template_tokens + 2 * kept <= 40
+    assert template_tokens + 2 * (kept + 1) > 40  # the most words that fit
+    # 41 positions: 9 + 16 prompt tokens and 16 outputs fed (the 17th, eos, never is)
+    assert template_tokens == 9 and fit_prompt(DEFAULT_PROMPT, text, "de", "en", count,
+                                               limit=41)[1] == 16
     assert prompt.endswith("English:")  # the template's tail is kept
     assert fit_prompt(DEFAULT_PROMPT, text, "de", "en", count, limit=5)[1] == 0
 
