@@ -191,7 +191,7 @@ def _digest(state: dict[str, torch.Tensor]) -> str:
         t = state[name].detach()
         h.update(f"{name}:{t.dtype}:{tuple(t.shape)};".encode())
         if t.numel():
-            h.update(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+            h.update(t.contiguous().reshape(-1).view(torch.uint8).numpy())  # no copy
     return h.hexdigest()
 
 

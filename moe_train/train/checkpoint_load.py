@@ -17,7 +17,7 @@ import torch
 
 from moe_train.errors import CheckpointError
 from moe_train.parallel.expert_checkpoint import expert_modules
-from moe_train.parallel.optim_state import is_zero_partitioned, load_dense_state
+from moe_train.parallel.optim_state import is_zero_partitioned, load_dense_state, state_keys
 from moe_train.parallel.runtime import ParallelRuntime
 from moe_train.parallel.zero3 import is_zero3
 from moe_train.train.checkpoint import (DENSE_STORE, ZERO3_MODEL_STATES, latest_tag,
@@ -117,14 +117,15 @@ def _load_dense(engine: Any, tag_dir: Path, frozen: bool = False) -> None:
                               "the world size it was saved at)")
     src, meta = dense
     experts = {id(p) for _, m in expert_modules(engine.module) for p in m.parameters()}
-    try:
-        load_dense_state(engine.module, engine.optimizer, src, float(meta.get("step", 0.0)),
-                         experts, frozen=frozen)
-    except CheckpointError as exc:
-        if not frozen or "no value for parameter" not in str(exc):
-            raise
-        raise CheckpointError(f"{exc}: saved before ZeRO-3 checkpoints kept frozen parameters; "
-                              "resume it at the world size it was saved at") from None
+    missing = [name for name, p in engine.module.named_parameters()
+               if frozen and not p.requires_grad and id(p) not in experts
+               and state_keys(name)["value"] not in src.shapes]
+    if missing:
+        raise CheckpointError(f"{src.where}: no value for frozen parameter {missing[0]!r}: saved "
+                              "before ZeRO-3 checkpoints kept frozen parameters; resume it at "
+                              "the world size it was saved at")
+    load_dense_state(engine.module, engine.optimizer, src, float(meta.get("step", 0.0)),
+                     experts, frozen=frozen)
     sched = engine.lr_scheduler
     if sched is None:
         return
